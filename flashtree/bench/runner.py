@@ -1,0 +1,114 @@
+"""Run every benchmark method over the same prompts in one process, loading the target once.
+
+Plain decoding runs first and is the reference. Each method gets its own engine (an engine has
+one proposer and its own KV cache) built over the one shared target; engines are built just
+before their run and dropped after it, so only one KV cache is alive at a time. Each engine
+first decodes a short warm-up request that is not timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections import deque
+from typing import NamedTuple, Sequence
+
+import torch
+
+from flashtree.bench.methods import BenchMethod
+from flashtree.config import EngineConfig
+from flashtree.engine.engine import LLMEngine, LoadedTarget, load_target
+from flashtree.engine.request import Request
+from flashtree.models.build import resolve_device, resolve_dtype
+from flashtree.sampling import SamplingParams
+
+SEED_BASE = 1234  # prompt i samples with seed SEED_BASE + i under every method
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSetup:
+    model: str
+    draft: str | None
+    block_size: int | None
+    device: str | None
+    dtype: str | None
+    batch_size: int  # requests decoded together (the engine's max_running)
+    max_context: int
+    max_new_tokens: int
+    temperature: float
+    ignore_eos: bool = False
+    random_weights: bool = False
+    warmup_tokens: int = 16  # tokens of the untimed warm-up request (0: none)
+
+    def engine_config(self, method: BenchMethod) -> EngineConfig:
+        device = resolve_device(self.device)
+        return EngineConfig(model=self.model, spec=method.spec_config(self.draft, self.block_size),
+                            device=str(device), dtype=self.dtype, max_running=self.batch_size,
+                            max_context=self.max_context, random_weights=self.random_weights,
+                            profile_stages=device.type == "cuda")
+
+    def sampling(self, prompt_index: int, max_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_new_tokens,
+                              seed=SEED_BASE + prompt_index, ignore_eos=self.ignore_eos)
+
+
+class MethodRun(NamedTuple):
+    """What one method produced over the prompts."""
+
+    method: BenchMethod
+    budget: int  # drafted nodes verified per round at most (0 for plain decoding)
+    outputs: list[list[int]]  # generated token ids per prompt
+    acceptance_lengths: list[int]  # every round of every prompt, bonus included
+    tree_sizes: list[int]  # drafted nodes verified, every round of every prompt
+    wall_seconds: float  # the timed generation, prefill included
+    stage_seconds: dict[str, float]  # engine.timer.seconds over the timed generation
+
+
+def load_shared_target(setup: BenchSetup, config: EngineConfig) -> LoadedTarget:
+    device = resolve_device(config.device)
+    return load_target(config, device, resolve_dtype(setup.dtype, device))
+
+
+def run_method(setup: BenchSetup, method: BenchMethod, target: LoadedTarget,
+               prompt_ids: Sequence[list[int]], progress=None) -> MethodRun:
+    engine = LLMEngine(setup.engine_config(method), target=target)
+    try:
+        if setup.warmup_tokens > 0:
+            generate(engine, prompt_ids[:1], [setup.sampling(0, setup.warmup_tokens)])
+            engine.timer.seconds.clear()
+        if progress is not None:
+            progress.reset()  # the warm-up is not part of the timed run
+        params = [setup.sampling(i) for i in range(len(prompt_ids))]
+        start = time.perf_counter()
+        requests = generate(engine, prompt_ids, params, progress)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        wall = time.perf_counter() - start
+        return MethodRun(method, engine.proposer.max_nodes, [list(r.output_ids) for r in requests],
+                         [n for r in requests for n in r.stats.acceptance_lengths],
+                         [n for r in requests for n in r.stats.tree_sizes], wall, dict(engine.timer.seconds))
+    finally:
+        del engine
+        release_memory()
+
+
+def generate(engine: LLMEngine, prompt_ids: Sequence[list[int]], params: Sequence[SamplingParams],
+             progress=None) -> list[Request]:
+    """Decode every prompt to the end; ``progress`` (a tqdm bar: ``update``, ``reset``) advances
+    per finished prompt."""
+    pending = deque(zip(prompt_ids, params))
+    requests: list[Request] = []
+    while pending or any(not r.finished for r in requests):
+        while pending and len(engine.scheduler.waiting) < engine.config.max_waiting:
+            requests.append(engine.add_request(*pending.popleft()))
+        finished = sum(event.finished for event in engine.step())
+        if progress is not None and finished:
+            progress.update(finished)
+    return requests
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

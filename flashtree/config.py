@@ -1,0 +1,48 @@
+"""EngineConfig: everything that shapes an engine, validated once, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flashtree.errors import ConfigError
+
+SPEC_METHODS = ("none", "dflash", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    method: str = "none"  # none | dflash | ddtree
+    draft: str | None = None  # drafter checkpoint (directory or hub id)
+    budget: int | None = None  # DDTree node budget (None: the default for the device)
+    block_size: int | None = None  # lower the drafter's block size (never raise it)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"--spec {self.method!r} is not a decoding method; allowed: {', '.join(SPEC_METHODS)}")
+        if self.method != "none" and not self.draft:
+            raise ConfigError(f"--spec {self.method} needs a drafter: pass --draft PATH")
+        if self.budget is not None and not (isinstance(self.budget, int) and 0 <= self.budget <= 4096):
+            raise ConfigError(f"--budget must be an integer in [0, 4096], got {self.budget!r}")
+        if self.block_size is not None and not (isinstance(self.block_size, int) and self.block_size >= 2):
+            raise ConfigError(f"--block-size must be an integer >= 2, got {self.block_size!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    spec: SpecConfig = SpecConfig()
+    device: str | None = None  # None/auto: CUDA when available
+    dtype: str | None = None  # None/auto: bf16 on CUDA, fp32 on CPU
+    max_running: int = 8  # max requests decoded together (KV slots)
+    max_context: int = 2048  # prompt + output tokens per request
+    max_waiting: int = 256  # queued requests before the server answers 429
+    prefill_chunk: int = 512  # prompt tokens per request per step
+    random_weights: bool = False
+    seed: int = 0  # random-weight init
+    profile_stages: bool = False  # synchronize the device around stages for exact stage times
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_context", "max_waiting", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

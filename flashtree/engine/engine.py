@@ -1,0 +1,103 @@
+"""LLMEngine: load models, take requests, and advance every active request one step at a time.
+
+``step()`` is the whole loop: schedule -> one round for the running rows -> one prefill chunk
+for the admitted rows -> append committed tokens (stop conditions) -> free finished slots.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+
+from flashtree.config import EngineConfig
+from flashtree.engine.output import StepEvent, TextTracker, append_tokens
+from flashtree.engine.request import Request, Status
+from flashtree.engine.runner import ModelRunner, StageTimer
+from flashtree.engine.scheduler import Scheduler
+from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.models.build import build_model, resolve_device, resolve_dtype
+from flashtree.models.loader import load_checkpoint
+from flashtree.models.transformer import CausalLM
+from flashtree.sampling import SamplingParams
+from flashtree.spec.registry import make_proposer
+from flashtree.tokenizer import stop_token_ids_for
+
+
+class LoadedTarget(NamedTuple):
+    """A built target model and its tokenizer; engines given the same one share its weights."""
+
+    model: CausalLM
+    tokenizer: object  # transformers tokenizer or None
+
+
+def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedTarget:
+    checkpoint = load_checkpoint(config.model, random_weights=config.random_weights)
+    model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=config.seed)
+    return LoadedTarget(model, checkpoint.tokenizer)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, target: LoadedTarget | None = None):
+        """``target``: reuse an already loaded target (built for this config's device and dtype)."""
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        t0 = time.perf_counter()
+        self.model, self.tokenizer = target or load_target(config, self.device, self.dtype)
+        self.proposer = make_proposer(config, self.model, self.tokenizer)
+        scratch = self.proposer.max_nodes + 1
+        cfg = self.model.config
+        spec = KVCacheSpec(cfg.num_hidden_layers, config.max_running, config.max_context,
+                           max(scratch, config.prefill_chunk), cfg.num_key_value_heads, cfg.head_dim)
+        self.cache = KVCache(spec, self.dtype, self.device)
+        self.model.setup_rope(spec.capacity + 1)
+        self.timer = StageTimer(self.device, config.profile_stages)
+        self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer)
+        self.scheduler = Scheduler(config)
+        self.tracker = TextTracker(self.tokenizer)
+        self.default_stop_ids = frozenset(stop_token_ids_for(cfg, self.tokenizer))
+        self.load_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, budget: int | None = None) -> Request:
+        params = params.with_seed()
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.default_stop_ids))
+        req = Request(prompt_ids=list(prompt_ids), params=params, stop_token_ids=frozenset(stop_ids), budget=budget)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[StepEvent]:
+        scheduled = self.scheduler.schedule()
+        events: list[StepEvent] = []
+        if scheduled.decode:
+            result = self.runner.round(scheduled.decode)
+            for req, tokens, size in zip(scheduled.decode, result.emitted, result.tree_sizes):
+                req.stats.rounds += 1
+                req.stats.acceptance_lengths.append(len(tokens))
+                req.stats.tree_sizes.append(size)
+                events.append(append_tokens(req, tokens, self.tracker, self.config.max_context))
+        if scheduled.prefill:
+            firsts = self.runner.prefill(scheduled.prefill, self.config.prefill_chunk)
+            for req, first in zip(scheduled.prefill, firsts):
+                req.prefilled = min(len(req.prompt_ids), req.prefilled + self.config.prefill_chunk)
+                if first is not None:
+                    req.status = Status.RUNNING
+                    events.append(append_tokens(req, [first], self.tracker, self.config.max_context))
+        for req in self.scheduler.release_finished():
+            self.cache.free(torch.tensor([req.slot], device=self.device))
+            self.proposer.release([req.slot])
+        return events
+
+    def run_until_done(self, requests: list[Request]) -> None:
+        while any(not r.finished for r in requests):
+            self.step()

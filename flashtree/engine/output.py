@@ -1,0 +1,89 @@
+"""Appending committed tokens to a request: stop conditions, incremental text, step events.
+
+Stop conditions are checked token by token on the committed tokens of a round, so no token
+past a stop (stop token id, end of turn, stop string, max_tokens, context end) is ever emitted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flashtree.engine.request import Request, Status
+
+
+class StepEvent(NamedTuple):
+    """What one engine step produced for one request (the unit a stream sends)."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+
+
+class TextTracker:
+    """Decodes a request's output; holds back an incomplete UTF-8 tail so deltas are clean."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def stable(text: str) -> str:
+        return text[:-1] if text.endswith("\ufffd") else text
+
+
+def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_context: int) -> StepEvent:
+    """Append ``tokens`` to ``req`` until a stop condition; returns the step's event."""
+    params = req.params
+    old_text = req.text
+    added: list[int] = []
+    text_final = False  # set when a stop string truncated the text
+    for token in tokens:
+        req.output_ids.append(token)
+        added.append(token)
+        if token in req.stop_token_ids:
+            _finish(req, "stop")
+            break
+        if params.stop and _hit_stop_string(req, tracker):
+            text_final = True
+            break
+        if len(req.output_ids) >= params.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= max_context:
+            _finish(req, "length")
+            break
+    if not text_final:
+        full = tracker.decode(req.output_ids)
+        req.text = full if req.finished else _without_stop_prefix(tracker.stable(full), params.stop)
+    delta = req.text[len(old_text):] if req.text.startswith(old_text) else req.text
+    return StepEvent(req, added, delta, req.finished)
+
+
+def _hit_stop_string(req: Request, tracker: TextTracker) -> bool:
+    text = tracker.decode(req.output_ids)
+    longest = max(len(s) for s in req.params.stop)
+    search_from = max(0, len(req.text) - longest)
+    hits = [i for i in (text.find(s, search_from) for s in req.params.stop) if i >= 0]
+    if not hits:
+        req.text = _without_stop_prefix(tracker.stable(text), req.params.stop)
+        return False
+    req.text = text[:min(hits)]
+    _finish(req, "stop")
+    return True
+
+
+def _without_stop_prefix(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` minus its longest tail that begins some stop string: that tail is held back
+    until the stop string is ruled out, so emitted text only ever grows (clean stream deltas)."""
+    for size in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        tail = text[-size:]
+        if any(s.startswith(tail) for s in stops):
+            return text[:-size]
+    return text
+
+
+def _finish(req: Request, reason: str) -> None:
+    req.finish_reason = reason
+    req.status = Status.FINISHED

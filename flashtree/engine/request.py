@@ -1,0 +1,66 @@
+"""A generation request and its per-request statistics.
+
+Glossary
+- prompt_ids: the tokens given by the user (chat template already applied).
+- output_ids: generated tokens emitted so far (never past a stop condition).
+- bonus token: the newest output token, chosen by the target but not yet run through it;
+  it is ``output_ids[-1]`` while the request runs.
+- committed length: prompt + output tokens whose K/V are in the target cache
+  (= len(prompt_ids) + len(output_ids) - 1 once decoding started).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections import Counter
+
+from flashtree.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestStats:
+    rounds: int = 0
+    acceptance_lengths: list[int] = dataclasses.field(default_factory=list)
+    tree_sizes: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.acceptance_lengths).items()))
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()  # eos + end-of-turn + params.stop_token_ids
+    request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
+    status: Status = Status.WAITING
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stats: RequestStats = dataclasses.field(default_factory=RequestStats)
+    budget: int | None = None  # per-request DDTree budget (None: the method's default)
+
+    @property
+    def committed_length(self) -> int:
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

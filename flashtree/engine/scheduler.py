@@ -1,0 +1,85 @@
+"""Continuous batching: which requests prefill and which decode in the next step.
+
+Requests wait in FIFO order; one is admitted when a KV slot is free (every slot holds a full
+``max_context``, so a free slot is the KV-space check). Admitted requests prefill one chunk per
+step while the running ones keep decoding, and join the running batch once their prompt is in.
+Finished or aborted requests leave between steps and free their slot at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from flashtree.config import EngineConfig
+from flashtree.engine.request import Request, Status
+from flashtree.errors import FlashtreeError, RequestError
+
+
+class QueueFullError(FlashtreeError):
+    """The waiting queue holds ``max_waiting`` requests; try again later."""
+
+
+class PromptTooLongError(RequestError):
+    """The prompt leaves no room for output in ``max_context`` (HTTP 413 in the server)."""
+
+
+class ScheduledStep(NamedTuple):
+    prefill: list[Request]  # requests that run a prompt chunk this step
+    decode: list[Request]  # requests that run a round this step
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # prefilling or running, each with a slot
+        self.free_slots: list[int] = list(range(config.max_running))
+
+    def add(self, req: Request) -> None:
+        if len(req.prompt_ids) == 0:
+            raise RequestError("the prompt is empty; give at least one token")
+        if len(req.prompt_ids) >= self.config.max_context:
+            raise PromptTooLongError(
+                f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.config.max_context} "
+                f"(prompt + output), so at most {self.config.max_context - 1} prompt tokens are allowed")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})")
+        self.waiting.append(req)
+
+    def schedule(self) -> ScheduledStep:
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            req.slot = self.free_slots.pop(0)
+            req.status = Status.PREFILLING
+            self.active.append(req)
+        self.active.sort(key=lambda r: r.slot)  # consecutive slots let attention read a view
+        return ScheduledStep(
+            prefill=[r for r in self.active if r.status is Status.PREFILLING],
+            decode=[r for r in self.active if r.status is Status.RUNNING],
+        )
+
+    def release_finished(self) -> list[Request]:
+        done = [r for r in self.active if r.finished]
+        for req in done:
+            self.free_slots.append(req.slot)
+        self.free_slots.sort()
+        self.active = [r for r in self.active if not r.finished]
+        return done
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in list(self.waiting) + self.active:
+            if req.request_id == request_id and not req.finished:
+                req.status, req.finish_reason = Status.FINISHED, "abort"
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.active)

@@ -1,0 +1,97 @@
+"""Preallocated KV cache with tree-capable append and commit.
+
+Glossary
+- slot: a request's row in the cache (``0 .. max_slots-1``).
+- committed length: entries ``[0, length)`` of a slot hold the K/V of tokens that are part
+  of the request's accepted text; they sit at contiguous positions.
+- scratch entries: a forward writes the K/V of its N new tokens at ``length .. length+N-1``
+  whatever their logical positions or mask (a chain, a tree, padding). They are not committed
+  until :meth:`KVCache.commit` moves a chosen subset to ``length .. length+k-1``.
+
+Each layer stores ``k`` and ``v`` as ``[max_slots, kv_heads, capacity, head_dim]`` so attention
+reads a slot range as a view. ``capacity = max_context + scratch`` so a round never writes past
+the end. Lengths live on the device (``lengths``); the engine keeps its own host copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    max_slots: int  # max running requests
+    max_context: int  # committed tokens per request
+    scratch: int  # max new tokens per forward beyond the committed context (tree size, chunk)
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def capacity(self) -> int:
+        return self.max_context + self.scratch
+
+    def bytes(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.max_slots * self.kv_heads * self.capacity * self.head_dim * elem
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device | str):
+        self.spec = spec
+        shape = (spec.max_slots, spec.kv_heads, spec.capacity, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.lengths = torch.zeros(spec.max_slots, dtype=torch.long, device=device)  # [max_slots]
+
+    def write(self, layer: int, slots: torch.Tensor, starts: torch.Tensor,
+              k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write N new entries per row at ``starts[b] + i``.
+
+        slots, starts: ``[B]``; k_new, v_new: ``[B, kv_heads, N, head_dim]``.
+        """
+        n_new = k_new.shape[2]
+        slot_idx = slots[:, None].expand(-1, n_new)  # [B, N]
+        pos_idx = starts[:, None] + torch.arange(n_new, device=starts.device)  # [B, N]
+        self.k[layer][slot_idx, :, pos_idx] = k_new.transpose(1, 2)
+        self.v[layer][slot_idx, :, pos_idx] = v_new.transpose(1, 2)
+
+    def view(self, layer: int, slots: torch.Tensor, kv_len: int,
+             slot_range: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, kv_heads, kv_len, head_dim]`` for the rows' slots.
+
+        ``slot_range=(first, count)`` when the slots are ``first .. first+count-1`` in order:
+        then this is a view and copies nothing.
+        """
+        if slot_range is not None:
+            first, count = slot_range
+            return (self.k[layer][first:first + count, :, :kv_len],
+                    self.v[layer][first:first + count, :, :kv_len])
+        return self.k[layer][slots, :, :kv_len], self.v[layer][slots, :, :kv_len]
+
+    def commit(self, slots: torch.Tensor, keep: torch.Tensor, keep_counts: torch.Tensor) -> None:
+        """Keep a subset of each row's scratch entries and make them committed.
+
+        slots: ``[B]``; keep: ``[B, P]`` indices into the row's new entries (scratch offset, in
+        the order they must take), padded with anything past ``keep_counts[b]``;
+        keep_counts: ``[B]`` how many entries of ``keep`` are real.
+        Entry ``keep[b, j]`` moves to position ``lengths[slot] + j``; everything else is dead.
+        """
+        starts = self.lengths[slots]  # [B]
+        n_keep = keep.shape[1]
+        src = starts[:, None] + keep.clamp(min=0)  # [B, P]
+        dst = starts[:, None] + torch.arange(n_keep, device=keep.device)  # [B, P]
+        slot_idx = slots[:, None].expand(-1, n_keep)  # [B, P]
+        for cache in (*self.k, *self.v):
+            moved = cache[slot_idx, :, src]  # [B, P, kv_heads, head_dim] (gathered before writing)
+            cache[slot_idx, :, dst] = moved
+        self.lengths[slots] = starts + keep_counts
+
+    def advance(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """Commit the first ``counts[b]`` scratch entries in place (chains, prefill)."""
+        self.lengths[slots] += counts
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.lengths[slots] = 0

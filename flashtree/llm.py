@@ -1,0 +1,70 @@
+"""The Python API: ``flashtree.LLM(model=...).generate(prompts, params)`` and ``.chat(messages, params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from flashtree.config import EngineConfig, SpecConfig
+from flashtree.engine.engine import LLMEngine
+from flashtree.engine.request import Request
+from flashtree.sampling import SamplingParams
+from flashtree.tokenizer import encode_chat, encode_prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: str | None
+    rounds: int
+    acceptance_lengths: list[int]  # tokens committed per round (bonus included)
+    tree_sizes: list[int]  # drafted nodes verified per round
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @classmethod
+    def of(cls, req: Request) -> "RequestOutput":
+        return cls(req.request_id, list(req.prompt_ids), list(req.output_ids), req.text, req.finish_reason,
+                   req.stats.rounds, list(req.stats.acceptance_lengths), list(req.stats.tree_sizes))
+
+
+class LLM:
+    """Offline batched generation. Keyword arguments are :class:`EngineConfig` fields; ``draft``,
+    ``spec``, ``budget`` and ``block_size`` build its :class:`SpecConfig`."""
+
+    def __init__(self, model: str = "smollm2", *, spec: str = "none", draft: str | None = None,
+                 budget: int | None = None, block_size: int | None = None, **engine_kwargs):
+        spec_config = SpecConfig(method=spec, draft=draft, budget=budget, block_size=block_size)
+        self.engine = LLMEngine(EngineConfig(model=model, spec=spec_config, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Prompts are strings (tokenized without a chat template) or lists of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [encode_prompt(self.tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(ids, params)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the chat template is applied."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run([encode_chat(self.tokenizer, conv) for conv in conversations], params)
+
+    def _run(self, prompt_ids: list[list[int]], params) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        per_prompt = [params] * len(prompt_ids) if isinstance(params, SamplingParams) else list(params)
+        requests: list[Request] = []
+        pending = list(zip(prompt_ids, per_prompt))
+        while pending or any(not r.finished for r in requests):
+            while pending and len(self.engine.scheduler.waiting) < self.engine.config.max_waiting:
+                ids, p = pending.pop(0)
+                requests.append(self.engine.add_request(ids, p))
+            self.engine.step()
+        return [RequestOutput.of(r) for r in requests]

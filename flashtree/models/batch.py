@@ -1,0 +1,56 @@
+"""ForwardBatch: what one target forward runs over, for a batch of rows.
+
+Every row (one request) brings N new tokens (padded to the batch's N) with their own
+absolute positions and their own visibility pattern among the new tokens (``new_mask``):
+a causal chain for prefill / decode / DFlash verification, an ancestor mask for a DDTree,
+nothing but itself for padding. Every new token also sees all of its row's committed context.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class ForwardBatch(NamedTuple):
+    input_ids: torch.Tensor  # [B, N] int64
+    positions: torch.Tensor  # [B, N] int64, absolute positions for RoPE
+    slots: torch.Tensor  # [B] int64, KV-cache slot of each row
+    cache_lengths: torch.Tensor  # [B] int64, committed entries per row (new ones go after)
+    new_mask: torch.Tensor  # [B, N, N] bool, new_mask[b, i, j]: new token i sees new token j
+    kv_len: int  # keys attended per row; >= max(cache_lengths) + N
+    slot_range: tuple[int, int] | None = None  # (first, count) when slots are consecutive
+
+    @property
+    def num_new(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def causal_mask(new_counts: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, width, width]`` causal mask where row b has ``new_counts[b]`` real tokens; padded
+    tokens see only themselves (so no attention row is empty)."""
+    idx = torch.arange(width, device=new_counts.device)
+    causal = idx[None, :, None] >= idx[None, None, :]  # [1, W, W]
+    real = idx[None, :] < new_counts[:, None]  # [B, W]
+    eye = torch.eye(width, dtype=torch.bool, device=new_counts.device)[None]
+    return torch.where(real[:, :, None], causal & real[:, None, :], eye)
+
+
+def attention_mask(batch: ForwardBatch) -> torch.Tensor:
+    """``[B, 1, N, kv_len]`` bool: committed context, plus the new tokens allowed by ``new_mask``."""
+    n_new = batch.num_new
+    key = torch.arange(batch.kv_len, device=batch.cache_lengths.device)  # [K]
+    rel = key[None, :] - batch.cache_lengths[:, None]  # [B, K] offset into the new tokens
+    committed = rel < 0  # [B, K]
+    is_new = (rel >= 0) & (rel < n_new)  # [B, K]
+    gather_idx = rel.clamp(0, n_new - 1)[:, None, :].expand(-1, n_new, -1)  # [B, N, K]
+    new_visible = batch.new_mask.gather(2, gather_idx)  # [B, N, K]
+    return (committed[:, None, :] | (is_new[:, None, :] & new_visible))[:, None]
+
+
+def slot_range_of(slots: list[int]) -> tuple[int, int] | None:
+    """(first, count) when ``slots`` are consecutive increasing integers, else None."""
+    if slots and slots == list(range(slots[0], slots[0] + len(slots))):
+        return slots[0], len(slots)
+    return None

@@ -1,0 +1,79 @@
+"""Turn a loaded checkpoint into a ready :class:`CausalLM` on a device, in a dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.errors import CheckpointError, ConfigError
+from flashtree.models.config import ModelConfig
+from flashtree.models.transformer import CausalLM
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None``/``"auto"`` picks CUDA when present. ``cuda`` without a GPU is an error."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r} is not a device; allowed: auto, cpu, cuda, cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device!r} asked for CUDA, but no CUDA GPU is available; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r} is not supported; allowed: auto, cpu, cuda, cuda:N")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """Default bf16 on CUDA, fp32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not supported; allowed: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor] | None,
+                device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """Weights in Hugging Face names; ``None`` means random weights (init on the device)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if weights is None:
+        _init_random(model, seed)
+    else:
+        _load_weights(model, weights)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _init_random(model: CausalLM, seed: int) -> None:
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+
+
+def _load_weights(model: CausalLM, weights: dict[str, torch.Tensor]) -> None:
+    expected = dict(model.named_parameters())
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+    for name, param in expected.items():
+        tensor = weights[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
+        param.data.copy_(tensor.to(param.dtype))

@@ -1,0 +1,149 @@
+"""The target decoder: Llama / SmolLM2 / Qwen2 / Qwen3 dense, written for batched tree verification.
+
+Module names mirror Hugging Face's (``model.layers.N.self_attn.q_proj`` ...) so checkpoints load
+as they are. A forward takes a :class:`ForwardBatch` (per-row new tokens, positions and mask),
+writes the new tokens' K/V into the :class:`KVCache` scratch area, and returns logits for the
+requested positions plus, on request, the hidden states after chosen decoder layers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.kv_cache import KVCache
+from flashtree.models.batch import ForwardBatch, attention_mask
+from flashtree.models.config import ModelConfig
+from flashtree.models.rope import RotaryTable, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
+                rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, N, D]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KVH, N, D]
+        cache.write(self.layer_index, batch.slots, batch.cache_lengths, k, v.transpose(1, 2))
+        keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.heads != self.kv_heads)  # [B, H, N, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_index)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, batch, cache, rope, mask):
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache, rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class ForwardOutput(NamedTuple):
+    logits: torch.Tensor  # [B, M, vocab] float32, at the requested positions
+    hidden: torch.Tensor | None  # [B, N, len(capture_layers) * hidden], after those layers
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope: RotaryTable | None = None
+
+    def setup_rope(self, max_positions: int) -> None:
+        p = self.lm_head.weight
+        self.rope = RotaryTable(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
+                                max_positions, p.device, p.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache, logits_index: torch.Tensor | None = None,
+                capture_layers: Sequence[int] = ()) -> ForwardOutput:
+        """Run the new tokens; ``logits_index [B, M]`` picks positions for the lm_head (all when None);
+        ``capture_layers`` are decoder-layer ids whose outputs are returned (HF ``hidden_states[id+1]``)."""
+        if self.rope is None:
+            self.setup_rope(self.config.max_position_embeddings)
+        self.rope.ensure(int(batch.kv_len) + 1)
+        x = self.model.embed_tokens(batch.input_ids)  # [B, N, hidden]
+        rope = self.rope.lookup(batch.positions)
+        mask = attention_mask(batch)  # [B, 1, N, kv_len]
+        captured = {}
+        wanted = set(capture_layers)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch, cache, rope, mask)
+            if i in wanted:
+                captured[i] = x
+        hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        if logits_index is not None:
+            x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]
+        logits = self.lm_head(self.model.norm(x)).float()
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head on already-normed hidden states (the drafter uses the target's head)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,147 @@
+"""SamplingParams and the device-side token chooser.
+
+Randomness is keyed, not streamed: the Gumbel noise for a request's k-th generated token is a
+hash of (seed, k, vocab id). So plain decoding and every speculative method draw the same noise
+for the same output position, and a seeded request gives the same tokens whichever method runs
+it (given the same target distribution). Along an accepted tree path every depth uses fresh,
+independent noise, so the committed tokens are exact samples of the target's distribution.
+No per-token host sync: everything here is tensor ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import NamedTuple, Sequence
+
+import torch
+
+from flashtree.errors import RequestError
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k filter
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise RequestError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_seed(self) -> "SamplingParams":
+        """A copy with a concrete seed (random when unset) so the request is reproducible."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=random.getrandbits(62))
+
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling settings on the device."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    seed: torch.Tensor  # [B] int64
+    any_sampled: bool  # host flag: skip the sampler when every row is greedy
+    any_filtered: bool  # host flag: some row uses top-p / top-k
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device) -> "SamplingTensors":
+        seeds = [(p.seed or 0) & ((1 << 63) - 1) for p in params]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            seed=torch.tensor(seeds, dtype=torch.long, device=device),
+            any_sampled=any(not p.greedy for p in params),
+            any_filtered=any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params),
+        )
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_C1, _C2, _C3 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer on int64 (multiplication wraps modulo 2**64)."""
+    x = (x ^ _shift_right(x, 30)) * _C2
+    x = (x ^ _shift_right(x, 27)) * _C3
+    return x ^ _shift_right(x, 31)
+
+
+def keyed_uniform(seed: torch.Tensor, out_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform(0,1) noise ``[B, M, vocab]`` float32 from seed ``[B]`` and output index ``[B, M]``."""
+    key = _mix(seed[:, None] * _C1 + out_index * _C2 + 0x632BE59BD9B4E019)  # [B, M]
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.long)  # [V]
+    bits = _mix(key[:, :, None] + (ids + 1) * _C1)  # [B, M, V]
+    return (_shift_right(bits, 40).float() + 0.5) / float(1 << 24)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside each row's top-k / top-p set with -inf. logits ``[B, M, V]``."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, M, V]
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [B]
+    rank = torch.arange(vocab, device=logits.device)
+    outside_k = rank[None, None, :] >= k[:, None, None]
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # [B, M, V] probability of strictly better tokens
+    outside_p = mass_before >= top_p[:, None, None]
+    drop_sorted = outside_k | outside_p
+    drop_sorted[..., 0] = False  # the best token always stays
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def choose_tokens(logits: torch.Tensor, sampling: SamplingTensors, out_index: torch.Tensor) -> torch.Tensor:
+    """The target's choice at every position: argmax for greedy rows, a keyed Gumbel-max sample
+    from the temperature / top-k / top-p processed distribution otherwise.
+
+    logits ``[B, M, V]`` float32; out_index ``[B, M]`` the generated-token index each choice fills.
+    Returns ``[B, M]`` int64.
+    """
+    greedy = logits.argmax(-1)  # [B, M]
+    if not sampling.any_sampled:
+        return greedy
+    temp = sampling.temperature.clamp(min=1e-5)[:, None, None]
+    scaled = logits / temp
+    if sampling.any_filtered:
+        scaled = filter_logits(scaled, sampling.top_k, sampling.top_p)
+    uniform = keyed_uniform(sampling.seed, out_index, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(uniform))
+    sampled = (scaled + gumbel).argmax(-1)
+    return torch.where(sampling.temperature[:, None] > 0, sampled, greedy)

