@@ -40,6 +40,7 @@ class EngineConfig:
     random_weights: bool = False
     seed: int = 0  # random-weight init
     profile_stages: bool = False  # synchronize the device around stages for exact stage times
+    cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_context", "max_waiting", "prefill_chunk"):

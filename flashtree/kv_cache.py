@@ -8,8 +8,9 @@ Glossary
   whatever their logical positions or mask (a chain, a tree, padding). They are not committed
   until :meth:`KVCache.commit` moves a chosen subset to ``length .. length+k-1``.
 
-Each layer stores ``k`` and ``v`` as ``[max_slots, kv_heads, capacity, head_dim]`` so attention
-reads a slot range as a view. ``capacity = max_context + scratch`` so a round never writes past
+All layers live in one tensor ``[layers, 2 (k/v), max_slots, kv_heads, capacity, head_dim]`` so a
+commit moves every layer's entries with one gather and one scatter; ``k[layer]`` / ``v[layer]``
+are ``[max_slots, kv_heads, capacity, head_dim]`` views, so attention reads a slot range as a view. ``capacity = max_context + scratch`` so a round never writes past
 the end. Lengths live on the device (``lengths``); the engine keeps its own host copy.
 """
 
@@ -41,22 +42,34 @@ class KVCacheSpec:
 class KVCache:
     def __init__(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device | str):
         self.spec = spec
-        shape = (spec.max_slots, spec.kv_heads, spec.capacity, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.storage = torch.zeros(spec.num_layers, 2, spec.max_slots, spec.kv_heads, spec.capacity,
+                                   spec.head_dim, dtype=dtype, device=device)
+        self.k = [self.storage[i, 0] for i in range(spec.num_layers)]
+        self.v = [self.storage[i, 1] for i in range(spec.num_layers)]
         self.lengths = torch.zeros(spec.max_slots, dtype=torch.long, device=device)  # [max_slots]
+
+    @staticmethod
+    def write_index(slots: torch.Tensor, starts: torch.Tensor, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot, position) ``[B, N]`` each: where a forward's N new entries per row go."""
+        slot_idx = slots[:, None].expand(-1, n_new)  # [B, N]
+        pos_idx = starts[:, None] + torch.arange(n_new, device=starts.device)  # [B, N]
+        return slot_idx, pos_idx
+
+    def write_at(self, layer: int, index: tuple[torch.Tensor, torch.Tensor],
+                 k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write the new entries at ``index`` (from :meth:`write_index`).
+
+        k_new, v_new: ``[B, N, kv_heads, head_dim]``.
+        """
+        slot_idx, pos_idx = index
+        self.k[layer][slot_idx, :, pos_idx] = k_new
+        self.v[layer][slot_idx, :, pos_idx] = v_new
 
     def write(self, layer: int, slots: torch.Tensor, starts: torch.Tensor,
               k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Write N new entries per row at ``starts[b] + i``.
-
-        slots, starts: ``[B]``; k_new, v_new: ``[B, kv_heads, N, head_dim]``.
-        """
-        n_new = k_new.shape[2]
-        slot_idx = slots[:, None].expand(-1, n_new)  # [B, N]
-        pos_idx = starts[:, None] + torch.arange(n_new, device=starts.device)  # [B, N]
-        self.k[layer][slot_idx, :, pos_idx] = k_new.transpose(1, 2)
-        self.v[layer][slot_idx, :, pos_idx] = v_new.transpose(1, 2)
+        """Write N new entries per row at ``starts[b] + i``; k_new, v_new: ``[B, kv_heads, N, head_dim]``."""
+        index = self.write_index(slots, starts, k_new.shape[2])
+        self.write_at(layer, index, k_new.transpose(1, 2), v_new.transpose(1, 2))
 
     def view(self, layer: int, slots: torch.Tensor, kv_len: int,
              slot_range: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,22 +84,22 @@ class KVCache:
                     self.v[layer][first:first + count, :, :kv_len])
         return self.k[layer][slots, :, :kv_len], self.v[layer][slots, :, :kv_len]
 
-    def commit(self, slots: torch.Tensor, keep: torch.Tensor, keep_counts: torch.Tensor) -> None:
+    def commit(self, slots: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor,
+               keep_counts: torch.Tensor) -> None:
         """Keep a subset of each row's scratch entries and make them committed.
 
-        slots: ``[B]``; keep: ``[B, P]`` indices into the row's new entries (scratch offset, in
-        the order they must take), padded with anything past ``keep_counts[b]``;
-        keep_counts: ``[B]`` how many entries of ``keep`` are real.
-        Entry ``keep[b, j]`` moves to position ``lengths[slot] + j``; everything else is dead.
+        slots, starts: ``[B]`` (starts = committed length before this forward, where the
+        scratch entries begin); keep: ``[B, P]`` indices into the row's new entries, in the
+        order they must take, padded with anything past ``keep_counts[b]``; keep_counts: ``[B]``.
+        Entry ``keep[b, j]`` moves to ``starts[b] + j``; everything else is dead. Lengths are set,
+        not incremented, so running the same commit twice (CUDA-graph warm-up) is harmless.
         """
-        starts = self.lengths[slots]  # [B]
         n_keep = keep.shape[1]
         src = starts[:, None] + keep.clamp(min=0)  # [B, P]
         dst = starts[:, None] + torch.arange(n_keep, device=keep.device)  # [B, P]
         slot_idx = slots[:, None].expand(-1, n_keep)  # [B, P]
-        for cache in (*self.k, *self.v):
-            moved = cache[slot_idx, :, src]  # [B, P, kv_heads, head_dim] (gathered before writing)
-            cache[slot_idx, :, dst] = moved
+        moved = self.storage[:, :, slot_idx, :, src]  # [B, P, layers, 2, kv_heads, head_dim] (before writing)
+        self.storage[:, :, slot_idx, :, dst] = moved
         self.lengths[slots] = starts + keep_counts
 
     def advance(self, slots: torch.Tensor, counts: torch.Tensor) -> None:

@@ -1,8 +1,16 @@
-"""The Python API: ``flashtree.LLM(model=...).generate(prompts, params)`` and ``.chat(messages, params)``."""
+"""The Python API: ``flashtree.LLM(model=...).generate(prompts, params)``, ``.chat(messages, params)``
+and ``.stats()`` (per-run decoding statistics).
+
+Glossary
+- round: one draft -> verify -> accept step for a request; a batched round counts once per row.
+- committed tokens: tokens a round commits, its bonus token included (= its acceptance length).
+- acceptance length (tau): committed tokens per round; its mean is the speed-up bound.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Sequence
 
 from flashtree.config import EngineConfig, SpecConfig
@@ -33,6 +41,31 @@ class RequestOutput:
                    req.stats.rounds, list(req.stats.acceptance_lengths), list(req.stats.tree_sizes))
 
 
+@dataclasses.dataclass(frozen=True)
+class RunStats:
+    """Totals over the requests an :class:`LLM` finished since it was made (or last reset)."""
+
+    requests: int
+    rounds: int  # decode rounds, summed over requests
+    generated_tokens: int  # output tokens (the first comes from the prefill, not a round)
+    committed_tokens: int  # tokens committed by rounds = sum of acceptance lengths
+    mean_acceptance_length: float  # tau = committed_tokens / rounds (0.0 without rounds)
+    acceptance_histogram: dict[int, int]  # acceptance length -> rounds
+    mean_tree_size: float  # drafted nodes verified per round
+    stage_seconds: dict[str, float]  # wall time per engine stage (prefill, draft, verify, commit / round)
+
+    @classmethod
+    def of(cls, outputs: Sequence["RequestOutput"], stage_seconds: dict[str, float]) -> "RunStats":
+        lengths = [n for out in outputs for n in out.acceptance_lengths]
+        sizes = [n for out in outputs for n in out.tree_sizes]
+        return cls(
+            requests=len(outputs), rounds=len(lengths),
+            generated_tokens=sum(len(out.token_ids) for out in outputs), committed_tokens=sum(lengths),
+            mean_acceptance_length=sum(lengths) / len(lengths) if lengths else 0.0,
+            acceptance_histogram=dict(sorted(Counter(lengths).items())),
+            mean_tree_size=sum(sizes) / len(sizes) if sizes else 0.0, stage_seconds=dict(stage_seconds))
+
+
 class LLM:
     """Offline batched generation. Keyword arguments are :class:`EngineConfig` fields; ``draft``,
     ``spec``, ``budget`` and ``block_size`` build its :class:`SpecConfig`."""
@@ -42,6 +75,17 @@ class LLM:
         spec_config = SpecConfig(method=spec, draft=draft, budget=budget, block_size=block_size)
         self.engine = LLMEngine(EngineConfig(model=model, spec=spec_config, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
+        self._finished: list[RequestOutput] = []  # outputs since the last stats reset
+        self._stage_base: dict[str, float] = {}  # timer readings at the last stats reset
+
+    def stats(self, reset: bool = False) -> RunStats:
+        """Decoding statistics of every request generated since this LLM was made or last
+        reset; ``reset=True`` starts a new window after reading."""
+        seconds = self.engine.timer.seconds
+        stats = RunStats.of(self._finished, {k: v - self._stage_base.get(k, 0.0) for k, v in seconds.items()})
+        if reset:
+            self._finished, self._stage_base = [], dict(seconds)
+        return stats
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -67,4 +111,6 @@ class LLM:
                 ids, p = pending.pop(0)
                 requests.append(self.engine.add_request(ids, p))
             self.engine.step()
-        return [RequestOutput.of(r) for r in requests]
+        outputs = [RequestOutput.of(r) for r in requests]
+        self._finished.extend(outputs)
+        return outputs

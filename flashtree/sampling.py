@@ -61,6 +61,11 @@ class SamplingParams:
         return dataclasses.replace(self, seed=random.getrandbits(62))
 
 
+def seed_value(params: SamplingParams) -> int:
+    """The request's seed as a non-negative int64."""
+    return (params.seed or 0) & ((1 << 63) - 1)
+
+
 class SamplingTensors(NamedTuple):
     """Per-row sampling settings on the device."""
 
@@ -73,7 +78,7 @@ class SamplingTensors(NamedTuple):
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device) -> "SamplingTensors":
-        seeds = [(p.seed or 0) & ((1 << 63) - 1) for p in params]
+        seeds = [seed_value(p) for p in params]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),

@@ -58,7 +58,7 @@ def test_tree_forward_equals_path_forward_and_commit_equals_recompute():
 
     # commit the path root -> 2 -> 5 -> 7, then decode one more token; compare with a fresh prefill
     keep = torch.tensor([[0, 2, 5, 7]])
-    cache.commit(torch.tensor([slot]), keep, torch.tensor([4]))
+    cache.commit(torch.tensor([slot]), torch.tensor([start]), keep, torch.tensor([4]))
     assert cache.lengths[slot].item() == start + 4
     committed = prompt + [TOKENS[i] for i in (0, 2, 5, 7)]
     nxt = 42
@@ -81,6 +81,6 @@ def test_partial_commit_keeps_other_slots_intact():
     batch = ForwardBatch(torch.tensor([TOKENS]), (start + depth)[None], torch.tensor([2]),
                          torch.tensor([start]), mask[None], kv_len=start + len(TOKENS))
     model(batch, cache)
-    cache.commit(torch.tensor([2]), torch.tensor([[0, 1, 3, -1]]), torch.tensor([3]))
+    cache.commit(torch.tensor([2]), torch.tensor([4]), torch.tensor([[0, 1, 3, -1]]), torch.tensor([3]))
     assert torch.equal(cache.k[0][0, :, :3], before)
     assert cache.lengths.tolist()[:3] == [3, 0, 7]

@@ -54,7 +54,7 @@ class LLMEngine:
         self.cache = KVCache(spec, self.dtype, self.device)
         self.model.setup_rope(spec.capacity + 1)
         self.timer = StageTimer(self.device, config.profile_stages)
-        self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer)
+        self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, config.cuda_graphs)
         self.scheduler = Scheduler(config)
         self.tracker = TextTracker(self.tokenizer)
         self.default_stop_ids = frozenset(stop_token_ids_for(cfg, self.tokenizer))

@@ -16,20 +16,37 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from flashtree.engine.cuda_graphs import GraphCache
 from flashtree.engine.request import Request
 from flashtree.kv_cache import KVCache
 from flashtree.models.batch import ForwardBatch, causal_mask, slot_range_of
 from flashtree.models.transformer import CausalLM
-from flashtree.sampling import SamplingTensors, choose_tokens
+from flashtree.sampling import SamplingTensors, choose_tokens, seed_value
 from flashtree.spec.proposer import Proposer
 from flashtree.spec.verify import accept_walk
 
 
-class RoundRows(NamedTuple):
-    slots: torch.Tensor  # [B]
-    bonus: torch.Tensor  # [B]
-    starts: torch.Tensor  # [B]
-    budgets: torch.Tensor  # [B]
+class RoundInputs(NamedTuple):
+    """A round's per-row inputs (all ``[B]`` device tensors); also what proposers see."""
+
+    slots: torch.Tensor  # KV slot
+    bonus: torch.Tensor  # bonus token (root of the tree)
+    starts: torch.Tensor  # position of the bonus token = committed length
+    budgets: torch.Tensor  # tree budget
+    generated: torch.Tensor  # output tokens so far (the bonus is output index generated-1)
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed: torch.Tensor
+
+
+class RoundShape(NamedTuple):
+    """The static (host) facts a round's device work depends on; part of the graph key."""
+
+    kv_len: int
+    slot_range: tuple[int, int] | None
+    any_sampled: bool
+    any_filtered: bool
 
 
 class RoundResult(NamedTuple):
@@ -56,9 +73,12 @@ class StageTimer:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, proposer: Proposer, timer: StageTimer):
+    def __init__(self, model: CausalLM, cache: KVCache, proposer: Proposer, timer: StageTimer,
+                 cuda_graphs: bool = False):
         self.model, self.cache, self.proposer, self.timer = model, cache, proposer, timer
         self.device = model.lm_head.weight.device
+        use_graphs = cuda_graphs and self.device.type == "cuda" and not timer.sync
+        self.graphs = GraphCache() if use_graphs else None
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -90,46 +110,89 @@ class ModelRunner:
         return [tok if d else None for tok, d in zip(first, done)]
 
     def round(self, rows: Sequence[Request]) -> RoundResult:
-        t0 = self.timer.mark()
+        """One round for the running rows; the device work is replayed as a CUDA graph when enabled."""
         slots_list = [r.slot for r in rows]
-        round_rows = RoundRows(
-            slots=self._tensor(slots_list), bonus=self._tensor([r.output_ids[-1] for r in rows]),
-            starts=self._tensor([r.committed_length for r in rows]),
-            budgets=self._tensor([self.proposer.max_nodes if r.budget is None else min(r.budget, self.proposer.max_nodes)
-                                  for r in rows]))
-        tree = self.proposer.propose(round_rows)
-        tokens = torch.cat([round_rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, T+1]
-        t1 = self.timer.add("draft", t0)
+        max_nodes = self.proposer.max_nodes
+        inputs, sampled, filtered = self._round_inputs(rows, max_nodes)
+        shape = RoundShape(kv_len=max(r.committed_length for r in rows) + max_nodes + 1,
+                           slot_range=slot_range_of(slots_list), any_sampled=sampled, any_filtered=filtered)
+        t0 = self.timer.mark()
+        if self.graphs is None:
+            packed = self._round_device(shape, *inputs, timer=self.timer)
+        else:
+            shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))
+            key = (len(rows), shape)
+            packed = self.graphs.run(key, lambda *t: self._round_device(shape, *t), inputs)
+        result = self._to_host(packed)  # the one sync
+        if self.graphs is not None:
+            self.timer.add("round", t0)
+        return result
 
-        n_nodes = tokens.shape[1]
+    def _round_inputs(self, rows: Sequence[Request], max_nodes: int) -> tuple[RoundInputs, bool, bool]:
+        """The rows' inputs on the device, sent in two non-blocking copies from pinned memory (a
+        copy from pageable memory would make the host wait for all queued device work)."""
+        params = [r.params for r in rows]
+        ints = torch.tensor([
+            [r.slot for r in rows], [r.output_ids[-1] for r in rows], [r.committed_length for r in rows],
+            [max_nodes if r.budget is None else min(r.budget, max_nodes) for r in rows],
+            [len(r.output_ids) for r in rows], [p.top_k for p in params],
+            [seed_value(p) for p in params]], dtype=torch.long)  # [7, B]
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]])  # [2, B]
+        if self.device.type == "cuda":
+            ints, floats = ints.pin_memory(), floats.pin_memory()
+        ints = ints.to(self.device, non_blocking=True)
+        floats = floats.to(self.device, non_blocking=True)
+        slots, bonus, starts, budgets, generated, top_k, seed = ints.unbind(0)
+        inputs = RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed)
+        sampled = any(not p.greedy for p in params)
+        return inputs, sampled, any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params)
+
+    def _kv_bucket(self, kv_len: int) -> int:
+        bucket = 256
+        return min(-(-kv_len // bucket) * bucket, self.cache.spec.capacity)
+
+    def _round_device(self, shape: "RoundShape", *tensors: torch.Tensor, timer: StageTimer | None = None):
+        """draft -> verify -> choose -> walk -> commit, all on the device; returns the packed
+        ``[B, 2 + D + 1]`` (acceptance length, tree size, emitted tokens) for the host."""
+        rows = RoundInputs(*tensors)
+        t0 = timer.mark() if timer else 0.0
+        tree = self.proposer.propose(rows)
+        tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, T+1]
+        t1 = timer.add("draft", t0) if timer else 0.0
+
         batch = ForwardBatch(
-            input_ids=tokens, positions=round_rows.starts[:, None] + tree.depths, slots=round_rows.slots,
-            cache_lengths=round_rows.starts, new_mask=tree.ancestor_mask,
-            kv_len=max(r.committed_length for r in rows) + n_nodes, slot_range=slot_range_of(slots_list))
+            input_ids=tokens, positions=rows.starts[:, None] + tree.depths, slots=rows.slots,
+            cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len,
+            slot_range=shape.slot_range)
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
-        sampling = SamplingTensors.build([r.params for r in rows], self.device)
-        generated = self._tensor([len(r.output_ids) for r in rows])  # [B] next output index
-        choice = choose_tokens(out.logits, sampling, generated[:, None] + tree.depths)  # [B, T+1]
-        t2 = self.timer.add("verify", t1)
+        sampling = SamplingTensors(rows.temperature, rows.top_p, rows.top_k, rows.seed,
+                                   shape.any_sampled, shape.any_filtered)
+        choice = choose_tokens(out.logits, sampling, rows.generated[:, None] + tree.depths)  # [B, T+1]
+        t2 = timer.add("verify", t1) if timer else 0.0
 
         walk = accept_walk(tree._replace(tokens=tokens), choice, self.proposer.max_depth)
         path = walk.path.clamp(min=0)  # [B, D+1]
-        self.cache.commit(round_rows.slots, path, walk.accept_lengths)
+        self.cache.commit(rows.slots, rows.starts, path, walk.accept_lengths)
         if out.hidden is not None:
             features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
-            self.proposer.observe(round_rows.slots, features, walk.accept_lengths, round_rows.starts)
-        host = self._to_host(walk, tree.valid)  # the one sync
-        self.timer.add("commit", t2)
-        return host
+            self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
+        packed = self._pack(walk, tree.valid)
+        if timer:
+            timer.add("commit", t2)
+        return packed
 
     @staticmethod
-    def _to_host(walk, valid: torch.Tensor) -> RoundResult:
+    def _pack(walk, valid: torch.Tensor) -> torch.Tensor:
         """Emitted tokens per row: the accepted drafts (committed path minus the old bonus) and
-        then the next bonus; their number is the acceptance length."""
+        then the next bonus; their number is the acceptance length. ``[B, 2 + D + 1]``."""
         counts = walk.accept_lengths  # [B]
         pad = torch.full_like(walk.next_bonus[:, None], -1)
         emitted = torch.cat([walk.committed_tokens[:, 1:], pad], dim=1)  # [B, D+1]
         emitted = emitted.scatter(1, (counts - 1)[:, None], walk.next_bonus[:, None])
         sizes = valid.sum(1, keepdim=True) - 1  # [B, 1] drafted nodes
-        host = torch.cat([counts[:, None], sizes, emitted], dim=1).tolist()
+        return torch.cat([counts[:, None], sizes, emitted], dim=1)
+
+    @staticmethod
+    def _to_host(packed: torch.Tensor) -> RoundResult:
+        host = packed.tolist()
         return RoundResult(emitted=[row[2:2 + row[0]] for row in host], tree_sizes=[row[1] for row in host])

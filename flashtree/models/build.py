@@ -52,6 +52,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor] | None,
     else:
         _load_weights(model, weights)
     model.eval().requires_grad_(False)
+    model.fuse()
     return model
 
 

@@ -29,7 +29,6 @@ import torch
 
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
-from flashtree.models.gguf_convert import convert_gguf
 
 if TYPE_CHECKING:
     import transformers
@@ -82,11 +81,15 @@ def load_checkpoint(model: str, *, random_weights: bool = False) -> Checkpoint:
 def resolve_model_dir(model: str, *, need_weights: bool = True) -> Path:
     """The Hugging Face directory behind ``model``, converting or downloading as needed."""
     if model in EMBEDDED_MODELS:
+        from flashtree.models.gguf_convert import convert_gguf  # gguf is only needed here
+
         return convert_gguf(embedded_gguf_path(EMBEDDED_MODELS[model]))
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(f"{path}: is a file but not a .gguf file; --model accepts {MODEL_FORMS}")
+        from flashtree.models.gguf_convert import convert_gguf
+
         return convert_gguf(path)
     if path.is_dir():
         return path.resolve()

@@ -27,9 +27,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def fuse_rows(*linears: nn.Linear, attr: str = "weight") -> torch.Tensor:
+    """Concatenate the linears' weights (or biases) along the output dim and make each linear's
+    parameter a view into the result, so fusing costs no extra memory."""
+    fused = torch.cat([getattr(lin, attr).detach() for lin in linears])
+    offset = 0
+    for lin in linears:
+        param = getattr(lin, attr)
+        rows = param.shape[0]
+        param.data = fused[offset:offset + rows]
+        offset += rows
+    return fused
 
 
 class MLP(nn.Module):
@@ -38,9 +49,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden] after fuse()
+
+    def fuse(self) -> None:
+        """Concatenate gate and up so one matmul computes both (fewer launches per layer)."""
+        self.gate_up = fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -58,19 +77,36 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_weight: torch.Tensor | None = None  # [(H + 2 KVH) * D, hidden] after fuse()
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate q/k/v projections so one matmul computes all three."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = fuse_rows(*projections)
+        if self.q_proj.bias is not None:
+            self.qkv_bias = fuse_rows(*projections, attr="bias")
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return F.linear(x, self.qkv_weight, self.qkv_bias).split([q_width, kv_width, kv_width], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
-                rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(b, n, self.heads, self.head_dim)
+        k = k.view(b, n, self.kv_heads, self.head_dim)
+        v = v.view(b, n, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, N, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KVH, N, D]
-        cache.write(self.layer_index, batch.slots, batch.cache_lengths, k, v.transpose(1, 2))
+        cache.write_at(self.layer_index, write_index, k.transpose(1, 2), v)
         keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.heads != self.kv_heads)  # [B, H, N, D]
@@ -85,8 +121,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, batch, cache, rope, mask):
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache, rope, mask)
+    def forward(self, x, batch, cache, rope, mask, write_index):
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache, rope, mask, write_index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -113,6 +149,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
 
+    def fuse(self) -> None:
+        """Fuse per-layer projections for inference (call after the weights are loaded)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def setup_rope(self, max_positions: int) -> None:
         p = self.lm_head.weight
         self.rope = RotaryTable(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
@@ -129,10 +171,11 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)  # [B, N, hidden]
         rope = self.rope.lookup(batch.positions)
         mask = attention_mask(batch)  # [B, 1, N, kv_len]
+        write_index = cache.write_index(batch.slots, batch.cache_lengths, batch.num_new)
         captured = {}
         wanted = set(capture_layers)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, batch, cache, rope, mask)
+            x = layer(x, batch, cache, rope, mask, write_index)
             if i in wanted:
                 captured[i] = x
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None

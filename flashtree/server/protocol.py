@@ -198,14 +198,9 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
-class ChatDelta(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
 class ChatChunkChoice(_Response):
     index: int = 0
-    delta: ChatDelta
+    delta: dict[str, str]  # {"role", "content"} on the first chunk, {"content"} after, {} at the end
     finish_reason: str | None = None
     logprobs: None = None
 

@@ -10,6 +10,7 @@ from flashtree.errors import ConfigError
 # Loss decay per block size (DFlash): slot k (1-based) weighs exp(-(k - 1) / gamma).
 GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
 ATTENTION_KINDS = ("auto", "flex", "dense")
+SAVE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def loss_gamma(block_size: int) -> float:
@@ -57,6 +58,8 @@ class TrainConfig:
     eval_every: int = 200  # steps; 0 disables periodic eval
     eval_batches: int = 8
     save_every: int = 0  # steps; 0 saves at the end only
+    save_dtype: str = "bfloat16"  # dtype of model.safetensors (float32 | bfloat16 | float16)
+    max_shard_mb: float | None = None  # shard the weights (model-0000i-of-0000n + index) above this size
     log_every: int = 10
     seed: int = 0
     progress: bool = True
@@ -90,6 +93,10 @@ class TrainConfig:
             raise ConfigError(f"--attention {self.attention!r}; allowed: {', '.join(ATTENTION_KINDS)}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ConfigError(f"--time-budget-s must be > 0, got {self.time_budget_s}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ConfigError(f"--save-dtype {self.save_dtype!r}; allowed: {', '.join(SAVE_DTYPES)}")
+        if self.max_shard_mb is not None and not self.max_shard_mb > 0:
+            raise ConfigError(f"--max-shard-mb must be > 0, got {self.max_shard_mb}")
         if self.eval_every < 0 or self.save_every < 0:
             raise ConfigError("--eval-every and --save-every must be >= 0 (0 disables)")
 

@@ -3,7 +3,8 @@
 Key axis: ``[context features of tokens 0..N-1, block slots of anchor 0, of anchor 1, ...]``
 (N + A*b keys). Query axis: the block slots, ``A*b`` of them, anchor-major.
 A query of anchor a sees
-- context key j when ``j < positions[a]`` (the committed context before its anchor), and
+- context key j when ``j < positions[a]`` (the committed context before its anchor; with a
+  sliding ``window``, only the last ``window`` of those), and
 - every slot of its own block (non-causal inside the block), nothing of other blocks.
 Every query sees at least its own block, so no attention row is empty.
 
@@ -16,19 +17,22 @@ from __future__ import annotations
 import torch
 
 
-def dense_block_mask(positions: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+def dense_block_mask(positions: torch.Tensor, context_len: int, block_size: int,
+                     window: int | None = None) -> torch.Tensor:
     """``[B, 1, A*b, N + A*b]`` bool (True = attend). positions: ``[B, A]`` anchor positions."""
     batch, anchors = positions.shape
     device = positions.device
     ctx_key = torch.arange(context_len, device=device)  # [N]
     sees_ctx = ctx_key[None, None, :] < positions[:, :, None]  # [B, A, N]
+    if window is not None:
+        sees_ctx &= ctx_key[None, None, :] >= positions[:, :, None] - window
     sees_ctx = sees_ctx.repeat_interleave(block_size, dim=1)  # [B, A*b, N]
     block_of = torch.arange(anchors * block_size, device=device) // block_size  # [A*b]
     sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)  # [B, A*b, A*b]
     return torch.cat([sees_ctx, sees_block], dim=2)[:, None]
 
 
-def flex_block_mask(positions: torch.Tensor, context_len: int, block_size: int):
+def flex_block_mask(positions: torch.Tensor, context_len: int, block_size: int, window: int | None = None):
     """The same rule as a flex-attention ``BlockMask`` for ``[B, H, A*b, N + A*b]`` scores."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -37,7 +41,10 @@ def flex_block_mask(positions: torch.Tensor, context_len: int, block_size: int):
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
-        sees_ctx = (kv_idx < context_len) & (kv_idx < positions[b, block])
+        anchor = positions[b, block]
+        sees_ctx = (kv_idx < context_len) & (kv_idx < anchor)
+        if window is not None:
+            sees_ctx = sees_ctx & (kv_idx >= anchor - window)
         sees_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         return sees_ctx | sees_block
 

@@ -1,0 +1,95 @@
+"""H200: ms per plain decode step at Qwen3-8B shape (random bf16 weights) vs the HBM floor.
+
+    python benchmarks/gpu_decode_step.py --out benchmarks/results/gpu_decode_step.json
+
+Floor = weight bytes / measured device copy bandwidth (bytes read + written per second).
+Each row: B requests with a ``--context``-token prompt, then ``--steps`` timed engine steps.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen3_8b_shape import QWEN3_8B, write_config  # noqa: E402
+
+from flashtree import SamplingParams  # noqa: E402
+from flashtree.config import EngineConfig  # noqa: E402
+from flashtree.engine.engine import LLMEngine  # noqa: E402
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * n_bytes * reps / (time.perf_counter() - t0)
+
+
+def time_steps(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=steps * 20 + 50, ignore_eos=True)
+    reqs = [engine.add_request(torch.randint(0, 150000, (context,), generator=gen).tolist(), params)
+            for _ in range(batch)]
+    while any(len(r.output_ids) == 0 for r in reqs):
+        engine.step()
+    for _ in range(5):
+        engine.step()  # warm up (captures graphs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1000 / steps
+    for r in reqs:
+        engine.abort(r.request_id)
+    engine.step()
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/gpu_decode_step.json")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batches", default="1,8,32")
+    args = parser.parse_args()
+    model_dir = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
+    bandwidth = copy_bandwidth()
+    rows = []
+    for graphs in (True, False):
+        config = EngineConfig(model=str(model_dir), random_weights=True, max_running=32, max_context=2048,
+                              cuda_graphs=graphs, device="cuda")
+        engine = LLMEngine(config)
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        floor_ms = weight_bytes / bandwidth * 1000
+        for batch in [int(b) for b in args.batches.split(",")]:
+            ms = time_steps(engine, batch, args.context, args.steps)
+            rows.append({"cuda_graphs": graphs, "batch": batch, "context": args.context, "ms_per_step": ms,
+                         "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms,
+                         "tokens_per_s": batch * 1000 / ms})
+            print(json.dumps(rows[-1]), flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{'graphs':>6} {'batch':>5} {'ms/step':>8} {'floor':>6} {'% floor':>7} {'tok/s':>8}")
+    for r in rows:
+        print(f"{r['cuda_graphs']!s:>6} {r['batch']:>5} {r['ms_per_step']:8.2f} {r['floor_ms']:6.2f} "
+              f"{100 * r['fraction_of_floor']:6.1f}% {r['tokens_per_s']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""H200: cost of one decoding round per method at Qwen3-8B shape (random bf16 weights).
+
+    python benchmarks/gpu_rounds.py --out benchmarks/results/gpu_rounds.json
+
+For plain decoding, DFlash (block 16, z-lab Qwen3-8B-DFlash-b16 shape) and DDTree at several
+budgets: ms per engine step (= one round for every running row, CUDA graphs on), relative to a
+plain decode step, at each batch size; then, with ``profile_stages`` (eager, synchronized), the
+split into draft / verify / commit. Random weights make acceptance meaningless here (tau ~ 1):
+this measures what a round costs, not how many tokens it yields. Also times the tree-specific
+device work alone (build_tree + accept_walk + KV commit) per budget, replayed as a CUDA graph,
+and counts host synchronizations during graph-replayed steps.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
+
+from flashtree import SamplingParams  # noqa: E402
+from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
+from flashtree.engine.cuda_graphs import GraphCache  # noqa: E402
+from flashtree.engine.engine import LLMEngine  # noqa: E402
+from flashtree.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from flashtree.spec.tree import build_tree  # noqa: E402
+from flashtree.spec.verify import accept_walk  # noqa: E402
+
+
+def start_requests(engine, batch, context):
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=4000, ignore_eos=True)
+    reqs = [engine.add_request(torch.randint(0, 150000, (context,), generator=gen).tolist(), params)
+            for _ in range(batch)]
+    while any(len(r.output_ids) == 0 for r in reqs):
+        engine.step()
+    return reqs
+
+
+def time_steps(engine, batch, context, steps):
+    reqs = start_requests(engine, batch, context)
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    engine.timer.seconds.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1000 / steps
+    stages = {k: v * 1000 / steps for k, v in engine.timer.seconds.items()}
+    for r in reqs:
+        engine.abort(r.request_id)
+    engine.step()
+    return ms, stages
+
+
+def tree_work_ms(budget, batch, reps=50):
+    """build_tree + accept_walk + KV commit for one round, as one replayed CUDA graph."""
+    vocab, depth = QWEN3_8B["vocab_size"], 15
+    logits = torch.randn(batch, depth, vocab, device="cuda", dtype=torch.bfloat16)
+    cache = KVCache(KVCacheSpec(36, batch, 2048, budget + 1, 8, 128), torch.bfloat16, "cuda")
+    slots = torch.arange(batch, device="cuda")
+    starts = torch.full((batch,), 1024, device="cuda")
+    budgets = torch.full((batch,), budget, device="cuda")
+
+    def work(lg):
+        tree = build_tree(lg, budgets, budget)
+        choice = tree.tokens.roll(-1, dims=1)  # any target choices: the walk cost does not depend on them
+        walk = accept_walk(tree, choice, depth)
+        cache.commit(slots, starts, walk.path.clamp(min=0), walk.accept_lengths)
+        return walk.accept_lengths
+
+    graphs = GraphCache()
+    graphs.run("tree", work, (logits,))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graphs.run("tree", work, (logits,))
+    torch.cuda.synchronize()
+    graphed = (time.perf_counter() - t0) * 1000 / reps
+    t0 = time.perf_counter()
+    for _ in range(10):
+        work(logits)
+    torch.cuda.synchronize()
+    eager = (time.perf_counter() - t0) * 1000 / 10
+    return graphed, eager
+
+
+def count_syncs(engine, batch, context, steps=5):
+    """Synchronizing CUDA calls during graph-replayed steps (expected: one per step, the tolist)."""
+    reqs = start_requests(engine, batch, context)
+    for _ in range(3):
+        engine.step()
+    import warnings
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            engine.step()
+    torch.cuda.set_sync_debug_mode("default")
+    for r in reqs:
+        engine.abort(r.request_id)
+    engine.step()
+    return len([w for w in caught if "synchroniz" in str(w.message)]) / steps
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/gpu_rounds.json")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--methods", default="none,dflash,ddtree:16,ddtree:64,ddtree:256,ddtree:1024")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--tree-budgets", default="16,64,256,1024")
+    args = parser.parse_args()
+    target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
+    drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
+    rows, batches = [], [int(b) for b in args.batches.split(",")]
+    for method in args.methods.split(","):
+        name, _, budget = method.partition(":")
+        spec = SpecConfig(method=name, draft=None if name == "none" else str(drafter),
+                          budget=int(budget) if budget else None)
+        for profile in (False, True):
+            engine = LLMEngine(EngineConfig(model=str(target), spec=spec, random_weights=True, device="cuda",
+                                            max_running=max(batches), max_context=2048, profile_stages=profile))
+            for batch in batches:
+                ms, stages = time_steps(engine, batch, args.context, args.steps)
+                row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages}
+                if not profile:
+                    row["host_syncs_per_round"] = count_syncs(engine, batch, args.context)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del engine
+            torch.cuda.empty_cache()
+    plain = {r["batch"]: r["ms_per_round"] for r in rows if r["method"] == "none" and not r["profiled"]}
+    for r in rows:
+        r["vs_plain_step"] = r["ms_per_round"] / plain[r["batch"]] if r["batch"] in plain else None
+    tree_rows = []
+    for budget in [int(b) for b in args.tree_budgets.split(",")]:
+        for batch in batches:
+            graphed, eager = tree_work_ms(budget, batch)
+            tree_rows.append({"budget": budget, "batch": batch, "graphed_ms": graphed, "eager_ms": eager})
+            print(json.dumps(tree_rows[-1]), flush=True)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
+           "rounds": rows, "tree_build_accept_commit": tree_rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"{'method':>12} {'batch':>5} {'prof':>5} {'ms/round':>9} {'x plain':>8}  stages")
+    for r in rows:
+        x = f"{r['vs_plain_step']:.2f}" if r["vs_plain_step"] else "-"
+        st = " ".join(f"{k}={v:.2f}" for k, v in r["stages_ms"].items())
+        print(f"{r['method']:>12} {r['batch']:>5} {r['profiled']!s:>5} {r['ms_per_round']:9.2f} {x:>8}  {st}")
+    for t in tree_rows:
+        print(f"tree budget {t['budget']:>5} batch {t['batch']}: graphed {t['graphed_ms']:.3f} ms, eager {t['eager_ms']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Load generator for a running flashtree (or any OpenAI-compatible) server.
+
+For each concurrency level it keeps that many streamed chat requests in flight until
+``--requests`` have finished, and reports throughput, time to first token (TTFT), inter-token
+latency (ITL: the gap between streamed chunks; one chunk per committed step, so with
+speculative decoding a chunk can carry several tokens), time per output token (TPOT: a
+request's decode time over its tokens after the first) and end-to-end latency, with p50, p90
+and p99. Writes ``OUT.json`` and ``OUT.md``.
+
+    flashtree serve --model smollm2 --spec none --max-running 16 &
+    python benchmarks/load_test.py --model smollm2 --concurrency 1 4 16 32 --requests 32 \\
+        --max-tokens 64 --out benchmarks/results/load_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain photosynthesis in two sentences.",
+    "Give three tips for writing clear emails.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do I make a cup of green tea?",
+    "Name five animals that live in the ocean.",
+    "Why is the sky blue?",
+    "Write a haiku about autumn leaves.",
+    "What are the main causes of inflation?",
+    "Describe how a hash table works.",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "List the planets of the solar system in order.",
+    "What is a prime number? Give examples.",
+    "Suggest a name for a bakery and explain it.",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestResult:
+    ok: bool
+    error: str | None
+    ttft: float | None  # seconds from sending to the first content chunk
+    itls: tuple[float, ...]  # gaps between content chunks
+    e2e: float
+    prompt_tokens: int
+    completion_tokens: int
+    rounds: int
+    mean_acceptance_length: float
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+
+async def one_request(client: openai.AsyncOpenAI, args, prompt: str) -> RequestResult:
+    start = time.perf_counter()
+    first = last = None
+    itls: list[float] = []
+    usage = None
+    extra = {"ignore_eos": True} if args.ignore_eos else {}
+    try:
+        stream = await client.chat.completions.create(
+            model=args.model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+            temperature=args.temperature, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = now
+                else:
+                    itls.append(now - last)
+                last = now
+            if chunk.usage is not None:
+                usage = chunk.usage
+    except openai.APIError as err:
+        return RequestResult(False, f"{type(err).__name__}: {err}", None, (), time.perf_counter() - start, 0, 0, 0, 0.0)
+    end = time.perf_counter()
+    return RequestResult(
+        True, None, None if first is None else first - start, tuple(itls), end - start,
+        usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
+        getattr(usage, "rounds", 0) or 0, getattr(usage, "mean_acceptance_length", 0.0) or 0.0)
+
+
+async def run_level(client: openai.AsyncOpenAI, args, concurrency: int) -> dict:
+    """Keep ``concurrency`` requests in flight until ``args.requests`` are done."""
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for i in range(args.requests):
+        queue.put_nowait(PROMPTS[i % len(PROMPTS)])
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            results.append(await one_request(client, args, queue.get_nowait()))
+
+    start = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return summarize(concurrency, results, time.perf_counter() - start)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"mean": statistics.fmean(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def summarize(concurrency: int, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.completion_tokens for r in ok)
+    rounds = sum(r.rounds for r in ok)
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "error_examples": sorted({r.error for r in results if r.error})[:3],
+        "duration_s": duration, "output_tokens": output_tokens,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "output_tokens_per_s": output_tokens / duration, "requests_per_s": len(ok) / duration,
+        "mean_acceptance_length": (sum(r.mean_acceptance_length * r.rounds for r in ok) / rounds) if rounds else None,
+        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": percentiles([gap for r in ok for gap in r.itls]),
+        "tpot_s": percentiles([r.tpot for r in ok if r.tpot is not None]),
+        "e2e_s": percentiles([r.e2e for r in ok]),
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def markdown(report: dict) -> str:
+    head = ("| concurrency | requests | errors | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
+            "ITL p50 / p90 / p99 ms | TPOT mean ms | E2E p50 / p99 s | tau |")
+    lines = [f"# Load test: {report['model']} at {report['base_url']}", "",
+             f"`{report['command']}`", "",
+             f"{report['requests_per_level']} streamed chat requests per level, max_tokens={report['max_tokens']}, "
+             f"temperature={report['temperature']}, ignore_eos={report['ignore_eos']}; client on {report['client']}.",
+             "", head, "|" + " --- |" * 10]
+    for level in report["levels"]:
+        ttft, itl, tpot, e2e = level["ttft_s"], level["itl_s"], level["tpot_s"], level["e2e_s"]
+        tau = "-" if level["mean_acceptance_length"] is None else f"{level['mean_acceptance_length']:.2f}"
+        e2e_text = "-" if e2e["p50"] is None else f"{e2e['p50']:.2f} / {e2e['p99']:.2f}"
+        lines.append(
+            f"| {level['concurrency']} | {level['requests']} | {level['errors']} | {level['output_tokens_per_s']:.1f} | "
+            f"{level['requests_per_s']:.2f} | {_ms(ttft['p50'])} / {_ms(ttft['p90'])} / {_ms(ttft['p99'])} | "
+            f"{_ms(itl['p50'])} / {_ms(itl['p90'])} / {_ms(itl['p99'])} | {_ms(tpot['mean'])} | {e2e_text} | {tau} |")
+    return "\n".join(lines) + "\n"
+
+
+async def run(args) -> dict:
+    client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key or "none", max_retries=0,
+                                timeout=args.timeout)
+    async with client:
+        await one_request(client, args, "Hello")  # warm the connection and the server
+        levels = []
+        for concurrency in args.concurrency:
+            level = await run_level(client, args, concurrency)
+            print(f"concurrency {concurrency}: {level['output_tokens_per_s']:.1f} tok/s, "
+                  f"TTFT p50 {_ms(level['ttft_s']['p50'])} ms, ITL p50 {_ms(level['itl_s']['p50'])} ms, "
+                  f"errors {level['errors']}", flush=True)
+            levels.append(level)
+    return {
+        "base_url": args.base_url, "model": args.model, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "requests_per_level": args.requests, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos, "client": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}", "levels": levels,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--model", default="smollm2", help="the model name the server serves")
+    parser.add_argument("--api-key", default=os.environ.get("FLASHTREE_API_KEY"))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (flashtree extension)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.md")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = asyncio.run(run(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

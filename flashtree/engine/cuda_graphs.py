@@ -1,0 +1,57 @@
+"""CUDA-graph replay of whole decode rounds.
+
+A round (draft, tree build, verify, accept walk, commit) launches hundreds of small kernels; at
+small batch on a fast GPU, launching them costs more than running them. Everything in a round
+is sync-free tensor work, so :class:`GraphCache` captures it once per static key (rows, kv_len
+bucket, sampling flags, slot layout) and replays it after copying the round's inputs into the
+graph's static buffers.
+
+Outputs are the graph's static buffers: they are overwritten by the next replay of the same
+key, so callers consume them before the next call (the runner copies them to the host at once).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, NamedTuple, Sequence
+
+import torch
+
+
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # static input buffers
+    output: object  # what the function returned (static buffers)
+
+
+class GraphCache:
+    """``run(key, fn, inputs)`` replays ``fn(*inputs)`` captured for ``key``; ``fn`` must be a pure
+    device computation whose shapes depend only on ``key`` and the inputs' shapes."""
+
+    def __init__(self, max_graphs: int = 128):
+        self.max_graphs = max_graphs
+        self.graphs: dict[Hashable, _Captured] = {}
+        self.pool = None
+
+    def run(self, key: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]):
+        captured = self.graphs.get(key)
+        if captured is None:
+            if len(self.graphs) >= self.max_graphs:
+                return fn(*inputs)
+            captured = self.graphs[key] = self._capture(fn, inputs)
+        for static, live in zip(captured.inputs, inputs):
+            static.copy_(live)
+        captured.graph.replay()
+        return captured.output
+
+    def _capture(self, fn: Callable, inputs: Sequence[torch.Tensor]) -> _Captured:
+        static = tuple(t.clone() for t in inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(*static)  # warm up kernels and the allocator outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = fn(*static)
+        self.pool = graph.pool()
+        return _Captured(graph, static, output)

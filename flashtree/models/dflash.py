@@ -1,0 +1,278 @@
+"""DFlashDrafter: the z-lab DFlash block-diffusion drafter, and :func:`load_drafter`.
+
+Semantics (DESIGN.md section 2):
+1. context features of a committed token (target hidden states after ``target_layer_ids``,
+   concatenated) -> ``fc`` -> ``hidden_norm``;
+2. per drafter layer, the normed features go through ``k_proj`` / ``v_proj``, ``k_norm`` and RoPE
+   at the token's absolute position: context K/V only (no query, no input norm, no MLP), kept
+   in the drafter's own :class:`KVCache` and appended as tokens are committed (:meth:`observe`);
+3. the block ``[bonus, MASK x (b-1)]``, embedded with the TARGET's embedding at positions
+   ``start .. start+b-1``, runs pre-norm Qwen3 layers whose attention is non-causal over
+   ``[context ; block]``; block K/V go to the cache's scratch entries and are never committed;
+4. final ``norm``, then the TARGET's lm_head on slots 1..b-1: the draft logits.
+
+Glossary
+- context cache: the drafter's KV cache; entry j of a slot holds the context K/V of the
+  committed token at absolute position j (its length equals the target's committed length).
+- start: absolute position of the bonus token = the slot's committed length.
+- b: block size; b-1 is the draft horizon.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtree.errors import CheckpointError, ConfigError
+from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.models.batch import ForwardBatch, attention_mask
+from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
+from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
+from flashtree.models.rope import RotaryTable, apply_rotary
+from flashtree.models.transformer import MLP, CausalLM, RMSNorm
+
+DRAFT_FORMS = ("a DFlash drafter directory (config.json + model.safetensors) or a Hugging Face hub id "
+               "such as z-lab/Qwen3-8B-DFlash-b16")
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class TargetParts(NamedTuple):
+    """What the drafter borrows from its target (kept out of the drafter's parameters)."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor]  # token ids [B, N] -> [B, N, hidden]
+    head: Callable[[torch.Tensor], torch.Tensor]  # normed hidden [B, N, hidden] -> float logits [B, N, V]
+
+
+class DrafterAttention(nn.Module):
+    """Qwen3 attention (per-head q/k RMSNorm); its k/v projections also turn context features
+    into context K/V."""
+
+    def __init__(self, cfg: DFlashConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hidden, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)  # z-lab: bias follows attention_bias
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def key_value(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, N, hidden] -> K (normed, rotated) and V, each [B, KVH, N, D]."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        return apply_rotary(k.transpose(1, 2), *rope), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
+                rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """Block attention: x [B, b, hidden]; block K/V go to the scratch entries of ``cache``."""
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, b, D]
+        k, v = self.key_value(x, rope)  # [B, KVH, b, D] x2
+        cache.write(self.layer_index, batch.slots, batch.cache_lengths, k, v)
+        keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.heads != self.kv_heads)  # [B, H, b, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+
+class DrafterLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer (non-causal over context + block, by its mask)."""
+
+    def __init__(self, cfg: DFlashConfig, layer_index: int):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg, layer_index)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, batch, cache, rope, mask):
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache, rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameters carry the z-lab names: ``fc``, ``hidden_norm``, ``norm``, ``layers.i.*``."""
+
+    def __init__(self, config: DFlashConfig, target: CausalLM):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.context_width, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.target = TargetParts(embed=target.embed, head=target.head)
+        self.rope: RotaryTable | None = None
+
+    # ------------------------------------------------------------------ state
+    def setup_rope(self, max_positions: int) -> None:
+        p = self.fc.weight
+        self.rope = RotaryTable(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
+                                max_positions, p.device, p.dtype)
+
+    def new_cache(self, max_slots: int, max_context: int, scratch: int) -> KVCache:
+        """A context cache for ``max_slots`` rows of ``max_context`` committed tokens; ``scratch``
+        must cover the block and the widest :meth:`observe` (padded entries land there)."""
+        cfg = self.config
+        spec = KVCacheSpec(cfg.num_hidden_layers, max_slots, max_context, max(scratch, cfg.block_size),
+                           cfg.num_key_value_heads, cfg.head_dim)
+        cache = KVCache(spec, self.fc.weight.dtype, self.fc.weight.device)
+        if self.rope is None or self.rope.max_positions < spec.capacity + 1:
+            self.setup_rope(spec.capacity + 1)
+        return cache
+
+    # ------------------------------------------------------------------ the two passes
+    @torch.inference_mode()
+    def observe(self, cache: KVCache, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
+                starts: torch.Tensor) -> None:
+        """Append the context K/V of newly committed tokens at their positions.
+
+        slots, counts, starts: [B] (starts = the slot's context length so far); features:
+        [B, P, context_width] for absolute positions ``starts[b] + j``, j < counts[b] (the rest
+        is padding, written past the new length, which becomes ``starts + counts``).
+        """
+        width = features.shape[1]
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [B, P, hidden]
+        positions = starts[:, None] + torch.arange(width, device=starts.device)  # [B, P]
+        rope = self.rope.lookup(positions)  # cos, sin [B, 1, P, head_dim]
+        for index, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(context, rope)  # [B, KVH, P, D] x2
+            cache.write(index, slots, starts, k, v)
+        # Set, not incremented: the context length is starts + counts however often this runs
+        # (a CUDA-graph capture runs a round once more as warm-up).
+        cache.lengths[slots] = starts + counts
+
+    @torch.inference_mode()
+    def draft_logits(self, cache: KVCache, slots: torch.Tensor, bonus: torch.Tensor, starts: torch.Tensor,
+                     kv_len: int, slot_range: tuple[int, int] | None = None) -> torch.Tensor:
+        """Draft logits ``[B, b-1, V]`` (float32) for the blocks ``[bonus, MASK x (b-1)]``.
+
+        slots, bonus, starts: [B] (starts = each slot's context length); kv_len >= max(starts) + b.
+        """
+        cfg = self.config
+        num_rows, block = bonus.shape[0], cfg.block_size
+        offsets = torch.arange(block, device=bonus.device)  # [b]
+        block_ids = torch.where(offsets == 0, bonus[:, None], cfg.mask_token_id)  # [B, b]
+        batch = ForwardBatch(
+            input_ids=block_ids, positions=starts[:, None] + offsets, slots=slots, cache_lengths=starts,
+            new_mask=torch.ones(num_rows, block, block, dtype=torch.bool, device=bonus.device),
+            kv_len=kv_len, slot_range=slot_range)
+        masks = self._layer_masks(batch)
+        rope = self.rope.lookup(batch.positions)
+        x = self.target.embed(block_ids).to(self.fc.weight.dtype)  # [B, b, hidden]
+        for index, layer in enumerate(self.layers):
+            x = layer(x, batch, cache, rope, masks[cfg.window(index)])
+        return self.target.head(self.norm(x[:, 1:]))  # [B, b-1, V]
+
+    def _layer_masks(self, batch: ForwardBatch) -> dict[int | None, torch.Tensor]:
+        """``[B, 1, b, kv_len]`` masks by window: all context + the whole block (non-causal); a
+        sliding window keeps only the last ``window`` context positions."""
+        full = attention_mask(batch)  # [B, 1, b, K]
+        masks: dict[int | None, torch.Tensor] = {None: full}
+        key = torch.arange(batch.kv_len, device=full.device)  # [K]
+        for window in {self.config.window(i) for i in range(self.config.num_hidden_layers)} - {None}:
+            recent = key[None, :] >= (batch.cache_lengths[:, None] - window)  # [B, K]
+            masks[window] = full & recent[:, None, None, :]
+        return masks
+
+
+# ---------------------------------------------------------------------------- loading
+
+def load_drafter(path_or_hub_id: str, target: CausalLM, tokenizer=None, block_size_override: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 random_weights: bool = False, seed: int = 0) -> DFlashDrafter:
+    """Load a z-lab DFlash drafter for ``target`` (a directory or a hub id), refusing a
+    mismatched pair before anything runs. Device and dtype default to the target's;
+    ``random_weights`` reads config.json alone (speed tests at real sizes)."""
+    directory = resolve_drafter_dir(path_or_hub_id, need_weights=not random_weights)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: config.json not found, so this is not a drafter; --draft accepts {DRAFT_FORMS}")
+    raw = read_json(config_path, ConfigError)
+    config = parse_dflash_config(raw, str(config_path), target.config, tokenizer, block_size_override)
+    weights = None
+    if not random_weights:
+        weights = {name: t for name, t in read_weights(directory).items()
+                   if not name.endswith(IGNORED_TENSOR_SUFFIXES)}
+        check_fc_width(weights, config, directory)
+    reference = target.lm_head.weight
+    return build_drafter(config, target, weights, torch.device(device) if device else reference.device,
+                         dtype or reference.dtype, seed=seed)
+
+
+def resolve_drafter_dir(draft: str, *, need_weights: bool = True) -> Path:
+    path = Path(draft).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise CheckpointError(f"{draft}: is a file, not a directory; --draft accepts {DRAFT_FORMS}")
+    if _HUB_ID.match(draft):
+        return hub_snapshot_dir(draft, need_weights=need_weights)
+    raise CheckpointError(f"{draft}: no such directory; --draft accepts {DRAFT_FORMS}")
+
+
+def check_fc_width(weights: dict[str, torch.Tensor], config: DFlashConfig, directory: Path) -> None:
+    """``fc.weight [hidden, len(target_layer_ids) * hidden]`` must match the config."""
+    fc = weights.get("fc.weight")
+    if fc is None:
+        raise CheckpointError(f"{directory}: the weights lack 'fc.weight', so this is not a DFlash drafter")
+    expected = (config.hidden_size, config.context_width)
+    if tuple(fc.shape) != expected:
+        raise ConfigError(
+            f"{directory}: 'fc.weight' has shape {list(fc.shape)}, but {config.source} implies {list(expected)} "
+            f"(len(target_layer_ids) = {len(config.target_layer_ids)} x hidden_size = {config.hidden_size}); "
+            f"allowed: fc width = {config.context_width}, one hidden vector per target layer id")
+
+
+def build_drafter(config: DFlashConfig, target: CausalLM, weights: dict[str, torch.Tensor] | None,
+                  device: torch.device, dtype: torch.dtype, seed: int = 0) -> DFlashDrafter:
+    """A drafter on ``device`` in ``dtype``; ``weights=None`` means random weights."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config, target)
+    drafter = drafter.to_empty(device=device).to(dtype)
+    if weights is None:
+        _init_random(drafter, seed)
+    else:
+        _load_weights(drafter, weights, config.source)
+    return drafter.eval().requires_grad_(False)
+
+
+def _init_random(drafter: DFlashDrafter, seed: int) -> None:
+    gen = torch.Generator(device=drafter.fc.weight.device).manual_seed(seed)
+    for name, param in drafter.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+
+
+def _load_weights(drafter: DFlashDrafter, weights: dict[str, torch.Tensor], source: str) -> None:
+    expected = dict(drafter.named_parameters())
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise CheckpointError(
+            f"drafter weights beside {source} lack {len(missing)} tensor(s) the config implies, e.g. {missing[:3]}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"drafter weights beside {source} carry {len(unexpected)} tensor(s) a DFlash drafter does not have, "
+            f"e.g. {unexpected[:3]}; allowed: fc, hidden_norm, norm and layers.i.* (the embedding and lm_head "
+            f"are the target's)")
+    for name, param in expected.items():
+        tensor = weights[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"drafter tensor {name} has shape {list(tensor.shape)}, {source} implies {list(param.shape)}")
+        param.data.copy_(tensor.to(param.dtype))

@@ -1,0 +1,51 @@
+"""The FastAPI app factory: ``create_app(ServerConfig)``.
+
+The engine loads on its own thread when the app starts (lifespan), so ``/health`` answers
+503 while loading and 200 once the warm-up generation is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+from fastapi import FastAPI
+
+from flashtree.engine.engine import LLMEngine
+from flashtree.server.async_engine import AsyncEngine
+from flashtree.server.config import ServerConfig
+from flashtree.server.errors import install_error_handlers
+from flashtree.server.metrics import ServerMetrics
+from flashtree.server.middleware import Gate, ResponseCounter
+from flashtree.server.routes import ServerContext, build_router
+from flashtree.server.startup import load_engine
+
+
+def create_app(config: ServerConfig, *,
+               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    metrics = ServerMetrics()
+
+    def load() -> LLMEngine:
+        engine = load_engine(config.engine)
+        metrics.engine_info.labels(model=config.model_name, method=engine.proposer.name,
+                                   device=str(engine.device), dtype=str(engine.dtype)).set(1)
+        return engine
+
+    async_engine = AsyncEngine(load, metrics, on_load_failure)
+    ctx = ServerContext(async_engine, config.model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="flashtree", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.flashtree = ctx
+    install_error_handlers(app)
+    app.include_router(build_router(ctx))
+    app.add_middleware(Gate, api_key=config.api_key, not_ready_reason=ctx.not_ready_reason)
+    app.add_middleware(ResponseCounter, metrics=metrics)  # outermost: counts 401/503 too
+    return app

@@ -1,0 +1,344 @@
+"""AsyncEngine: the single-threaded :class:`LLMEngine` on one background thread, used from asyncio.
+
+Threads and ownership
+- The engine thread owns the engine: it loads it, applies commands (submit, abort) between
+  steps, runs ``step()`` while there is work, and sleeps on a condition when idle (no spin).
+- The event loop owns each :class:`RequestStream`: it reads the stream's deltas from an
+  ``asyncio.Queue`` that the engine thread fills through ``loop.call_soon_threadsafe``.
+- Commands travel in one deque guarded by ``_wakeup`` (the thread-safe queue); nothing else
+  is shared. Cancelling a stream (client gone) sends an abort command; the engine thread
+  aborts the request and its slot is free after the next step.
+
+An exception from ``step()`` fails the requests that were in the batch (their streams get an
+error delta, the server answers 500) and the thread keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from typing import AsyncIterator, Callable
+
+from flashtree.engine.engine import LLMEngine
+from flashtree.engine.output import StepEvent
+from flashtree.engine.request import Request, Status
+from flashtree.sampling import SamplingParams
+from flashtree.server.metrics import ServerMetrics
+
+log = logging.getLogger("flashtree.server")
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class EngineFailure(Exception):
+    """The engine failed while running this request (HTTP 500)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    rounds: int
+    mean_acceptance_length: float
+
+    @classmethod
+    def of(cls, req: Request) -> "RequestUsage":
+        return cls(len(req.prompt_ids), len(req.output_ids), req.stats.rounds, req.stats.mean_acceptance_length)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationDelta:
+    """What one engine step added to one request."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    usage: RequestUsage
+    finish_reason: str | None = None  # set on the last delta: stop | length | abort
+    full_text: str | None = None  # the whole output text, on the last delta
+    error: str | None = None  # the engine failed this request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class RequestStream:
+    """One request's deltas, read on the event loop with ``async for``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.admitted: asyncio.Future[None] = loop.create_future()  # raises the engine's refusal
+        self.deltas: asyncio.Queue[GenerationDelta] = asyncio.Queue()
+        self.finished = False  # the last delta was read (event-loop side)
+        self.request_id: str | None = None  # set by the engine thread at admission
+
+    async def __aiter__(self) -> AsyncIterator[GenerationDelta]:
+        while not self.finished:
+            delta = await self.deltas.get()
+            self.finished = delta.finished
+            if delta.error is not None:
+                raise EngineFailure(delta.error)
+            yield delta
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submit:
+    stream: RequestStream
+    prompt_ids: list[int]
+    params: SamplingParams
+    budget: int | None
+    arrival: float  # time.monotonic() when the HTTP request arrived
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    stream: RequestStream
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one admitted request."""
+
+    request: Request
+    stream: RequestStream
+    arrival: float
+    last_token_at: float | None = None
+    rounds_seen: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, load: Callable[[], LLMEngine], metrics: ServerMetrics,
+                 on_load_failure: Callable[[BaseException], None] | None = None):
+        self._load = load
+        self.metrics = metrics
+        self._on_load_failure = on_load_failure
+        self.state = EngineState.LOADING
+        self.load_error: str | None = None
+        self.engine: LLMEngine | None = None
+        self.loaded = threading.Event()  # set once the state leaves LOADING
+        self._commands: deque[_Submit | _Abort] = deque()
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._tracked: dict[str, _Tracked] = {}
+        self._thread = threading.Thread(target=self._run, name="flashtree-engine", daemon=True)
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, budget: int | None = None,
+                     arrival: float | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine admitted it, or raises the
+        engine's refusal (``RequestError``, ``QueueFullError``)."""
+        stream = RequestStream(asyncio.get_running_loop())
+        self._send(_Submit(stream, list(prompt_ids), params, budget, arrival or time.monotonic()))
+        try:
+            await stream.admitted
+        except asyncio.CancelledError:
+            self.cancel(stream)
+            raise
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Abort the stream's request unless it already finished (frees its slot)."""
+        if not stream.finished:
+            stream.finished = True
+            self._send(_Abort(stream))
+
+    def _send(self, command: _Submit | _Abort) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        if not self._load_engine():
+            return
+        while (commands := self._wait_for_work()) is not None:
+            try:
+                self._iterate(commands)
+            except Exception as err:  # noqa: BLE001 - a bug here must not stop the thread
+                log.exception("engine loop failed; failing the requests in the batch")
+                self._fail_active(f"the engine failed: {type(err).__name__}: {err}")
+        self._fail_all("the server is shutting down")
+        self.state = EngineState.STOPPED
+
+    def _load_engine(self) -> bool:
+        try:
+            self.engine = self._load()
+        except BaseException as err:  # noqa: BLE001 - reported to the CLI, which exits
+            log.error("loading the engine failed: %s", err)
+            self.load_error = f"{type(err).__name__}: {err}"
+            self.state = EngineState.FAILED
+            self.loaded.set()
+            if self._on_load_failure is not None:
+                self._on_load_failure(err)
+            return False
+        self.state = EngineState.READY
+        self.loaded.set()
+        return True
+
+    def _wait_for_work(self) -> list[_Submit | _Abort] | None:
+        with self._wakeup:
+            while not self._commands and not self.engine.has_work and not self._stopping:
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+        return commands
+
+    def _iterate(self, commands: list[_Submit | _Abort]) -> None:
+        for command in commands:
+            self._apply(command)
+        if self.engine.has_work:
+            self._step()
+        self._update_gauges()
+
+    def _apply(self, command: _Submit | _Abort) -> None:
+        if isinstance(command, _Submit):
+            self._admit(command)
+        else:
+            self._abort(command.stream)
+
+    def _admit(self, command: _Submit) -> None:
+        stream = command.stream
+        try:
+            req = self.engine.add_request(command.prompt_ids, command.params, command.budget)
+        except Exception as err:  # RequestError, QueueFullError: the handler maps it
+            _post(stream.loop, _settle, stream.admitted, err)
+            return
+        stream.request_id = req.request_id
+        self._tracked[req.request_id] = _Tracked(req, stream, command.arrival)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        _post(stream.loop, _settle, stream.admitted, None)
+
+    def _abort(self, stream: RequestStream) -> None:
+        tracked = self._tracked.pop(stream.request_id, None) if stream.request_id else None
+        if tracked is None:
+            return  # finished meanwhile, or never admitted
+        self.engine.abort(tracked.request.request_id)
+        self.metrics.finished.labels(finish_reason="abort").inc()
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
+            log.exception("engine step failed; failing the requests in the batch")
+            self._fail_active(f"the engine failed: {type(err).__name__}: {err}")
+            return
+        now = time.monotonic()
+        deliveries = defaultdict(list)
+        for event in events:
+            tracked = self._tracked.get(event.request.request_id)
+            if tracked is not None:
+                deliveries[tracked.stream.loop].append((tracked.stream, self._delta(tracked, event, now)))
+        for loop, batch in deliveries.items():
+            _post(loop, _deliver, batch)
+
+    def _delta(self, tracked: _Tracked, event: StepEvent, now: float) -> GenerationDelta:
+        req = event.request
+        self._observe_tokens(tracked, len(event.new_token_ids), now)
+        self._observe_rounds(tracked)
+        usage = RequestUsage.of(req)
+        if not event.finished:
+            return GenerationDelta(tuple(event.new_token_ids), event.new_text, usage)
+        del self._tracked[req.request_id]
+        self.metrics.finished.labels(finish_reason=req.finish_reason).inc()
+        return GenerationDelta(tuple(event.new_token_ids), event.new_text, usage,
+                               finish_reason=req.finish_reason, full_text=req.text)
+
+    def _observe_tokens(self, tracked: _Tracked, count: int, now: float) -> None:
+        if count == 0:
+            return
+        self.metrics.generation_tokens.inc(count)
+        if tracked.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - tracked.arrival)
+        else:
+            per_token = (now - tracked.last_token_at) / count
+            for _ in range(count):
+                self.metrics.inter_token_latency.observe(per_token)
+        tracked.last_token_at = now
+
+    def _observe_rounds(self, tracked: _Tracked) -> None:
+        stats = tracked.request.stats
+        lengths = stats.acceptance_lengths[tracked.rounds_seen:]
+        sizes = stats.tree_sizes[tracked.rounds_seen:]
+        tracked.rounds_seen = len(stats.acceptance_lengths)
+        self.metrics.observe_rounds(lengths, sizes)
+
+    def _fail_active(self, message: str) -> None:
+        for req in list(self.engine.scheduler.active):
+            self.engine.abort(req.request_id)
+            tracked = self._tracked.pop(req.request_id, None)
+            if tracked is not None:
+                self._send_error(tracked, message)
+
+    def _fail_all(self, message: str) -> None:
+        for tracked in list(self._tracked.values()):
+            self._send_error(tracked, message)
+        self._tracked.clear()
+        with self._wakeup:
+            pending = [c for c in self._commands if isinstance(c, _Submit)]
+            self._commands.clear()
+        for command in pending:
+            _post(command.stream.loop, _settle, command.stream.admitted, RuntimeError(message))
+
+    def _send_error(self, tracked: _Tracked, message: str) -> None:
+        self.metrics.finished.labels(finish_reason="error").inc()
+        delta = GenerationDelta((), "", RequestUsage.of(tracked.request), error=message)
+        _post(tracked.stream.loop, _deliver, [(tracked.stream, delta)])
+
+    def _update_gauges(self) -> None:
+        scheduler, config = self.engine.scheduler, self.engine.config
+        held = sum(_kv_tokens(r) for r in scheduler.active)
+        self.metrics.set_load(running=len(scheduler.active), waiting=len(scheduler.waiting),
+                              kv_usage=held / (config.max_running * config.max_context))
+
+
+def _kv_tokens(req: Request) -> int:
+    """Target KV entries a request holds now."""
+    return req.prefilled if req.status is Status.PREFILLING else req.committed_length
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Run ``callback(*args)`` on ``loop`` (from the engine thread); a closed loop drops it."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _deliver(batch: list[tuple[RequestStream, GenerationDelta]]) -> None:
+    for stream, delta in batch:
+        stream.deltas.put_nowait(delta)

@@ -1,0 +1,82 @@
+"""``flashtree serve``: the OpenAI-compatible server on uvicorn.
+
+    flashtree serve --model smollm2 --spec none --port 8000
+    flashtree serve --model Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --spec ddtree --budget 64 \\
+        --api-key KEY --max-waiting 128
+
+The KV-cache memory check runs before the port is bound; the model then loads and warms up
+while ``/health`` answers 503; a load failure stops the server with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from flashtree.cli import add_model_args
+from flashtree.config import EngineConfig, SpecConfig
+from flashtree.errors import FlashtreeError
+from flashtree.server.config import LOOPBACK, ServerConfig
+
+API_KEY_ENV = "FLASHTREE_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def register(subparsers) -> None:
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_model_args(serve)
+    serve.add_argument("--host", default=LOOPBACK, help=f"address to bind (default {LOOPBACK}: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
+    serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per request per step")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    serve.set_defaults(func=cmd_serve)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    from flashtree.spec.defaults import default_spec
+
+    method, draft = default_spec(args.model, args.spec, args.draft)
+    engine = EngineConfig(
+        model=args.model, spec=SpecConfig(method=method, draft=draft, budget=args.budget, block_size=args.block_size),
+        device=args.device, dtype=args.dtype, max_running=args.max_running, max_context=args.max_context,
+        max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, random_weights=args.random_weights)
+    return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
+                        port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        log_level=args.log_level)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from flashtree.server.startup import check_kv_cache_fits
+
+    config = config_from_args(args)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_kv_cache_fits(config.engine)  # refuse before binding the port
+    serve(config)
+
+
+def serve(config: ServerConfig) -> None:
+    """Run until interrupted; raises the load error if the model cannot be loaded."""
+    import uvicorn
+
+    from flashtree.server.app import create_app
+
+    failures: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def stop_on_failure(err: BaseException) -> None:
+        failures.append(err)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(config, on_load_failure=stop_on_failure)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           timeout_graceful_shutdown=5))
+    server.run()
+    if failures:
+        err = failures[0]
+        raise err if isinstance(err, FlashtreeError) else FlashtreeError(f"the model failed to load: {err}")

@@ -1,0 +1,28 @@
+"""ServerConfig: what ``flashtree serve`` was asked for, validated once, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flashtree.config import EngineConfig
+from flashtree.errors import ConfigError
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    model_name: str  # the name clients pass as "model" (default: --model)
+    host: str = LOOPBACK  # loopback unless asked: the API has no rate limits of its own
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port!r}")
+        if not self.model_name:
+            raise ConfigError("--served-model-name must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")

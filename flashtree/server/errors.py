@@ -1,0 +1,130 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+| status | when | type / code |
+| --- | --- | --- |
+| 400 | invalid parameter, malformed JSON, bad prompt | invalid_request_error |
+| 401 | missing or wrong API key | invalid_request_error / invalid_api_key |
+| 404 | unknown model or path | invalid_request_error / model_not_found |
+| 413 | prompt longer than the context | invalid_request_error / context_length_exceeded |
+| 429 | waiting queue full (with Retry-After) | rate_limit_error / queue_full |
+| 500 | the engine failed on this request | server_error |
+| 503 | the model is loading (or failed to load) | service_unavailable |
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flashtree.engine.scheduler import PromptTooLongError, QueueFullError
+from flashtree.errors import RequestError
+from flashtree.server.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("flashtree.server")
+
+RETRY_AFTER_SECONDS = 1
+_TYPE_OF_STATUS = {401: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                   500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error the client sees as OpenAI's error JSON with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return _TYPE_OF_STATUS.get(self.status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_engine_error(err: Exception, prompt_field: str) -> APIError:
+    """Map an exception from ``LLMEngine.add_request`` to the client's error."""
+    if isinstance(err, QueueFullError):
+        return APIError(429, f"the server is busy: {err}; retry later", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(err, PromptTooLongError):
+        return APIError(413, str(err), param=prompt_field, code="context_length_exceeded")
+    if isinstance(err, RequestError):
+        return APIError(400, str(err), param=param_named_in(str(err), prompt_field))
+    return APIError(500, f"the engine failed: {type(err).__name__}: {err}")
+
+
+def param_named_in(message: str, prompt_field: str) -> str | None:
+    """The request field an engine message is about (its messages start with the field's name)."""
+    words = message.replace(",", " ").split()
+    if not words:
+        return None
+    first = words[1] if words[0] == "the" and len(words) > 1 else words[0]
+    return prompt_field if first in ("prompt", "messages") else first
+
+
+def validation_error(errors: Iterable[dict[str, Any]]) -> APIError:
+    """One 400 naming the first invalid field, from pydantic/FastAPI validation errors."""
+    errors = list(errors)
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = errors[0].get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON ({detail})".replace(" ()", ""))
+    messages, params = [], []
+    for e in errors:
+        param = _field_path(e.get("loc", ()))
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        params.append(param)
+        messages.append(f"{param}: {msg}" if param else msg)
+    return APIError(400, "; ".join(dict.fromkeys(messages)), param=params[0] if params else None)
+
+
+def _field_path(loc: Iterable[Any]) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``. Union branch names
+    pydantic adds (``str``, ``list[...]``) are dropped."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _is_type_tag(str(part)):
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path or None
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part or part.startswith(
+        ("constrained-", "function-", "literal["))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        return validation_error(err.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if err.status_code == 404 else None
+        return APIError(err.status_code, str(err.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        log.exception("unexpected error while serving a request")
+        return APIError(500, f"internal error: {type(err).__name__}: {err}").response()

@@ -1,0 +1,68 @@
+"""ASGI middleware in front of the API (pure ASGI: streaming and disconnects pass straight through).
+
+- :class:`Gate`: on ``/v1/*``, a missing or wrong API key is 401 and a loading engine is 503,
+  before the body is read (so a bad key never learns whether its JSON was valid).
+- :class:`ResponseCounter`: counts generation responses by endpoint and HTTP status.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from flashtree.server.errors import APIError
+from flashtree.server.metrics import ServerMetrics
+
+API_PREFIX = "/v1/"
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class Gate:
+    def __init__(self, app: ASGIApp, api_key: str | None, not_ready_reason: Callable[[], str | None]):
+        self.app = app
+        self.api_key = api_key
+        self.not_ready_reason = not_ready_reason  # None when ready
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(API_PREFIX):
+            error = self._refusal(scope)
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        if self.api_key is not None and not self._key_matches(scope):
+            return APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
+        reason = self.not_ready_reason()
+        if reason is not None:
+            return APIError(503, reason, code="model_not_ready", headers={"Retry-After": "5"})
+        return None
+
+    def _key_matches(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers") or ())
+        value = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+class ResponseCounter:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint=path, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

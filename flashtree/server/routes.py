@@ -1,0 +1,125 @@
+"""The endpoints: chat and text completions (whole or streamed), models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from flashtree.server.async_engine import AsyncEngine, EngineFailure, EngineState, RequestStream
+from flashtree.server.errors import APIError, from_engine_error
+from flashtree.server.generation import GenerationInput, ServedModel, chat_input, completion_input
+from flashtree.server.metrics import CONTENT_TYPE
+from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from flashtree.server.responses import (SSE_HEADERS, chat_events, chat_response, completion_events,
+                                        completion_response, last_delta, new_id)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+
+
+class ServerContext:
+    """What the endpoints share: the async engine and the served model's name."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self._served: ServedModel | None = None
+
+    def model(self, requested: str) -> ServedModel:
+        if requested != self.model_name:
+            raise APIError(404, f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        return self.served()
+
+    def served(self) -> ServedModel:
+        if self._served is None:
+            self._served = ServedModel.of(self.engine.engine, self.model_name)
+        return self._served
+
+    def not_ready_reason(self) -> str | None:
+        state = self.engine.state
+        if state is EngineState.READY:
+            return None
+        if state is EngineState.FAILED:
+            return f"the model failed to load: {self.engine.load_error}"
+        return f"the model is {state.value}; retry when GET /health answers 200"
+
+    async def submit(self, generation: GenerationInput, prompt_field: str, arrival: float) -> RequestStream:
+        try:
+            return await self.engine.submit(generation.prompt_ids, generation.params, generation.budget, arrival)
+        except Exception as err:  # refusals from add_request: 400 / 413 / 429
+            raise from_engine_error(err, prompt_field) from None
+
+    async def finish(self, stream: RequestStream, request: Request):
+        """The request's last delta, or None when the client left first (the request is aborted)."""
+        result = asyncio.ensure_future(last_delta(stream))
+        watcher = asyncio.ensure_future(_client_left(request))
+        try:
+            await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not result.done():
+                result.cancel()
+                self.engine.cancel(stream)
+        if result.cancelled():
+            return None
+        try:
+            return result.result()
+        except EngineFailure as err:
+            raise APIError(500, str(err)) from None
+
+
+async def _client_left(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
+        model = ctx.model(body.model)
+        stream = await ctx.submit(chat_input(body, model), "messages", arrival)
+        response_id = new_id("chatcmpl")
+        if body.stream:
+            events = chat_events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        final = await ctx.finish(stream, request)
+        if final is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return chat_response(response_id, model.name, final)
+
+    @router.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
+        model = ctx.model(body.model)
+        stream = await ctx.submit(completion_input(body, model), "prompt", arrival)
+        response_id = new_id("cmpl")
+        if body.stream:
+            events = completion_events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        final = await ctx.finish(stream, request)
+        if final is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return completion_response(response_id, model.name, final)
+
+    @router.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.served().max_context)])
+
+    @router.get("/health")
+    async def health():
+        reason = ctx.not_ready_reason()
+        if reason is not None:
+            return APIError(503, reason, code="model_not_ready").response()
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    return router

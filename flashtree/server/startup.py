@@ -1,0 +1,103 @@
+"""Server startup: refuse configs that cannot fit, load the engine, log its memory, warm it up.
+
+The memory check runs before any weight is read: it sizes the KV cache from the model's
+config.json exactly as the engine will (slots x (max_context + scratch) entries) and compares
+it with the device's memory (CPU: physical RAM; CUDA: free memory now).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from flashtree.config import EngineConfig
+from flashtree.engine.engine import LLMEngine
+from flashtree.errors import ConfigError
+from flashtree.kv_cache import KVCacheSpec
+from flashtree.models.build import resolve_device, resolve_dtype
+from flashtree.models.config import ModelConfig
+from flashtree.models.loader import resolve_model_dir
+from flashtree.sampling import SamplingParams
+from flashtree.tokenizer import encode_chat
+
+log = logging.getLogger("flashtree.server")
+
+GIB = 1 << 30
+DEFAULT_DRAFT_SCRATCH = 16  # block size of z-lab drafters: the scratch a chain round needs
+WARMUP_TOKENS = 4
+
+
+def load_engine(config: EngineConfig) -> LLMEngine:
+    """Check memory, load, log the layout, and warm up with one short generation."""
+    check_kv_cache_fits(config)
+    engine = LLMEngine(config)
+    log.info("%s", describe(engine))
+    warm_up(engine)
+    log.info("warm-up done; ready to serve")
+    return engine
+
+
+def check_kv_cache_fits(config: EngineConfig) -> None:
+    """Raise ConfigError when the KV cache alone exceeds the device's memory."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    need = estimated_kv_spec(config).bytes(dtype)
+    have, what = device_memory(device)
+    if need > have:
+        raise ConfigError(
+            f"the KV cache needs {need / GIB:.2f} GiB (--max-running {config.max_running} x --max-context "
+            f"{config.max_context} tokens in {str(dtype).removeprefix('torch.')}) but the {device} device has "
+            f"{have / GIB:.2f} GiB {what}; lower --max-running or --max-context")
+
+
+def estimated_kv_spec(config: EngineConfig) -> KVCacheSpec:
+    """The engine's KV layout, from config.json only (scratch estimated for drafters)."""
+    model = ModelConfig.from_file(resolve_model_dir(config.model, need_weights=False) / "config.json")
+    spec = config.spec
+    draft_scratch = 0 if spec.method == "none" else max((spec.budget or 0) + 1,
+                                                         spec.block_size or DEFAULT_DRAFT_SCRATCH)
+    return KVCacheSpec(model.num_hidden_layers, config.max_running, config.max_context,
+                       max(draft_scratch, config.prefill_chunk), model.num_key_value_heads, model.head_dim)
+
+
+def device_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, description) of the memory a cache could take on ``device``."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free, "free"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of physical memory"
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of every distinct tensor in the target and in the proposer's modules."""
+    modules = [engine.model] + [v for v in vars(engine.proposer).values() if isinstance(v, torch.nn.Module)]
+    seen: dict[int, int] = {}
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def describe(engine: LLMEngine) -> str:
+    config, spec = engine.config, engine.config.spec
+    kv = engine.cache.spec.bytes(engine.dtype)
+    return (f"loaded {config.model} in {engine.load_seconds:.1f}s | method={engine.proposer.name} "
+            f"draft={spec.draft} budget={spec.budget} | device={engine.device} dtype={engine.dtype} | "
+            f"max_running={config.max_running} max_context={config.max_context} "
+            f"prefill_chunk={config.prefill_chunk} max_waiting={config.max_waiting} | "
+            f"weights {weight_bytes(engine) / GIB:.3f} GiB, KV cache {kv / GIB:.3f} GiB")
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One short greedy generation so the first client does not pay for lazy initialization."""
+    if engine.tokenizer is not None:
+        prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": "Hello"}])
+    else:
+        prompt = [0]
+    prompt = prompt[: engine.config.max_context - 1]
+    req = engine.add_request(prompt, SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=0))
+    engine.run_until_done([req])
+    while engine.has_work:
+        engine.step()

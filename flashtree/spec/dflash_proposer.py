@@ -1,0 +1,130 @@
+"""DFlash and DDTree proposers: one drafter pass per round, then a chain or a best-first tree.
+
+Both share a :class:`DrafterRunner` (the drafter and its own context KV cache):
+- ``DFlashProposer`` ("dflash"): the argmax at each of the b-1 draft positions, as a chain;
+- ``DDTreeProposer`` ("ddtree"): the ``budget`` most likely prefixes of the drafter's factorized
+  distribution (DESIGN.md section 4), as a tree.
+
+Glossary
+- b: the drafter's block size; b-1 = max_depth, the draft horizon.
+- budget: drafted nodes per DDTree (the root excluded); ``max_nodes`` is the static maximum and
+  each row may ask for fewer (``rows.budgets``).
+- context length: committed tokens of a slot whose context K/V the drafter holds; it equals the
+  target's committed length, because the engine observes every committed token in order.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from flashtree.config import EngineConfig
+from flashtree.kv_cache import KVCache
+from flashtree.models.batch import slot_range_of
+from flashtree.models.dflash import DFlashDrafter, load_drafter
+from flashtree.spec.proposer import Proposer, ProposerRows
+from flashtree.spec.tree import DraftTree, build_tree, chain_tree
+
+
+def default_budget(device: torch.device) -> int:
+    """DDTree budget when none is given.
+
+    Placeholder values: replace them from the measured budget table in benchmarks/ (the best
+    tokens/s per device and batch size) once it exists.
+    """
+    return 256 if torch.device(device).type == "cuda" else 64
+
+
+class DrafterRunner:
+    """The drafter, its context cache, and the two things a round does with them."""
+
+    def __init__(self, drafter: DFlashDrafter, cache: KVCache):
+        self.drafter, self.cache = drafter, cache
+
+    def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
+                starts: torch.Tensor) -> None:
+        """Context features ``[B, P, F]`` of tokens committed at ``starts[b] + j``, j < counts[b]."""
+        self.drafter.observe(self.cache, slots, features, counts, starts)
+
+    def draft_logits(self, rows: ProposerRows) -> torch.Tensor:
+        """``[B, b-1, V]`` draft logits for every row's block; rows may have different lengths."""
+        kv_len, slot_range = self._attention_extent(rows)
+        return self.drafter.draft_logits(self.cache, rows.slots, rows.bonus, rows.starts,
+                                         kv_len=kv_len, slot_range=slot_range)
+
+    def _attention_extent(self, rows: ProposerRows) -> tuple[int, tuple[int, int] | None]:
+        """(keys attended per row, slot range) of the block pass.
+
+        Eager: one small host sync for the longest context (it waits only for the round's own
+        inputs) gives a tight key range and, for consecutive slots, a copy-free cache view.
+        Under CUDA-graph capture nothing may sync and the graph must fit every replay: attend
+        over the whole cache capacity and gather the slots.
+        """
+        if rows.slots.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.cache.spec.capacity, None
+        host = torch.cat([rows.slots, rows.starts.max()[None]]).tolist()
+        slots, longest = host[:-1], host[-1]
+        return longest + self.drafter.config.block_size, slot_range_of(slots)
+
+    def release(self, slots: Sequence[int]) -> None:
+        if len(slots):
+            self.cache.free(torch.tensor(list(slots), dtype=torch.long, device=self.cache.lengths.device))
+
+
+class _DrafterProposer:
+    """What DFlash and DDTree share: the capture layers, the depth, observe and release."""
+
+    name = ""
+
+    def __init__(self, runner: DrafterRunner, max_nodes: int):
+        config = runner.drafter.config
+        self.runner = runner
+        self.capture_layers: tuple[int, ...] = tuple(config.target_layer_ids)
+        self.max_depth = config.block_size - 1
+        self.max_nodes = max_nodes
+
+    def observe(self, slots, features, counts, starts) -> None:
+        self.runner.observe(slots, features, counts, starts)
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.runner.release(slots)
+
+
+class DFlashProposer(_DrafterProposer):
+    """The DFlash chain: the drafter's argmax at each of the b-1 positions."""
+
+    name = "dflash"
+
+    def __init__(self, runner: DrafterRunner):
+        super().__init__(runner, max_nodes=runner.drafter.config.block_size - 1)
+
+    def propose(self, rows: ProposerRows) -> DraftTree:
+        draft = self.runner.draft_logits(rows).argmax(dim=-1)  # [B, b-1]
+        return chain_tree(draft)
+
+
+class DDTreeProposer(_DrafterProposer):
+    """The best ``budget`` prefixes of the drafter's marginals, as a tree (per-row budgets)."""
+
+    name = "ddtree"
+
+    def __init__(self, runner: DrafterRunner, budget: int):
+        super().__init__(runner, max_nodes=budget)
+
+    def propose(self, rows: ProposerRows) -> DraftTree:
+        logits = self.runner.draft_logits(rows)  # [B, b-1, V]
+        return build_tree(logits, rows.budgets, self.max_nodes)
+
+
+def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
+    """The proposer for ``--spec dflash|ddtree`` with the drafter ``config.spec.draft``."""
+    spec = config.spec
+    drafter = load_drafter(spec.draft, target, tokenizer, block_size_override=spec.block_size,
+                           random_weights=config.random_weights, seed=config.seed + 1)
+    cache = drafter.new_cache(config.max_running, config.max_context, scratch=config.prefill_chunk)
+    runner = DrafterRunner(drafter, cache)
+    if spec.method == "dflash":
+        return DFlashProposer(runner)
+    budget = default_budget(target.lm_head.weight.device) if spec.budget is None else spec.budget
+    return DDTreeProposer(runner, budget)

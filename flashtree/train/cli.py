@@ -1,0 +1,157 @@
+"""Subcommands ``train-drafter``, ``regenerate`` and ``export-prompts`` (registered by flashtree.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from flashtree.errors import ConfigError
+
+
+def register(subparsers) -> None:
+    _register_train(subparsers)
+    _register_regenerate(subparsers)
+    _register_export(subparsers)
+
+
+# ---------------------------------------------------------------------------- train-drafter
+def _register_train(subparsers) -> None:
+    from flashtree.train.config import ATTENTION_KINDS, TrainConfig
+
+    d = TrainConfig()
+    p = subparsers.add_parser("train-drafter", help="train a DFlash drafter for a target model",
+                              description="Train a DFlash block-diffusion drafter (z-lab checkpoint format).")
+    p.add_argument("--model", default=d.model, help="target: HF directory, hub id, .gguf file, or 'smollm2'")
+    p.add_argument("--data", default=d.data, help="'sharegpt', or a .jsonl of {messages} / {conversations}")
+    p.add_argument("--output", default=d.output, help="checkpoint directory to write")
+    p.add_argument("--resume", default=None, help="checkpoint directory (with trainer_state.pt) to continue")
+    p.add_argument("--layers", type=int, default=d.layers, help="drafter decoder layers")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--target-layer-ids", default=None, help="comma-separated target layers (default: spread)")
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="mask token id (default: <|MASK|> if the tokenizer has it, else an unused special)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (wins over --epochs)")
+    p.add_argument("--epochs", type=float, default=d.epochs)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--batch-size", type=int, default=None, help=f"sequences per step (default {d.batch_size})")
+    size.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step")
+    p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq)
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
+    p.add_argument("--max-conversations", type=int, default=None, help="read at most this many conversations")
+    p.add_argument("--heldout-percent", type=float, default=d.heldout_percent)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--time-budget-s", type=float, default=None, help="stop cleanly and save after this wall time")
+    p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=None, help="target / autocast dtype (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--attention", default=d.attention, choices=ATTENTION_KINDS)
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out evals (0: off)")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints (0: end only)")
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.set_defaults(func=cmd_train)
+
+
+def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ConfigError(f"--target-layer-ids must be comma-separated integers, got {text!r}") from None
+
+
+def train_config_from_args(args) -> "TrainConfig":
+    from flashtree.train.config import TrainConfig
+
+    batch_size = args.batch_size if args.batch_size is not None or args.batch_tokens is not None \
+        else TrainConfig.batch_size
+    return TrainConfig(
+        model=args.model, data=args.data, output=args.output, resume=args.resume, layers=args.layers,
+        block_size=args.block_size, target_layer_ids=parse_layer_ids(args.target_layer_ids),
+        mask_token_id=args.mask_token_id, max_seq_len=args.max_seq_len, batch_size=batch_size,
+        batch_tokens=args.batch_tokens, anchors_per_seq=args.anchors_per_seq,
+        heldout_percent=args.heldout_percent, max_conversations=args.max_conversations, steps=args.steps,
+        epochs=args.epochs, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, time_budget_s=args.time_budget_s, device=args.device, dtype=args.dtype,
+        attention=args.attention, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        save_every=args.save_every, log_every=args.log_every, seed=args.seed, progress=not args.no_progress)
+
+
+def cmd_train(args) -> None:
+    from flashtree.train.trainer import train
+
+    result = train(train_config_from_args(args))
+    print(json.dumps(result.summary()))
+
+
+# ---------------------------------------------------------------------------- regenerate
+def _register_regenerate(subparsers) -> None:
+    from flashtree.cli import add_model_args
+    from flashtree.train.regenerate import RegenerateConfig
+
+    d = RegenerateConfig()
+    p = subparsers.add_parser("regenerate", help="answer prompts with the target and write chats as JSONL",
+                              description="Generate assistant turns with the target (training data for drafters).")
+    add_model_args(p)
+    p.add_argument("--prompts", default=d.prompts,
+                   help="'sharegpt' or a .jsonl of {messages} / {conversations} / {prompt} (first turns are used)")
+    p.add_argument("--output", default=d.output)
+    p.add_argument("--split", default=d.split, choices=["train", "heldout", "all"])
+    p.add_argument("--limit", type=int, default=None, help="answer at most this many prompts")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--time-budget-s", type=float, default=None, help="stop admitting prompts after this time")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_regenerate, max_running=256, max_context=1024, spec="none")
+
+
+def cmd_regenerate(args) -> None:
+    from flashtree.cli import llm_from_args
+    from flashtree.train.regenerate import RegenerateConfig, regenerate, select_prompts
+
+    cfg = RegenerateConfig(prompts=args.prompts, output=args.output, split=args.split, limit=args.limit,
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, time_budget_s=args.time_budget_s, progress=not args.no_progress)
+    prompts = select_prompts(cfg)
+    llm = llm_from_args(args, max_waiting=max(256, args.max_running))
+    stats = regenerate(llm, prompts, cfg)
+    print(json.dumps({"output": cfg.output, "answered": stats.answered, "skipped": stats.skipped,
+                      "tokens": stats.tokens, "seconds": round(stats.seconds, 1),
+                      "tokens_per_second": round(stats.tokens_per_second, 1)}))
+
+
+# ---------------------------------------------------------------------------- export-prompts
+def _register_export(subparsers) -> None:
+    p = subparsers.add_parser("export-prompts", help="write first-turn prompts as a small JSONL",
+                              description="Extract first-turn prompts (e.g. from ShareGPT) into a portable JSONL "
+                                          "that `flashtree regenerate --prompts FILE` reads.")
+    p.add_argument("--data", default="sharegpt", help="'sharegpt' or a .jsonl / .json of chats")
+    p.add_argument("--output", required=True)
+    p.add_argument("--split", default="train", choices=["train", "heldout", "all"])
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--heldout-percent", type=float, default=2.0)
+    p.add_argument("--model", default=None,
+                   help="tokenizer source for the --max-prompt-tokens filter (default: no token filter)")
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> None:
+    from flashtree.train.data import export_prompts
+
+    tokenizer = None
+    if args.model is not None:
+        from flashtree.models.loader import load_checkpoint
+
+        tokenizer = load_checkpoint(args.model, random_weights=True).tokenizer
+    count = export_prompts(args.output, source=args.data, split=args.split, limit=args.limit,
+                           heldout_percent=args.heldout_percent, tokenizer=tokenizer,
+                           max_prompt_tokens=args.max_prompt_tokens)
+    print(json.dumps({"output": args.output, "prompts": count}))

@@ -1,0 +1,119 @@
+"""Everything a training run holds before its first step: the frozen target, the data, the
+drafter (new, or resumed from a checkpoint directory), the optimizer and where to start."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from flashtree.errors import ConfigError
+from flashtree.models.build import build_model, resolve_device, resolve_dtype
+from flashtree.models.dflash import DFlashDrafter
+from flashtree.models.loader import load_checkpoint
+from flashtree.models.transformer import CausalLM
+from flashtree.tokenizer import stop_token_ids_for
+from flashtree.train import checkpoint
+from flashtree.train.batching import BatchStream
+from flashtree.train.config import TrainConfig
+from flashtree.train.data import load_conversations, split_conversations
+from flashtree.train.encode import EncodedConversation, encode_all
+from flashtree.train.new_drafter import choose_mask_token, drafter_config_dict, trainable_drafter
+from flashtree.train.target_features import TargetFeatures
+
+
+@dataclasses.dataclass
+class TrainSetup:
+    cfg: TrainConfig
+    device: torch.device
+    dtype: torch.dtype  # target dtype; also the autocast dtype on CUDA when lower than float32
+    target: CausalLM
+    tokenizer: Any
+    features: TargetFeatures
+    drafter: DFlashDrafter
+    raw_config: dict[str, Any]  # the drafter's config.json
+    train_samples: list[EncodedConversation]
+    heldout_samples: list[EncodedConversation]
+    stream: BatchStream
+    optimizer: torch.optim.Optimizer
+    start_step: int
+    total_steps: int
+    history: list[dict]
+    resumed_state: dict[str, Any] | None
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.drafter.config.mask_token_id
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return self.dtype if self.device.type == "cuda" and self.dtype != torch.float32 else None
+
+
+def load_target(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, Any]:
+    ckpt = load_checkpoint(cfg.model)
+    if ckpt.tokenizer is None:
+        raise ConfigError(f"--model {cfg.model}: has no tokenizer; training needs its chat template")
+    return build_model(ckpt.config, ckpt.weights, device, dtype, seed=cfg.seed), ckpt.tokenizer
+
+
+def load_samples(cfg: TrainConfig, target: CausalLM, tokenizer) -> tuple[list, list]:
+    """(train, held-out) encoded conversations; the split is by conversation."""
+    convs = load_conversations(cfg.data)
+    if cfg.max_conversations is not None:
+        convs = convs[:cfg.max_conversations]
+    train, heldout = split_conversations(convs, cfg.heldout_percent)
+    end_of_turn = frozenset(stop_token_ids_for(target.config, tokenizer))
+    encode = lambda items: encode_all(tokenizer, items, cfg.max_seq_len, end_of_turn, progress=cfg.progress)  # noqa: E731
+    return encode(train), encode(heldout)
+
+
+def drafter_source(cfg: TrainConfig, target: CausalLM, tokenizer
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+    """(config.json dict, float32 start weights or None for random, trainer state or None)."""
+    if cfg.resume is None:
+        mask = choose_mask_token(tokenizer, target.config.vocab_size, cfg.mask_token_id)
+        return drafter_config_dict(target.config, cfg.layers, cfg.block_size, mask, cfg.target_layer_ids,
+                                   cfg.save_dtype), None, None
+    raw, weights = checkpoint.read_drafter(cfg.resume)
+    state = checkpoint.load_state(cfg.resume)
+    if state is not None and "model" in state:
+        weights = state["model"]
+    return raw, {k: v.float() for k, v in weights.items()}, state
+
+
+def make_optimizer(cfg: TrainConfig, drafter: DFlashDrafter) -> torch.optim.Optimizer:
+    decay = [p for n, p in drafter.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in drafter.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = next(drafter.parameters()).is_cuda
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
+
+
+def prepare(cfg: TrainConfig) -> TrainSetup:
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    target, tokenizer = load_target(cfg, device, dtype)
+    raw, weights, state = drafter_source(cfg, target, tokenizer)
+    drafter = trainable_drafter(raw, target, tokenizer, device, weights, seed=cfg.seed,
+                                source=f"{cfg.resume or 'new drafter'}/config.json")
+    drafter.setup_rope(cfg.max_seq_len + drafter.config.block_size + 1)
+    train_samples, heldout_samples = load_samples(cfg, target, tokenizer)
+    if not train_samples:
+        raise ConfigError(f"--data {cfg.data}: no training conversation has assistant tokens to learn from")
+    stream = BatchStream(train_samples, cfg.seed, cfg.batch_size if cfg.batch_tokens is None else None,
+                         cfg.batch_tokens)
+    total = cfg.steps or max(1, math.ceil(cfg.epochs * stream.batches_per_epoch()))
+    optimizer = make_optimizer(cfg, drafter)
+    start_step = 0
+    history: list[dict] = []
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        start_step, history = int(state["step"]), list(state.get("history", []))
+        torch.set_rng_state(state["rng"])
+    features = TargetFeatures(target, drafter.config.target_layer_ids)
+    return TrainSetup(cfg, device, dtype, target, tokenizer, features, drafter, raw, train_samples,
+                      heldout_samples, stream, optimizer, start_step, max(total, start_step), history, state)

@@ -1,0 +1,190 @@
+"""``flashtree train-drafter``: the training loop.
+
+One step: a batch of sequences -> anchors and blocks (CPU, seeded) -> the frozen target's
+context features (no grad) -> the drafter's training forward over all blocks at once -> the
+decayed cross-entropy -> AdamW with clipping, under a warmup + cosine schedule. Held-out
+metrics (loss, per-slot accuracy, tau estimate) every ``eval_every`` steps and at the end;
+the checkpoint (z-lab format + trainer_state.pt) every ``save_every`` steps and at the end,
+also when ``time_budget_s`` runs out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from typing import Iterable
+
+import torch
+
+from flashtree.train import checkpoint
+from flashtree.train.anchors import AnchorBlocks, make_blocks
+from flashtree.train.batching import TokenBatch, collate
+from flashtree.train.config import TrainConfig
+from flashtree.train.forward import training_hidden
+from flashtree.train.loss import BlockLoss, MetricTotals, block_loss
+from flashtree.train.setup import TrainSetup, prepare
+
+EVAL_SEED_OFFSET = 7919  # held-out anchors use their own fixed generator
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    output: str
+    steps: int
+    seconds: float
+    stopped_by: str  # "steps" | "time"
+    train: dict  # metrics of the last log window
+    heldout: dict  # final held-out metrics (empty without held-out data)
+    weights_mb: float
+    history: list
+
+    def summary(self) -> dict:
+        return {"output": self.output, "steps": self.steps, "seconds": round(self.seconds, 1),
+                "stopped_by": self.stopped_by, "weights_mb": round(self.weights_mb, 2),
+                "train": self.train, "heldout": self.heldout}
+
+
+def lr_at(cfg: TrainConfig, step: int, total_steps: int, time_fraction: float = 0.0) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine to ``min_lr_ratio * lr``; the cosine
+    follows the further of step progress and (with a time budget) elapsed-time progress."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, total_steps - cfg.warmup)
+    progress = min(1.0, max((step - cfg.warmup) / span, time_fraction))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _autocast(setup: TrainSetup):
+    dtype = setup.autocast_dtype
+    return torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _attention(setup: TrainSetup) -> str:
+    if setup.cfg.attention != "auto":
+        return setup.cfg.attention
+    return "flex" if setup.device.type == "cuda" else "dense"
+
+
+def batch_loss(setup: TrainSetup, batch: TokenBatch, generator: torch.Generator) -> BlockLoss:
+    """The loss of one batch (grad flows into the drafter only)."""
+    cfg = setup.cfg
+    blocks = make_blocks(batch.input_ids, batch.assistant_mask, cfg.anchors_per_seq,
+                         setup.drafter.config.block_size, setup.mask_token_id, generator)
+    blocks = AnchorBlocks(*(t.to(setup.device, non_blocking=True) for t in blocks))
+    ids, lengths = batch.input_ids.to(setup.device), batch.lengths.to(setup.device)
+    features = setup.features(ids, lengths)  # [B, N, C], no grad
+    with _autocast(setup):
+        hidden = training_hidden(setup.drafter, features, blocks, _attention(setup))  # [B, A, b-1, hidden]
+        return block_loss(hidden, setup.drafter.target.head, blocks.labels, blocks.label_mask, cfg.gamma)
+
+
+def train_step(setup: TrainSetup, batch: TokenBatch, generator: torch.Generator, lr: float) -> BlockLoss:
+    for group in setup.optimizer.param_groups:
+        group["lr"] = lr
+    result = batch_loss(setup, batch, generator)
+    result.loss.backward()
+    torch.nn.utils.clip_grad_norm_(setup.drafter.parameters(), setup.cfg.grad_clip)
+    setup.optimizer.step()
+    setup.optimizer.zero_grad(set_to_none=True)
+    return result
+
+
+def eval_batches(setup: TrainSetup) -> list[TokenBatch]:
+    """A fixed set of held-out batches (same every eval, so the numbers are comparable)."""
+    cfg = setup.cfg
+    per_batch = cfg.batch_size or max(1, cfg.batch_tokens // cfg.max_seq_len)
+    samples = setup.heldout_samples[:per_batch * cfg.eval_batches]
+    return [collate(samples[i:i + per_batch]) for i in range(0, len(samples), per_batch)]
+
+
+@torch.no_grad()
+def evaluate(setup: TrainSetup, batches: Iterable[TokenBatch]) -> dict:
+    """Held-out loss, per-slot accuracy and tau estimate (empty dict without batches)."""
+    setup.drafter.eval()
+    totals = MetricTotals()
+    generator = torch.Generator().manual_seed(setup.cfg.seed + EVAL_SEED_OFFSET)
+    for batch in batches:
+        totals.add(batch_loss(setup, batch, generator))
+    setup.drafter.train()
+    return totals.summary() if totals.batches else {}
+
+
+def save(setup: TrainSetup, step: int, elapsed: float) -> float:
+    """Write the checkpoint and trainer state; returns the weights' size in MB."""
+    cfg = setup.cfg
+    raw = dict(setup.raw_config, dtype=cfg.save_dtype)
+    tensors = checkpoint.drafter_tensors(setup.drafter, getattr(torch, cfg.save_dtype))
+    checkpoint.save_drafter(cfg.output, raw, tensors, cfg.max_shard_mb)
+    checkpoint.save_state(cfg.output, {
+        "step": step, "elapsed_s": elapsed, "model": checkpoint.drafter_tensors(setup.drafter, torch.float32),
+        "optimizer": setup.optimizer.state_dict(), "rng": torch.get_rng_state(), "history": setup.history,
+        "train_config": cfg.to_dict()})
+    checkpoint.save_metrics(cfg.output, {"step": step, "history": setup.history})
+    return checkpoint.weights_bytes(cfg.output) / 2**20
+
+
+def _progress(setup: TrainSetup):
+    from tqdm import tqdm
+
+    return tqdm(total=setup.total_steps, initial=setup.start_step, desc="train-drafter", unit="step",
+                disable=not setup.cfg.progress, dynamic_ncols=True)
+
+
+def _log(bar, text: str) -> None:
+    if bar.disable:
+        print(text, flush=True)
+    else:
+        bar.write(text)
+
+
+def run(setup: TrainSetup) -> TrainResult:
+    """Train from ``setup.start_step`` to ``setup.total_steps`` (or the time budget)."""
+    cfg = setup.cfg
+    generator = torch.Generator().manual_seed(cfg.seed * 7 + setup.start_step)
+    held = eval_batches(setup)
+    batches = setup.stream.iterate(setup.start_step)
+    start = time.perf_counter()
+    prior = float(setup.resumed_state.get("elapsed_s", 0.0)) if setup.resumed_state else 0.0
+    bar = _progress(setup)
+    window = MetricTotals()
+    train_metrics: dict = {}
+    step, stopped_by = setup.start_step, "steps"
+    setup.drafter.train()
+    while step < setup.total_steps:
+        elapsed = time.perf_counter() - start
+        if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
+            stopped_by = "time"
+            break
+        fraction = elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0
+        window.add(train_step(setup, next(batches), generator, lr_at(cfg, step, setup.total_steps, fraction)))
+        step += 1
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == setup.total_steps:
+            train_metrics = window.summary()
+            bar.set_postfix(loss=f"{window.loss:.3f}", acc1=f"{train_metrics['acc1']:.3f}",
+                            tau=f"{window.tau:.2f}")
+            window = MetricTotals()
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < setup.total_steps and held:
+            metrics = evaluate(setup, held)
+            setup.history.append({"step": step, "seconds": round(prior + time.perf_counter() - start, 1), **metrics})
+            _log(bar, f"step {step}: held-out loss {metrics['loss']:.4f} acc1 {metrics['acc1']:.3f} "
+                      f"tau {metrics['tau']:.2f}")
+        if cfg.save_every and step % cfg.save_every == 0:
+            save(setup, step, prior + time.perf_counter() - start)
+    bar.close()
+    if not train_metrics and window.batches:
+        train_metrics = window.summary()
+    heldout = evaluate(setup, held) if held else {}
+    seconds = time.perf_counter() - start
+    if heldout:
+        setup.history.append({"step": step, "seconds": round(prior + seconds, 1), **heldout})
+    weights_mb = save(setup, step, prior + seconds)
+    return TrainResult(cfg.output, step, seconds, stopped_by, train_metrics, heldout, weights_mb, setup.history)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Prepare everything (target, data, drafter, optimizer, resume) and train."""
+    return run(prepare(cfg))

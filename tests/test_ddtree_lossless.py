@@ -1,0 +1,178 @@
+"""DDTree decoding is lossless at every budget: greedy tokens equal plain greedy decoding for
+batches with rows of different lengths and stop conditions; big trees accept more than one
+token per round; acceptance grows with the budget; a copying drafter reaches full blocks;
+sampled tokens follow the target's distribution (and a wrong acceptance rule is caught)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import flashtree.engine.runner as runner_module
+from flashtree import LLM, SamplingParams
+from flashtree.cli import main as cli_main
+from flashtree.spec.dflash_proposer import DDTreeProposer
+from flashtree.spec.tree import ROOT
+from tests.dflash_helpers import (assert_first_tokens_match_target, chi_square, chi_square_critical,
+                                  first_tokens_distribution, one_thread, sample_first_tokens, tiny_pair,
+                                  use_copying_proposer)
+from tests.test_dflash_lossless import BLOCK, ENGINE, PROMPTS, SAMPLE_ENGINE, SAMPLE_PROMPT, VOCAB, mixed_params
+
+BUDGETS = [1, 4, 16, 64, 256]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    pass
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("ddtree"), vocab=VOCAB, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    return LLM(str(pair.target), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def ddtree(pair):
+    """budget -> LLM, built on first use."""
+    engines: dict[int, LLM] = {}
+
+    def get(budget: int) -> LLM:
+        if budget not in engines:
+            engines[budget] = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=budget, **ENGINE)
+        return engines[budget]
+
+    return get
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_greedy_equals_plain(plain, ddtree, budget, rows):
+    prompts = PROMPTS[:rows] if rows > 1 else PROMPTS[4:5]
+    params = mixed_params(plain, prompts)
+    llm = ddtree(budget)
+    assert isinstance(llm.engine.proposer, DDTreeProposer) and llm.engine.proposer.max_nodes == budget
+    expected = plain.generate(prompts, params)
+    got = llm.generate(prompts, params)
+    for ref, out in zip(expected, got):
+        assert out.token_ids == ref.token_ids and out.finish_reason == ref.finish_reason
+        assert all(size <= budget for size in out.tree_sizes)
+
+
+@pytest.mark.parametrize("budget, least_mean", [(64, 1.3), (256, 1.6)])
+def test_big_trees_accept_more_than_one_token(ddtree, budget, least_mean):
+    """With 24 tokens, a big tree holds most depth-1 tokens, so most rounds accept a draft."""
+    outs = ddtree(budget).generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+    lengths = [n for o in outs for n in o.acceptance_lengths]
+    assert max(lengths) >= 2 and sum(lengths) / len(lengths) >= least_mean
+
+
+def first_round_acceptance(llm: LLM, prompts, budgets) -> dict[tuple[int, int], int]:
+    """(prompt index, budget) -> acceptance length of the request's first round, all requests
+    in one batch with per-request budgets."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    requests = {(i, b): llm.engine.add_request(p, params, budget=b) for i, p in enumerate(prompts) for b in budgets}
+    llm.engine.run_until_done(list(requests.values()))
+    return {key: req.stats.acceptance_lengths[0] for key, req in requests.items()}
+
+
+def test_acceptance_grows_with_budget(ddtree):
+    """The budget-B tree is inside the budget-2B tree (same drafter, same inputs), so the first
+    round never accepts less with a bigger budget."""
+    budgets = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
+    first = first_round_acceptance(ddtree(256), PROMPTS, budgets)
+    for i in range(len(PROMPTS)):
+        row = [first[i, b] for b in budgets]
+        assert row == sorted(row), f"prompt {i}: first-round acceptance {row} for budgets {budgets}"
+        assert row[0] == 1  # budget 0: the root alone
+    assert any(first[i, 256] > first[i, 1] for i in range(len(PROMPTS)))
+    separate = {b: ddtree(b).generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True)) for b in BUDGETS}
+    for i in range(len(PROMPTS)):
+        row = [separate[b][i].acceptance_lengths[0] for b in BUDGETS]
+        assert row == sorted(row) and row == [first[i, b] for b in BUDGETS]
+
+
+@pytest.mark.parametrize("budget", [3, 8, 40])
+def test_copying_drafter_reaches_full_blocks(pair, plain, monkeypatch, budget):
+    made = use_copying_proposer(monkeypatch, depth=BLOCK - 1, budget=budget)
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=budget, **ENGINE)
+    made[-1].attach(llm.engine)
+    params = SamplingParams(max_tokens=13, ignore_eos=True)
+    got = llm.generate(PROMPTS[:4], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS[:4], params)]
+    assert all(o.acceptance_lengths == [BLOCK] * 3 for o in got)  # the copied path is the tree's best
+    assert all(size == budget for o in got for size in o.tree_sizes)
+
+
+def test_run_stats_and_cli_json(pair, ddtree, tmp_path, capsys):
+    llm = ddtree(16)
+    llm.stats(reset=True)
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=10, ignore_eos=True))
+    stats = llm.stats()
+    lengths = [n for o in outs for n in o.acceptance_lengths]
+    assert stats.requests == 3 and stats.generated_tokens == 30 and stats.rounds == len(lengths)
+    assert stats.committed_tokens == sum(lengths) and stats.mean_acceptance_length == sum(lengths) / len(lengths)
+    assert sum(stats.acceptance_histogram.values()) == stats.rounds and 0 < stats.mean_tree_size <= 16
+    assert {"draft", "verify", "commit"} <= set(stats.stage_seconds) and all(v >= 0 for v in stats.stage_seconds.values())
+    assert llm.stats(reset=True).requests == 3 and llm.stats().requests == 0
+    argv = ["generate", "--model", str(pair.target), "--spec", "ddtree", "--draft", str(pair.drafter), "--budget", "8",
+            "--prompt-ids", ",".join(map(str, PROMPTS[1])), "--max-tokens", "9", "--ignore-eos", "--json",
+            "--device", "cpu"]
+    assert cli_main(argv) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"token_ids", "text", "acceptance_lengths"} <= set(line)
+    assert line["token_ids"] == ddtree(8).generate([PROMPTS[1]], SamplingParams(max_tokens=9, ignore_eos=True))[0].token_ids
+    assert sum(line["acceptance_lengths"]) >= 8
+
+
+# ---------------------------------------------------------------------------- sampling
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    pair = tiny_pair(tmp_path_factory.mktemp("ddtree_small"), vocab=8, block_size=BLOCK, tokenizer=False)
+    plain = LLM(str(pair.target), **SAMPLE_ENGINE)
+    ddtree = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=16, **SAMPLE_ENGINE)
+    return pair, plain, ddtree
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5, "top_p": 0.9}])
+def test_sampled_tokens_follow_the_target(small, filters):
+    pair, _, ddtree = small
+    samples = sample_first_tokens(ddtree, SAMPLE_PROMPT, range(3000), temperature=1.0, **filters)
+    assert_first_tokens_match_target(samples, pair.hf, SAMPLE_PROMPT, temperature=1.0, **filters)
+    assert ddtree.stats().mean_acceptance_length > 1.3  # the 16-node tree holds every depth-1 token
+
+
+def test_seeded_sampling_equals_plain(small):
+    _, plain, ddtree = small
+    prompts = [SAMPLE_PROMPT, [5, 6], [7] * 9]
+    params = [SamplingParams(max_tokens=12, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True)
+              for s, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8)] * 20)]
+    many = [prompts[i % 3] for i in range(len(params))]
+    assert [o.token_ids for o in ddtree.generate(many, params)] == [o.token_ids for o in plain.generate(many, params)]
+
+
+def test_chi_square_catches_a_wrong_acceptance_rule(small, monkeypatch):
+    """Guard on the test's power: a walk that always accepts the first depth-1 node (the
+    drafter's top token) instead of checking the target's sample must fail the check."""
+    pair, _, ddtree = small
+    real_walk = runner_module.accept_walk
+
+    def wrong_walk(tree, choice, max_depth=None):
+        first_child = (tree.parents == ROOT) & tree.valid
+        first_child[:, ROOT] = False
+        forced = tree.tokens.gather(1, first_child.long().argmax(1, keepdim=True))  # [B, 1]
+        return real_walk(tree, torch.cat([forced, choice[:, 1:]], dim=1), max_depth)
+
+    monkeypatch.setattr(runner_module, "accept_walk", wrong_walk)
+    samples = sample_first_tokens(ddtree, SAMPLE_PROMPT, range(1000), temperature=1.0)
+    joint, _ = first_tokens_distribution(pair.hf, SAMPLE_PROMPT)
+    counts = torch.bincount(samples[:, 0] * 8 + samples[:, 1], minlength=64)
+    stat, df = chi_square(counts, joint)
+    assert stat > 10 * chi_square_critical(df)
