@@ -1,15 +1,18 @@
 """Load generator for a running flashtree (or any OpenAI-compatible) server.
 
 For each concurrency level it keeps that many streamed chat requests in flight until
-``--requests`` have finished, and reports throughput, time to first token (TTFT), inter-token
-latency (ITL: the gap between streamed chunks; one chunk per committed step, so with
-speculative decoding a chunk can carry several tokens), time per output token (TPOT: a
-request's decode time over its tokens after the first) and end-to-end latency, with p50, p90
-and p99. Writes ``OUT.json`` and ``OUT.md``.
+max(``--requests``, concurrency) have finished, and reports, with mean, p50, p90 and p99:
+- throughput: output tokens and requests per second of wall time;
+- TTFT: time to first token (sending -> first content chunk);
+- ITL: inter-token latency, the gap between streamed chunks (one chunk per engine step, so
+  with speculative decoding a chunk can carry several tokens);
+- TPOT: time per output token, a request's decode time over its tokens after the first;
+- E2E: end-to-end latency; and tau, the mean acceptance length reported in ``usage``.
+Writes ``OUT.json`` and ``OUT.md``. ``benchmarks/load_cpu.sh`` is a complete CPU run:
 
-    flashtree serve --model smollm2 --spec none --max-running 16 &
-    python benchmarks/load_test.py --model smollm2 --concurrency 1 4 16 32 --requests 32 \\
-        --max-tokens 64 --out benchmarks/results/load_cpu
+    flashtree serve --model smollm2 --spec none --max-running 32 --max-context 512 &
+    python benchmarks/load_test.py --model smollm2 --concurrency 1 4 16 32 --requests 4 \\
+        --max-tokens 32 --ignore-eos --out benchmarks/results/load_cpu_smollm2
 """
 
 from __future__ import annotations
@@ -96,9 +99,9 @@ async def one_request(client: openai.AsyncOpenAI, args, prompt: str) -> RequestR
 
 
 async def run_level(client: openai.AsyncOpenAI, args, concurrency: int) -> dict:
-    """Keep ``concurrency`` requests in flight until ``args.requests`` are done."""
+    """Keep ``concurrency`` requests in flight until max(``args.requests``, concurrency) are done."""
     queue: asyncio.Queue[str] = asyncio.Queue()
-    for i in range(args.requests):
+    for i in range(max(args.requests, concurrency)):
         queue.put_nowait(PROMPTS[i % len(PROMPTS)])
     results: list[RequestResult] = []
 
@@ -108,7 +111,9 @@ async def run_level(client: openai.AsyncOpenAI, args, concurrency: int) -> dict:
 
     start = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
-    return summarize(concurrency, results, time.perf_counter() - start)
+    level = summarize(concurrency, results, time.perf_counter() - start)
+    level["load_average_1m"] = os.getloadavg()[0]  # this machine's load at the end (shared hosts are noisy)
+    return level
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -144,23 +149,28 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+TABLE_HEAD = ("| concurrency | requests | errors | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
+              "ITL p50 / p90 / p99 ms | TPOT mean ms | E2E p50 / p99 s | tau | load avg |\n" + "|" + " --- |" * 11)
+
+
 def markdown(report: dict) -> str:
-    head = ("| concurrency | requests | errors | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
-            "ITL p50 / p90 / p99 ms | TPOT mean ms | E2E p50 / p99 s | tau |")
-    lines = [f"# Load test: {report['model']} at {report['base_url']}", "",
-             f"`{report['command']}`", "",
-             f"{report['requests_per_level']} streamed chat requests per level, max_tokens={report['max_tokens']}, "
-             f"temperature={report['temperature']}, ignore_eos={report['ignore_eos']}; client on {report['client']}.",
-             "", head, "|" + " --- |" * 10]
-    for level in report["levels"]:
-        ttft, itl, tpot, e2e = level["ttft_s"], level["itl_s"], level["tpot_s"], level["e2e_s"]
-        tau = "-" if level["mean_acceptance_length"] is None else f"{level['mean_acceptance_length']:.2f}"
-        e2e_text = "-" if e2e["p50"] is None else f"{e2e['p50']:.2f} / {e2e['p99']:.2f}"
-        lines.append(
-            f"| {level['concurrency']} | {level['requests']} | {level['errors']} | {level['output_tokens_per_s']:.1f} | "
-            f"{level['requests_per_s']:.2f} | {_ms(ttft['p50'])} / {_ms(ttft['p90'])} / {_ms(ttft['p99'])} | "
-            f"{_ms(itl['p50'])} / {_ms(itl['p90'])} / {_ms(itl['p99'])} | {_ms(tpot['mean'])} | {e2e_text} | {tau} |")
+    setup = (f"max({report['requests_per_level']}, concurrency) streamed chat requests per level, "
+             f"max_tokens={report['max_tokens']}, temperature={report['temperature']}, "
+             f"ignore_eos={report['ignore_eos']}; client on {report['client']}.")
+    lines = [f"# Load test: {report['model']} at {report['base_url']}", "", f"`{report['command']}`", "", setup, "",
+             TABLE_HEAD, *(table_row(level) for level in report["levels"])]
     return "\n".join(lines) + "\n"
+
+
+def table_row(level: dict) -> str:
+    ttft, itl, tpot, e2e = level["ttft_s"], level["itl_s"], level["tpot_s"], level["e2e_s"]
+    tau = "-" if level["mean_acceptance_length"] is None else f"{level['mean_acceptance_length']:.2f}"
+    e2e_text = "-" if e2e["p50"] is None else f"{e2e['p50']:.2f} / {e2e['p99']:.2f}"
+    return (f"| {level['concurrency']} | {level['requests']} | {level['errors']} | "
+            f"{level['output_tokens_per_s']:.1f} | {level['requests_per_s']:.2f} | "
+            f"{_ms(ttft['p50'])} / {_ms(ttft['p90'])} / {_ms(ttft['p99'])} | "
+            f"{_ms(itl['p50'])} / {_ms(itl['p90'])} / {_ms(itl['p99'])} | {_ms(tpot['mean'])} | {e2e_text} | {tau} | "
+            f"{level.get('load_average_1m', float('nan')):.1f} |")
 
 
 async def run(args) -> dict:
@@ -189,7 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2", help="the model name the server serves")
     parser.add_argument("--api-key", default=os.environ.get("FLASHTREE_API_KEY"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--requests", type=int, default=32,
+                        help="requests per concurrency level (at least the concurrency itself)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (flashtree extension)")

@@ -334,4 +334,4 @@ def assert_first_tokens_match_target(samples: torch.Tensor, hf, prompt: Sequence
         stat, df = chi_square(observed, expected)
         assert df >= 3, f"{what}: too few cells to test ({df} degrees of freedom)"
         critical = chi_square_critical(df)
-        assert stat < critical, f"{what}: chi-square {stat:.1f} >= {critical:.1f} (df {df}): not the target's distribution"
+        assert stat < critical, f"{what}: chi-square {stat:.1f} >= {critical:.1f} (df {df}): not the target's"

@@ -22,8 +22,8 @@ from flashtree.models.dflash import DFlashDrafter, load_drafter
 from flashtree.models.dflash_config import default_target_layer_ids, parse_dflash_config
 from flashtree.models.transformer import CausalLM
 from flashtree.spec.dflash_proposer import DDTreeProposer, DFlashProposer, default_budget
-from tests.dflash_helpers import (one_thread, drafter_weight_shapes, save_tiny_drafter, save_tiny_tokenizer,
-                                  tiny_drafter_config, tiny_pair)
+from tests.dflash_helpers import (drafter_weight_shapes, one_thread, random_drafter_weights, save_tiny_drafter,
+                                  save_tiny_tokenizer, tiny_drafter_config, tiny_pair, write_drafter)
 from tests.helpers import ours_from_hf
 
 VOCAB = 32
@@ -94,6 +94,10 @@ def reference_draft_logits(hf, drafter_dir: Path, context: list[int], bonus: int
     ids, mask = cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["mask_token_id"]
     heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     b, n = block_size or cfg["block_size"], len(context)
+
+    def linear(x, name):  # a bias is there when config.json says attention_bias
+        return x @ w[name + ".weight"].T + w.get(name + ".bias", 0.0)
+
     states = hf(torch.tensor([context]), output_hidden_states=True).hidden_states
     ctx = rms(torch.cat([states[i + 1][0] for i in ids], -1) @ w["fc.weight"].T, w["hidden_norm.weight"])
     x = hf.get_input_embeddings()(torch.tensor([bonus] + [mask] * (b - 1)))  # [b, H]
@@ -103,9 +107,9 @@ def reference_draft_logits(hf, drafter_dir: Path, context: list[int], bonus: int
         window = cfg["sliding_window"] if cfg["layer_types"][layer] == "sliding_attention" else None
         h = rms(x, w[p + "input_layernorm.weight"])
         both = torch.cat([ctx, h])  # [n+b, H]: context K/V skip the input norm
-        q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(b, heads, hd), w[p + "self_attn.q_norm.weight"])
-        k = rms((both @ w[p + "self_attn.k_proj.weight"].T).view(n + b, kv, hd), w[p + "self_attn.k_norm.weight"])
-        v = (both @ w[p + "self_attn.v_proj.weight"].T).view(n + b, kv, hd)
+        q = rms(linear(h, p + "self_attn.q_proj").view(b, heads, hd), w[p + "self_attn.q_norm.weight"])
+        k = rms(linear(both, p + "self_attn.k_proj").view(n + b, kv, hd), w[p + "self_attn.k_norm.weight"])
+        v = linear(both, p + "self_attn.v_proj").view(n + b, kv, hd)
         q, k = rotate(q, positions[n:]), rotate(k, positions)
         k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)  # [heads, b, n+b]
@@ -113,7 +117,7 @@ def reference_draft_logits(hf, drafter_dir: Path, context: list[int], bonus: int
             hidden_ctx = torch.arange(n + b) < n - window  # context older than the window
             scores = scores.masked_fill(hidden_ctx, float("-inf"))
         attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(b, heads * hd)
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        x = x + linear(attn, p + "self_attn.o_proj")
         h = rms(x, w[p + "post_attention_layernorm.weight"])
         x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[
             p + "mlp.down_proj.weight"].T
@@ -174,6 +178,19 @@ def test_sliding_window_layers_see_only_recent_context(pair, target, tmp_path):
     observe_rows(drafter, cache, [0], [hf_features(pair.hf, drafter, tokens)], [(0, 11)])
     ours = drafter.draft_logits(cache, torch.tensor([0]), torch.tensor([tokens[11]]), torch.tensor([11]), kv_len=15)
     ref = reference_draft_logits(pair.hf, directory, tokens[:11], tokens[11])
+    assert (ours[0] - ref).abs().max().item() < 1e-4
+
+
+def test_attention_bias_drafter_matches_reference(pair, target, tmp_path):
+    config = tiny_drafter_config(pair.target, block_size=3) | {"attention_bias": True}
+    directory = write_drafter(tmp_path / "bias", config, random_drafter_weights(config, seed=5))
+    drafter = load_drafter(str(directory), target)
+    assert drafter.layers[0].self_attn.o_proj.bias is not None
+    cache = drafter.new_cache(max_slots=1, max_context=32, scratch=8)
+    tokens = [5, 9, 2, 30, 17, 8, 8]
+    observe_rows(drafter, cache, [0], [hf_features(pair.hf, drafter, tokens)], [(0, 6)])
+    ours = drafter.draft_logits(cache, torch.tensor([0]), torch.tensor([tokens[6]]), torch.tensor([6]), kv_len=9)
+    ref = reference_draft_logits(pair.hf, directory, tokens[:6], tokens[6])
     assert (ours[0] - ref).abs().max().item() < 1e-4
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from flashtree import LLM, SamplingParams
-from tests.dflash_helpers import (one_thread, assert_first_tokens_match_target, sample_first_tokens, tiny_pair,
+from tests.dflash_helpers import (assert_first_tokens_match_target, one_thread, sample_first_tokens, tiny_pair,
                                   use_copying_proposer)
 
 VOCAB = 24
@@ -69,7 +69,8 @@ def test_more_requests_than_slots(plain, dflash):
     """Finished requests free their slot (target and drafter caches) for waiting ones."""
     prompts = PROMPTS + PROMPTS[::-1][:5]
     params = SamplingParams(max_tokens=11, ignore_eos=True)
-    assert [o.token_ids for o in dflash.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in dflash.generate(prompts, params)] == expected
 
 
 def test_copying_drafter_reaches_full_blocks(pair, plain, monkeypatch):

@@ -22,9 +22,10 @@ def test_logits_match_transformers(family):
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
-    out = run_prompt(ours, make_cache(ours), ids[0].tolist(), capture=(0, 1))
+    out = run_prompt(ours, make_cache(ours), ids[0].tolist(), capture=(0, 1, 2))
     assert (out.logits - ref.logits).abs().max().item() < 1e-4
-    expected_hidden = torch.cat([ref.hidden_states[1], ref.hidden_states[2]], dim=-1)
+    # hidden_states[id + 1]; for the last layer (2) Hugging Face reports it after the final norm
+    expected_hidden = torch.cat([ref.hidden_states[1], ref.hidden_states[2], ref.hidden_states[3]], dim=-1)
     assert (out.hidden - expected_hidden).abs().max().item() < 1e-4
 
 

@@ -23,9 +23,9 @@ ENGINE_LIMITS = dict(max_running=4, max_context=256, prefill_chunk=8, max_waitin
 
 
 # ---------------------------------------------------------------------------- decoding methods
-# DFlash / DDTree: tests/dflash_helpers.py (written alongside the drafters) provides
-# ``tiny_pair(tmp_path, ...)``; once it exists every method-parametrized test below also runs
-# with a tiny drafter, each method on its own server. Until then only "none" runs.
+# Every test on the ``server`` fixture runs once per decoding method, each method on its own
+# server. DFlash and DDTree use ``tiny_pair`` (a tiny target + random drafter) from
+# tests/dflash_helpers.py, which lives with the drafters; without that file only "none" runs.
 def _methods() -> list[str]:
     if importlib.util.find_spec("tests.dflash_helpers") is None:
         return ["none"]
@@ -151,7 +151,7 @@ def test_seeded_sampling_is_reproducible(server):
 
 def test_batch_invariance_16_concurrent_greedy_requests(server):
     words = server.vocab_size - 8  # ids 5 .. vocab-4: no specials, no spare rows
-    requests = [dict(prompt=[(7 * i + j) % words + 5 for j in range(1 + 3 * i)], max_tokens=4 + 2 * (i % 8))
+    requests = [dict(prompt=[(7 * i + j) % words + 5 for j in range(1 + 3 * i)], max_tokens=4 + 2 * (i % 6))
                 for i in range(16)]  # prompts of 1..46 tokens (chunked by 8), 16 > 4 slots: some wait
 
     def alone(req):
@@ -183,6 +183,18 @@ def test_models_health_and_metrics(server):
                  "flashtree_spec_drafted_tokens_total", "flashtree_spec_accepted_tokens_total"):
         assert f"\n{name} " in text, name
     assert metric_value(text, "flashtree_requests_total", 'endpoint="/v1/completions",status="200"') >= 1
+    drafted = metric_value(text, "flashtree_spec_drafted_tokens_total")
+    assert drafted == 0 if server.method == "none" else drafted > 0
+
+
+def test_request_budget_zero_drafts_nothing_and_changes_no_token(server):
+    if server.method != "ddtree":
+        pytest.skip("the per-request budget lowers a DDTree")
+    kwargs = dict(model="tiny", prompt="hello world", max_tokens=12, temperature=0)
+    default = client(server).completions.create(**kwargs, extra_body={"ignore_eos": True})
+    rootonly = client(server).completions.create(**kwargs, extra_body={"ignore_eos": True, "budget": 0})
+    assert rootonly.choices[0].text == default.choices[0].text
+    assert (rootonly.usage.rounds, rootonly.usage.mean_acceptance_length) == (11, 1.0)
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -354,3 +366,30 @@ def test_serve_stops_when_the_model_fails_to_load(tmp_path):
     (target / "model.safetensors").unlink()  # config.json is fine (the memory check passes), weights are gone
     with pytest.raises(FlashtreeError, match="safetensors"):
         serve(server_config(target))
+
+
+# ---------------------------------------------------------------------------- pure mappings
+def test_engine_refusals_map_to_openai_statuses():
+    from flashtree.engine.scheduler import PromptTooLongError, QueueFullError
+    from flashtree.errors import RequestError
+    from flashtree.server.async_engine import EngineUnavailable
+    from flashtree.server.errors import from_engine_error
+
+    busy = from_engine_error(QueueFullError("3 requests are waiting"), "prompt")
+    assert (busy.status, busy.code, busy.headers["Retry-After"]) == (429, "queue_full", "1")
+    assert from_engine_error(PromptTooLongError("the prompt has 9 tokens"), "messages").status == 413
+    empty = from_engine_error(RequestError("the prompt is empty; give at least one token"), "messages")
+    assert (empty.status, empty.param) == (400, "messages")
+    sampling = from_engine_error(RequestError("top_k must be an integer >= 0"), "prompt")
+    assert (sampling.status, sampling.param) == (400, "top_k")
+    assert from_engine_error(EngineUnavailable("the engine is stopping"), "prompt").status == 503
+    assert from_engine_error(KeyError("bug"), "prompt").status == 500
+
+
+def test_validation_errors_name_the_nested_field():
+    from flashtree.server.errors import validation_error
+
+    err = validation_error([{"type": "literal_error", "loc": ("body", "messages", 0, "content", "list[TextPart]", 1,
+                                                              "type"), "msg": "Input should be 'text'"}])
+    assert (err.status, err.param) == (400, "messages[0].content[1].type")
+    assert err.message == "messages[0].content[1].type: Input should be 'text'"

@@ -75,6 +75,10 @@ class ServerThread:
         self.url = ""
 
     @property
+    def method(self) -> str:
+        return self.engine.proposer.name
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.model.config.vocab_size
 

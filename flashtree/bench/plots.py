@@ -32,7 +32,8 @@ def plot_speedup_and_tau(report: dict, path: Path) -> None:
         axis.set_xlabel("draft budget (nodes per round)")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    fig.suptitle(f"{report['config'].get('model')} on {report['config'].get('dataset')}")
+    config = report["config"]
+    fig.suptitle(f"{Path(str(config.get('model'))).name} on {Path(str(config.get('dataset'))).name}")
     fig.tight_layout()
     _save(fig, path, plt)
 

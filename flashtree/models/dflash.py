@@ -197,7 +197,8 @@ def load_drafter(path_or_hub_id: str, target: CausalLM, tokenizer=None, block_si
     directory = resolve_drafter_dir(path_or_hub_id, need_weights=not random_weights)
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{directory}: config.json not found, so this is not a drafter; --draft accepts {DRAFT_FORMS}")
+        raise CheckpointError(
+            f"{directory}: config.json not found, so this is not a drafter; --draft accepts {DRAFT_FORMS}")
     raw = read_json(config_path, ConfigError)
     config = parse_dflash_config(raw, str(config_path), target.config, tokenizer, block_size_override)
     weights = None

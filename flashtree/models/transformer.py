@@ -174,10 +174,11 @@ class CausalLM(nn.Module):
         write_index = cache.write_index(batch.slots, batch.cache_lengths, batch.num_new)
         captured = {}
         wanted = set(capture_layers)
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, batch, cache, rope, mask, write_index)
-            if i in wanted:
-                captured[i] = x
+            if i in wanted:  # HF hidden_states[i + 1]; the last one is taken after the final norm
+                captured[i] = self.model.norm(x) if i == last else x
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]

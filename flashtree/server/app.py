@@ -15,6 +15,7 @@ from flashtree.engine.engine import LLMEngine
 from flashtree.server.async_engine import AsyncEngine
 from flashtree.server.config import ServerConfig
 from flashtree.server.errors import install_error_handlers
+from flashtree.server.generation import ServedModel
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.middleware import Gate, ResponseCounter
 from flashtree.server.routes import ServerContext, build_router
@@ -25,8 +26,9 @@ def create_app(config: ServerConfig, *,
                on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     metrics = ServerMetrics()
 
-    def load() -> LLMEngine:
+    def load() -> LLMEngine:  # on the engine thread
         engine = load_engine(config.engine)
+        ctx.served = ServedModel.of(engine, config.model_name)
         metrics.engine_info.labels(model=config.model_name, method=engine.proposer.name,
                                    device=str(engine.device), dtype=str(engine.dtype)).set(1)
         return engine

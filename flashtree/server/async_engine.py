@@ -44,6 +44,10 @@ class EngineFailure(Exception):
     """The engine failed while running this request (HTTP 500)."""
 
 
+class EngineUnavailable(Exception):
+    """The engine is not serving (loading, failed, or shutting down): HTTP 503."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestUsage:
     prompt_tokens: int
@@ -137,10 +141,11 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop after the current step. A thread still loading is left behind (daemon)."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self.state is not EngineState.LOADING:
             self._thread.join(timeout)
 
     @property
@@ -151,6 +156,8 @@ class AsyncEngine:
                      arrival: float | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine admitted it, or raises the
         engine's refusal (``RequestError``, ``QueueFullError``)."""
+        if self.state is not EngineState.READY or self._stopping:
+            raise EngineUnavailable(f"the engine is {'stopping' if self._stopping else self.state.value}")
         stream = RequestStream(asyncio.get_running_loop())
         self._send(_Submit(stream, list(prompt_ids), params, budget, arrival or time.monotonic()))
         try:
@@ -303,7 +310,7 @@ class AsyncEngine:
             pending = [c for c in self._commands if isinstance(c, _Submit)]
             self._commands.clear()
         for command in pending:
-            _post(command.stream.loop, _settle, command.stream.admitted, RuntimeError(message))
+            _post(command.stream.loop, _settle, command.stream.admitted, EngineUnavailable(message))
 
     def _send_error(self, tracked: _Tracked, message: str) -> None:
         self.metrics.finished.labels(finish_reason="error").inc()

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashtree.engine.scheduler import PromptTooLongError, QueueFullError
 from flashtree.errors import RequestError
+from flashtree.server.async_engine import EngineUnavailable
 from flashtree.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("flashtree.server")
@@ -62,6 +63,8 @@ def from_engine_error(err: Exception, prompt_field: str) -> APIError:
         return APIError(413, str(err), param=prompt_field, code="context_length_exceeded")
     if isinstance(err, RequestError):
         return APIError(400, str(err), param=param_named_in(str(err), prompt_field))
+    if isinstance(err, EngineUnavailable):
+        return APIError(503, str(err), code="model_not_ready")
     return APIError(500, f"the engine failed: {type(err).__name__}: {err}")
 
 
@@ -80,6 +83,8 @@ def validation_error(errors: Iterable[dict[str, Any]]) -> APIError:
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = errors[0].get("ctx", {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON ({detail})".replace(" ()", ""))
+    if any(e.get("type") == "model_attributes_type" and tuple(e.get("loc", ())) == ("body",) for e in errors):
+        return APIError(400, "the request body must be a JSON object (send it with Content-Type: application/json)")
     messages, params = [], []
     for e in errors:
         param = _field_path(e.get("loc", ()))

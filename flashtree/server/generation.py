@@ -14,7 +14,7 @@ from flashtree.engine.engine import LLMEngine
 from flashtree.errors import RequestError
 from flashtree.sampling import SamplingParams
 from flashtree.server.errors import APIError, param_named_in
-from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from flashtree.tokenizer import encode_chat, encode_prompt
 
 
@@ -59,7 +59,7 @@ def completion_input(body: CompletionRequest, model: ServedModel) -> GenerationI
     return GenerationInput(prompt_ids, sampling_params(body, body.max_tokens, "prompt"), body.budget)
 
 
-def sampling_params(body: _SamplingRequest, max_tokens: int, prompt_field: str) -> SamplingParams:
+def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str) -> SamplingParams:
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               max_tokens=max_tokens, stop=body.stop_strings, seed=body.seed,

@@ -4,7 +4,9 @@ Requests ignore unknown fields (clients send many), validate the ones we read st
 (``"5"`` is not an integer), and reject the ones we cannot honour (``n != 1``, logprobs,
 tools, penalties) with the field's name, so a client learns what is wrong.
 
-Extensions beyond OpenAI: ``top_k``, ``ignore_eos`` and ``budget`` (lower the request's
+Defaults follow OpenAI: temperature 1, top_p 1, max_tokens 16 for completions and the rest
+of the context for chat; a max_tokens that runs past the context ends there ("length").
+Extensions beyond OpenAI: ``top_k``, ``ignore_eos`` and ``budget`` (lowers the request's
 DDTree budget; 0 = no drafted tokens). ``usage`` carries ``rounds`` and
 ``mean_acceptance_length`` besides the token counts.
 """
@@ -29,7 +31,7 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
-class _SamplingRequest(_Request):
+class SamplingRequest(_Request):
     """Fields shared by chat and completions requests."""
 
     model: StrictStr
@@ -98,7 +100,7 @@ class ChatMessage(_Request):
         return {"role": self.role, "content": "".join(part.text for part in self.content)}
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool | None = None
@@ -123,7 +125,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: StrictStr | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
     max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
     logprobs: StrictInt | None = None

@@ -7,8 +7,9 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
-from flashtree.server.async_engine import AsyncEngine, EngineFailure, EngineState, RequestStream
+from flashtree.server.async_engine import AsyncEngine, EngineFailure, EngineState, GenerationDelta, RequestStream
 from flashtree.server.errors import APIError, from_engine_error
 from flashtree.server.generation import GenerationInput, ServedModel, chat_input, completion_input
 from flashtree.server.metrics import CONTENT_TYPE
@@ -25,18 +26,13 @@ class ServerContext:
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self._served: ServedModel | None = None
+        self.served: ServedModel | None = None  # set on the engine thread once loaded, before ready
 
     def model(self, requested: str) -> ServedModel:
         if requested != self.model_name:
             raise APIError(404, f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        return self.served()
-
-    def served(self) -> ServedModel:
-        if self._served is None:
-            self._served = ServedModel.of(self.engine.engine, self.model_name)
-        return self._served
+        return self.served
 
     def not_ready_reason(self) -> str | None:
         state = self.engine.state
@@ -52,7 +48,7 @@ class ServerContext:
         except Exception as err:  # refusals from add_request: 400 / 413 / 429
             raise from_engine_error(err, prompt_field) from None
 
-    async def finish(self, stream: RequestStream, request: Request):
+    async def finish(self, stream: RequestStream, request: Request) -> GenerationDelta | None:
         """The request's last delta, or None when the client left first (the request is aborted)."""
         result = asyncio.ensure_future(last_delta(stream))
         watcher = asyncio.ensure_future(_client_left(request))
@@ -76,6 +72,12 @@ async def _client_left(request: Request) -> None:
         pass
 
 
+def event_stream(events, ctx: ServerContext, stream: RequestStream) -> StreamingResponse:
+    """An SSE response; the background cancel covers a client that left before the first event."""
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS,
+                             background=BackgroundTask(ctx.engine.cancel, stream))
+
+
 def build_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
@@ -87,7 +89,7 @@ def build_router(ctx: ServerContext) -> APIRouter:
         response_id = new_id("chatcmpl")
         if body.stream:
             events = chat_events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel)
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return event_stream(events, ctx, stream)
         final = await ctx.finish(stream, request)
         if final is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -101,7 +103,7 @@ def build_router(ctx: ServerContext) -> APIRouter:
         response_id = new_id("cmpl")
         if body.stream:
             events = completion_events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel)
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return event_stream(events, ctx, stream)
         final = await ctx.finish(stream, request)
         if final is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -109,7 +111,7 @@ def build_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.served().max_context)])
+        return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.served.max_context)])
 
     @router.get("/health")
     async def health():

@@ -32,6 +32,7 @@ WARMUP_TOKENS = 4
 def load_engine(config: EngineConfig) -> LLMEngine:
     """Check memory, load, log the layout, and warm up with one short generation."""
     check_kv_cache_fits(config)
+    log.info("loading %s", config)
     engine = LLMEngine(config)
     log.info("%s", describe(engine))
     warm_up(engine)

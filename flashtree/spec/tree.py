@@ -133,16 +133,21 @@ def _best_in_index_order(weights: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` largest weights per row, ties to the lower index.
 
     weights: [R, M] with M >= count. Returns [R, count] int64 in ascending index order.
-    Exact tie-break without a full sort: everything above the count-th value ranks first,
-    then the values equal to it by index (an integer key, so topk has no ties to break).
+    One top-k on an int64 key that holds the weight's order-preserving bits above the reversed
+    index, so equal weights rank by index exactly and top-k itself never meets a tie.
     """
     size = weights.shape[1]
-    threshold = torch.topk(weights, count, dim=1, sorted=True).values[:, -1:]  # [R, 1]
+    order_bits = _order_preserving_bits(weights)  # [R, M] int64, same order as weights
     later_first = torch.arange(size, 0, -1, device=weights.device)  # [M]; size .. 1
-    key = torch.where(weights > threshold, later_first + size, 0)  # [R, M]
-    key = torch.where(weights == threshold, later_first, key)  # [R, M]
+    key = (order_bits << 32) | later_first  # [R, M]
     picked = torch.topk(key, count, dim=1, sorted=False).indices  # [R, count]
     return picked.sort(dim=1).values  # [R, count]
+
+
+def _order_preserving_bits(weights: torch.Tensor) -> torch.Tensor:
+    """int64 keys that sort like the float weights (float32 precision; -inf lowest)."""
+    bits = weights.float().view(torch.int32).long()  # [R, M] sign-extended
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # negative floats count downwards
 
 
 def _select_nodes(levels: list[_Level], budgets: torch.Tensor, max_budget: int) -> DraftTree:

@@ -30,6 +30,8 @@ def _register_train(subparsers) -> None:
     p.add_argument("--target-layer-ids", default=None, help="comma-separated target layers (default: spread)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="mask token id (default: <|MASK|> if the tokenizer has it, else an unused special)")
+    p.add_argument("--output-norm-init", type=float, default=d.output_norm_init,
+                   help="initial weight of a new drafter's final norm (small: near-uniform first predictions)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (wins over --epochs)")
     p.add_argument("--epochs", type=float, default=d.epochs)
     size = p.add_mutually_exclusive_group()
@@ -50,6 +52,10 @@ def _register_train(subparsers) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out evals (0: off)")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints (0: end only)")
+    p.add_argument("--save-dtype", default=d.save_dtype, choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the saved weights")
+    p.add_argument("--max-shard-mb", type=float, default=None,
+                   help="shard the weights above this size (model-0000i-of-0000n.safetensors + index)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
@@ -73,13 +79,14 @@ def train_config_from_args(args) -> "TrainConfig":
     return TrainConfig(
         model=args.model, data=args.data, output=args.output, resume=args.resume, layers=args.layers,
         block_size=args.block_size, target_layer_ids=parse_layer_ids(args.target_layer_ids),
-        mask_token_id=args.mask_token_id, max_seq_len=args.max_seq_len, batch_size=batch_size,
+        mask_token_id=args.mask_token_id, output_norm_init=args.output_norm_init, max_seq_len=args.max_seq_len, batch_size=batch_size,
         batch_tokens=args.batch_tokens, anchors_per_seq=args.anchors_per_seq,
         heldout_percent=args.heldout_percent, max_conversations=args.max_conversations, steps=args.steps,
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, time_budget_s=args.time_budget_s, device=args.device, dtype=args.dtype,
         attention=args.attention, eval_every=args.eval_every, eval_batches=args.eval_batches,
-        save_every=args.save_every, log_every=args.log_every, seed=args.seed, progress=not args.no_progress)
+        save_every=args.save_every, save_dtype=args.save_dtype, max_shard_mb=args.max_shard_mb,
+        log_every=args.log_every, seed=args.seed, progress=not args.no_progress)
 
 
 def cmd_train(args) -> None:

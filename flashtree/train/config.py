@@ -35,6 +35,7 @@ class TrainConfig:
     block_size: int = 16
     target_layer_ids: tuple[int, ...] | None = None  # None: spread over the target (DESIGN.md)
     mask_token_id: int | None = None  # None: <|MASK|> when the tokenizer has it, else an unused special
+    output_norm_init: float = 1.0  # initial weight of a new drafter's final norm (feeds the target's lm_head)
     # data
     max_seq_len: int = 1024
     batch_size: int | None = 8  # sequences per step (used when batch_tokens is None)

@@ -32,12 +32,8 @@ def dense_block_mask(positions: torch.Tensor, context_len: int, block_size: int,
     return torch.cat([sees_ctx, sees_block], dim=2)[:, None]
 
 
-def flex_block_mask(positions: torch.Tensor, context_len: int, block_size: int, window: int | None = None):
-    """The same rule as a flex-attention ``BlockMask`` for ``[B, H, A*b, N + A*b]`` scores."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    batch, anchors = positions.shape
-    n_query = anchors * block_size
+def block_mask_mod(positions: torch.Tensor, context_len: int, block_size: int, window: int | None = None):
+    """The rule as a flex-attention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
@@ -48,4 +44,14 @@ def flex_block_mask(positions: torch.Tensor, context_len: int, block_size: int, 
         sees_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         return sees_ctx | sees_block
 
+    return mask_mod
+
+
+def flex_block_mask(positions: torch.Tensor, context_len: int, block_size: int, window: int | None = None):
+    """The same rule as a flex-attention ``BlockMask`` for ``[B, H, A*b, N + A*b]`` scores."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, anchors = positions.shape
+    n_query = anchors * block_size
+    mask_mod = block_mask_mod(positions, context_len, block_size, window)
     return create_block_mask(mask_mod, batch, None, n_query, context_len + n_query, device=positions.device)

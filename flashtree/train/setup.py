@@ -28,7 +28,7 @@ from flashtree.train.target_features import TargetFeatures
 class TrainSetup:
     cfg: TrainConfig
     device: torch.device
-    dtype: torch.dtype  # target dtype; also the autocast dtype on CUDA when lower than float32
+    dtype: torch.dtype  # target dtype; also the autocast dtype when lower than float32
     target: CausalLM
     tokenizer: Any
     features: TargetFeatures
@@ -49,7 +49,7 @@ class TrainSetup:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return self.dtype if self.device.type == "cuda" and self.dtype != torch.float32 else None
+        return self.dtype if self.dtype != torch.float32 else None
 
 
 def load_target(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, Any]:
@@ -100,6 +100,9 @@ def prepare(cfg: TrainConfig) -> TrainSetup:
     raw, weights, state = drafter_source(cfg, target, tokenizer)
     drafter = trainable_drafter(raw, target, tokenizer, device, weights, seed=cfg.seed,
                                 source=f"{cfg.resume or 'new drafter'}/config.json")
+    if weights is None:
+        with torch.no_grad():
+            drafter.norm.weight.fill_(cfg.output_norm_init)
     drafter.setup_rope(cfg.max_seq_len + drafter.config.block_size + 1)
     train_samples, heldout_samples = load_samples(cfg, target, tokenizer)
     if not train_samples:

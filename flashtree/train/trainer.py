@@ -59,7 +59,7 @@ def lr_at(cfg: TrainConfig, step: int, total_steps: int, time_fraction: float = 
 
 def _autocast(setup: TrainSetup):
     dtype = setup.autocast_dtype
-    return torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    return torch.autocast(setup.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def _attention(setup: TrainSetup) -> str:
@@ -166,6 +166,9 @@ def run(setup: TrainSetup) -> TrainResult:
             train_metrics = window.summary()
             bar.set_postfix(loss=f"{window.loss:.3f}", acc1=f"{train_metrics['acc1']:.3f}",
                             tau=f"{window.tau:.2f}")
+            if bar.disable:  # no bar: a log line instead
+                print(f"step {step}/{setup.total_steps} {time.perf_counter() - start:.0f}s loss {window.loss:.4f} "
+                      f"acc1 {train_metrics['acc1']:.3f} tau {window.tau:.2f}", flush=True)
             window = MetricTotals()
         if cfg.eval_every and step % cfg.eval_every == 0 and step < setup.total_steps and held:
             metrics = evaluate(setup, held)

@@ -1,0 +1,204 @@
+"""Drafter training: training forward == inference drafting, the loss falls, a trained drafter
+reaches high acceptance in the real engine, checkpoints load, resume and regenerate work."""
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from flashtree import LLM, SamplingParams
+from flashtree.models.build import build_model
+from flashtree.models.dflash import load_drafter
+from flashtree.models.loader import load_checkpoint, read_weights
+from flashtree.train.anchors import build_blocks
+from flashtree.train.config import TrainConfig, loss_gamma
+from flashtree.train.forward import training_hidden
+from flashtree.train.loss import block_loss, correctness_stats
+from flashtree.train.masks import block_mask_mod, dense_block_mask
+from flashtree.train.new_drafter import choose_mask_token, spread_layer_ids
+from flashtree.train.regenerate import RegenerateConfig, regenerate, select_prompts
+from flashtree.train.setup import prepare
+from flashtree.train.target_features import TargetFeatures
+from flashtree.train.trainer import train, train_step
+from tests.dflash_helpers import tiny_pair
+from tests.test_train_utils import save_successor_target, successor_chats
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls run fastest on one thread (and do not fight other test processes)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("pair"), vocab=32, target_layers=3, block_size=4)
+
+
+def random_chats(path, count, seed=0):
+    rng = random.Random(seed)
+    words = ["hello", "world", "flash", "tree", "the", "a", "is"] + [f"w{i}" for i in range(12)]
+    with path.open("w") as handle:
+        for i in range(count):
+            turns = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 20))) for _ in range(2)]
+            handle.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": turns[0]},
+                                                                 {"role": "assistant", "content": turns[1]}]}) + "\n")
+    return path
+
+
+def test_training_forward_equals_inference_drafting(pair):
+    ckpt = load_checkpoint(str(pair.target))
+    target = build_model(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32)
+    drafter = load_drafter(str(pair.drafter), target, ckpt.tokenizer)
+    cfg = drafter.config
+    ids = torch.randint(0, 30, (1, 24), generator=torch.Generator().manual_seed(0))  # [1, N]
+    features = TargetFeatures(target, cfg.target_layer_ids)(ids, torch.tensor([24]))  # [1, N, C]
+    anchors = torch.tensor([[0, 5, 11, 12, 23]])  # every block of the sequence in one pass
+    blocks = build_blocks(ids, torch.ones_like(ids, dtype=torch.bool), anchors, torch.ones_like(anchors).bool(),
+                          cfg.block_size, cfg.mask_token_id)
+    drafter.setup_rope(64)
+    trained = drafter.target.head(training_hidden(drafter, features, blocks))  # [1, A, b-1, V]
+    cache = drafter.new_cache(1, 64, 16)
+    slot = torch.tensor([0])
+    for a, start in enumerate(anchors[0].tolist()):
+        cache.free(slot)  # inference: observe the committed context, then draft from the bonus token
+        drafter.observe(cache, slot, features[:, :max(start, 1)], torch.tensor([start]), torch.tensor([0]))
+        drafted = drafter.draft_logits(cache, slot, ids[:, start], torch.tensor([start]), kv_len=start + cfg.block_size)
+        torch.testing.assert_close(trained[0, a], drafted[0], rtol=1e-5, atol=1e-5)
+
+
+def test_flex_mask_rule_equals_dense_mask():
+    positions = torch.tensor([[0, 3, 9, 9], [5, 1, 11, 2]])
+    for window in (None, 3):
+        dense = dense_block_mask(positions, 12, 4, window)
+        flex = create_mask(block_mask_mod(positions, 12, 4, window), 2, 1, 16, 28, device="cpu")
+        assert torch.equal(dense, flex)
+    assert dense[0, 0, 0, :12].sum() == 0 and dense[0, 0, 0, 12:16].all()  # anchor 0: no context, own block
+
+
+def test_loss_weights_and_tau_estimate():
+    assert [loss_gamma(b) for b in (8, 10, 16)] == [4.0, 5.0, 7.0] and 5.0 < loss_gamma(12) < 7.0
+    correct = torch.tensor([[[True, True, False], [False, True, True], [True, True, True]]])
+    mask = torch.tensor([[[True, True, True], [True, True, True], [True, True, False]]])
+    slot_correct, slot_count, accepted, blocks = correctness_stats(correct, mask)
+    assert slot_correct.tolist() == [2, 3, 1] and slot_count.tolist() == [3, 3, 2]
+    assert accepted.item() == (1 + 2) + (1 + 0) + (1 + 2) and blocks.item() == 3  # an unlabelled slot is a miss
+    hidden = torch.randn(1, 3, 3, 8)
+    result = block_loss(hidden, lambda h: h @ torch.eye(8), torch.zeros(1, 3, 3, dtype=torch.long), mask, 4.0)
+    logp = torch.log_softmax(hidden, -1)[..., 0]  # the weighted mean of -log p(label)
+    weights = torch.exp(-torch.arange(3) / 4.0).expand(1, 3, 3)
+    torch.testing.assert_close(result.loss, -(logp * weights)[mask].sum() / weights[mask].sum())
+
+
+def test_mask_token_choice():
+    class Tok:
+        bos_token_id = eos_token_id = pad_token_id = unk_token_id = None
+        chat_template = None
+        all_special_tokens = []
+
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+        def __len__(self):
+            return len(self.vocab)
+
+    smol = Tok({"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<issue_start>": 8, "a": 9})
+    assert choose_mask_token(smol, 10) == (8, "<issue_start>")
+    assert choose_mask_token(Tok({"a": 0, "<|MASK|>": 5}), 10) == (5, "<|MASK|>")
+    assert choose_mask_token(Tok({"a": 0, "b": 1}), 10) == (2, "<|MASK|>")  # a spare embedding row
+    assert spread_layer_ids(30, 3) == (1, 14, 27) and spread_layer_ids(2, 2) == (1, 0)
+
+
+def test_loss_falls_on_a_tiny_random_target(pair, tmp_path):
+    chats = random_chats(tmp_path / "chats.jsonl", 64)
+    cfg = TrainConfig(model=str(pair.target), data=str(chats), output=str(tmp_path / "d"), layers=1, block_size=4,
+                      max_seq_len=64, batch_size=8, anchors_per_seq=16, steps=40, lr=3e-3, warmup=5,
+                      heldout_percent=0, progress=False)
+    setup = prepare(cfg)
+    batches = setup.stream.iterate()
+    generator = torch.Generator().manual_seed(0)
+    losses = [train_step(setup, next(batches), generator, cfg.lr).loss.item() for _ in range(cfg.steps)]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.4, losses  # random words: the floor is their entropy, about ln(19) = 2.9
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A drafter trained on chats of the successor target (greedy output: w0 w1 .. w7 w0 ..)."""
+    tmp = tmp_path_factory.mktemp("successor")
+    torch.set_num_threads(1)
+    target, _ = save_successor_target(tmp / "target", cycle=8)
+    chats = successor_chats(tmp / "chats.jsonl", 160, cycle=8)
+    cfg = TrainConfig(model=str(target), data=str(chats), output=str(tmp / "drafter"), layers=2, block_size=8,
+                      target_layer_ids=(1, 3), max_seq_len=96, batch_size=8, anchors_per_seq=32, steps=70,
+                      lr=3e-3, warmup=10, eval_every=0, heldout_percent=10, progress=False)
+    return cfg, train(cfg)
+
+
+def test_trained_drafter_reaches_high_acceptance_in_the_engine(trained):
+    cfg, result = trained
+    assert result.heldout["tau"] > 3.0, result.summary()
+    llm = LLM(cfg.model, spec="dflash", draft=cfg.output, max_running=4, max_context=256)
+    chats = [[{"role": "user", "content": "w3 w5"}], [{"role": "user", "content": "hello world tree"}]]
+    outs = llm.chat(chats, SamplingParams(max_tokens=48, ignore_eos=True))
+    plain = LLM(cfg.model, max_running=4, max_context=256).chat(chats, SamplingParams(max_tokens=48, ignore_eos=True))
+    for out, ref in zip(outs, plain):
+        assert out.token_ids == ref.token_ids  # lossless, whatever the drafter
+        assert out.mean_acceptance_length > 3.0, out.acceptance_lengths
+
+
+def test_checkpoint_is_zlab_format_and_loads(trained):
+    cfg, result = trained
+    raw = json.loads((Path(cfg.output) / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["model_type"] == "qwen3"
+    assert raw["block_size"] == 8 and raw["num_target_layers"] == 4
+    assert raw["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert raw["dflash_config"]["mask_token_id"] == 46 and raw["dflash_config"]["mask_token"] == "<|MASK|>"
+    weights = read_weights(Path(cfg.output))
+    assert not any("embed" in name or "lm_head" in name for name in weights)
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    assert (Path(cfg.output) / "trainer_state.pt").is_file()
+    ckpt = load_checkpoint(cfg.model)
+    target = build_model(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32)
+    drafter = load_drafter(cfg.output, target, ckpt.tokenizer)
+    assert drafter.config.block_size == 8 and drafter.config.mask_token_id == 46
+
+
+def test_resume_continues_and_shards(trained, tmp_path):
+    cfg, result = trained
+    more = dataclasses.replace(cfg, resume=cfg.output, output=str(tmp_path / "resumed"), steps=result.steps + 3,
+                               max_shard_mb=0.05)
+    again = train(more)
+    assert again.steps == result.steps + 3
+    out = Path(more.output)
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) > 1
+    ckpt = load_checkpoint(cfg.model)
+    target = build_model(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32)
+    load_drafter(more.output, target, ckpt.tokenizer)
+    assert again.heldout["tau"] > 3.0
+
+
+def test_regenerate_writes_target_answers(pair, tmp_path):
+    prompts = random_chats(tmp_path / "prompts.jsonl", 6)
+    cfg = RegenerateConfig(prompts=str(prompts), output=str(tmp_path / "regen.jsonl"), split="all",
+                           max_new_tokens=8, temperature=0.0, progress=False)
+    llm = LLM(str(pair.target), max_running=4, max_context=128)
+    stats = regenerate(llm, select_prompts(cfg), cfg)
+    records = [json.loads(line) for line in (tmp_path / "regen.jsonl").read_text().splitlines()]
+    assert stats.answered == len(records) == 6 and stats.skipped == 0
+    assert sorted(r["id"] for r in records) == [f"r{i}" for i in range(6)]
+    for record in records:
+        user, answer = record["messages"]
+        expected = llm.chat([user], SamplingParams(max_tokens=8))[0]
+        assert answer == {"role": "assistant", "content": expected.text}
+        assert record["num_tokens"] == len(expected.token_ids)
