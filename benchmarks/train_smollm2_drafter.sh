@@ -9,14 +9,16 @@
 # Environment (all optional):
 #   MODEL        target (default: the carried GGUF in $STASH, else the embedded 'smollm2')
 #   CARRY        folder with the exported prompt files (default benchmarks/out/train_carry)
-#   PROMPTS      training prompts JSONL   (default $CARRY/sharegpt_train_prompts.jsonl)
+#   PROMPTS      prompts to regenerate    (default $CARRY/sharegpt_prompts.jsonl: both splits; the
+#                trainer holds out the held-out split's chats again, by the same id hash)
 #   HELDOUT      held-out prompts JSONL   (default $CARRY/sharegpt_heldout_prompts.jsonl)
 #   WORK         scratch folder           (default benchmarks/out/smollm2-drafter)
 #   OUT          where the small results are copied (the device tool sets it; optional)
-#   REGEN_S / TRAIN_S   wall-clock budgets of steps 1 and 2 in seconds (default 180 / 240)
-#   REGEN_LIMIT  prompts to answer at most (default 8311: all exported)
+#   REGEN_S / TRAIN_S   wall-clock budgets of steps 1 and 2 in seconds (default 140 / 230)
+#   REGEN_LIMIT  prompts to answer at most (default 8498: all exported)
 #   NEW_TOKENS   max new tokens per regenerated answer (default 256)
 #   BENCH_PROMPTS / BENCH_TOKENS   held-out prompts and new tokens of the tau measurement (default 8 / 64)
+#   BENCH_METHODS  decoding methods measured (default ar,dflash,ddtree:16,ddtree:64)
 #   MAX_RUNNING  requests decoded together while regenerating (default 512)
 #   DEVICE       --device for every step (default auto)
 set -euo pipefail
@@ -29,15 +31,16 @@ GGUF="$STASH/SmolLM2-135M-Instruct.Q4_1.gguf"
 if [[ -z "${MODEL:-}" ]]; then
   if [[ -f "$GGUF" ]]; then MODEL="$GGUF"; else MODEL=smollm2; fi
 fi
-PROMPTS=${PROMPTS:-$CARRY/sharegpt_train_prompts.jsonl}
+PROMPTS=${PROMPTS:-$CARRY/sharegpt_prompts.jsonl}
 HELDOUT=${HELDOUT:-$CARRY/sharegpt_heldout_prompts.jsonl}
 WORK=${WORK:-benchmarks/out/smollm2-drafter}
-REGEN_S=${REGEN_S:-180}
-TRAIN_S=${TRAIN_S:-240}
-REGEN_LIMIT=${REGEN_LIMIT:-8311}
+REGEN_S=${REGEN_S:-140}
+TRAIN_S=${TRAIN_S:-230}
+REGEN_LIMIT=${REGEN_LIMIT:-8498}
 NEW_TOKENS=${NEW_TOKENS:-256}
 BENCH_PROMPTS=${BENCH_PROMPTS:-8}
 BENCH_TOKENS=${BENCH_TOKENS:-64}
+BENCH_METHODS=${BENCH_METHODS:-ar,dflash,ddtree:16,ddtree:64}
 MAX_RUNNING=${MAX_RUNNING:-512}
 DEVICE=${DEVICE:-auto}
 PY=${PY:-python3}
@@ -61,7 +64,7 @@ bytes=$(du -cb "$WORK"/drafter/*.safetensors | tail -1 | cut -f1)
 echo "checkpoint weights: $bytes bytes"
 if (( bytes >= 40 * 1024 * 1024 )); then echo "FAIL: checkpoint is not under 40 MB"; exit 1; fi
 $PY -m flashtree.cli bench --model "$MODEL" --draft "$WORK/drafter" --dataset "$HELDOUT" \
-  --num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_TOKENS" --device "$DEVICE" --methods ar,dflash,ddtree:16,ddtree:64,ddtree:256 \
+  --num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_TOKENS" --device "$DEVICE" --methods "$BENCH_METHODS" \
   --json "$WORK/bench/bench.json" --no-progress --allow-inexact
 stamp "done"
 

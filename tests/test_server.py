@@ -319,6 +319,9 @@ def test_engine_failure_is_a_500_for_that_request_only(plain_server):
     with pytest.raises(openai.InternalServerError) as err:
         client(plain_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, **GREEDY)
     assert "injected failure" in err.value.message
+    runner.round = fail_once  # after the headers went out: an error event ends the stream
+    with pytest.raises(openai.APIError, match="injected failure"):
+        streamed_chat(plain_server, messages=CHAT, max_tokens=6, **GREEDY)
     after = client(plain_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, **GREEDY)
     assert after.choices[0].message.content == expected.choices[0].message.content
     assert wait_for_metric(plain_server, "flashtree_requests_running", lambda v: v == 0) == 0

@@ -202,3 +202,20 @@ def test_regenerate_writes_target_answers(pair, tmp_path):
         expected = llm.chat([user], SamplingParams(max_tokens=8))[0]
         assert answer == {"role": "assistant", "content": expected.text}
         assert record["num_tokens"] == len(expected.token_ids)
+
+
+def test_cli_commands(pair, tmp_path, capsys):
+    from flashtree.cli import main
+
+    chats = random_chats(tmp_path / "chats.jsonl", 12)
+    assert main(["export-prompts", "--data", str(chats), "--split", "all", "--output", str(tmp_path / "p.jsonl")]) == 0
+    assert main(["regenerate", "--model", str(pair.target), "--prompts", str(tmp_path / "p.jsonl"), "--split", "all",
+                 "--max-new-tokens", "4", "--temperature", "0", "--max-running", "4", "--max-context", "128",
+                 "--output", str(tmp_path / "regen.jsonl"), "--no-progress"]) == 0
+    assert main(["train-drafter", "--model", str(pair.target), "--data", str(tmp_path / "regen.jsonl"),
+                 "--output", str(tmp_path / "d"), "--layers", "1", "--block-size", "4", "--steps", "3",
+                 "--batch-size", "4", "--anchors-per-seq", "8", "--max-seq-len", "64", "--heldout-percent", "0",
+                 "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and (tmp_path / "d" / "model.safetensors").is_file()
+    assert main(["train-drafter", "--model", str(pair.target), "--data", str(chats), "--block-size", "1"]) == 2

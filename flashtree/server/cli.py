@@ -33,6 +33,8 @@ def register(subparsers) -> None:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
     serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per request per step")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for torch (default: torch's choice; 1 helps on a busy shared CPU)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     serve.set_defaults(func=cmd_serve)
 
@@ -55,8 +57,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     config = config_from_args(args)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        set_cpu_threads(args.threads)
     check_kv_cache_fits(config.engine)  # refuse before binding the port
     serve(config)
+
+
+def set_cpu_threads(threads: int) -> None:
+    import torch
+
+    if threads < 1:
+        raise FlashtreeError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
 
 
 def serve(config: ServerConfig) -> None:

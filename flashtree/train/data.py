@@ -236,9 +236,12 @@ def _prompt_tokens(tokenizer, messages: list[dict]) -> int:
 def heldout_prompts(n: int, source: str = SHAREGPT, heldout_percent: float = DEFAULT_HELDOUT_PERCENT,
                     max_chars: int = 2000) -> list[str]:
     """First-turn user prompts of ``n`` held-out conversations (the ``sharegpt-heldout``
-    benchmark set): never seen in training with the same ``heldout_percent``."""
-    _, heldout = split_conversations(load_conversations(source), heldout_percent)
-    return [messages[-1]["content"] for _, messages in first_turn_prompts(heldout, n, max_chars=max_chars)]
+    benchmark set): never seen in training with the same ``heldout_percent`` (a prompt that
+    also opens a training conversation is left out)."""
+    train, heldout = split_conversations(load_conversations(source), heldout_percent)
+    seen = {messages[-1]["content"] for _, messages in first_turn_prompts(train, english_only=False, max_chars=10**9)}
+    prompts = (messages[-1]["content"] for _, messages in first_turn_prompts(heldout, max_chars=max_chars))
+    return [p for p in prompts if p not in seen][:n]
 
 
 def export_prompts(out_path: str | Path, source: str = SHAREGPT, split: str = "train", limit: int | None = None,
@@ -254,6 +257,9 @@ def export_prompts(out_path: str | Path, source: str = SHAREGPT, split: str = "t
         convs = train if split == "train" else heldout
     prompts = first_turn_prompts(convs, limit, max_chars=max_chars, tokenizer=tokenizer,
                                  max_prompt_tokens=max_prompt_tokens)
+    if split == "heldout":  # the same rule as heldout_prompts: nothing that also opens a training chat
+        seen = {m[-1]["content"] for _, m in first_turn_prompts(train, english_only=False, max_chars=10**9)}
+        prompts = [(conv_id, m) for conv_id, m in prompts if m[-1]["content"] not in seen]
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("w", encoding="utf-8") as handle:

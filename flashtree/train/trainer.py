@@ -145,6 +145,10 @@ def run(setup: TrainSetup) -> TrainResult:
     cfg = setup.cfg
     generator = torch.Generator().manual_seed(cfg.seed * 7 + setup.start_step)
     held = eval_batches(setup)
+    if not held:
+        print(f"warning: no held-out conversations in --data {cfg.data} (heldout_percent={cfg.heldout_percent}); "
+              f"no held-out metrics. Data regenerated from the train split alone has none: regenerate prompts "
+              f"of both splits (export-prompts --split all)", flush=True)
     batches = setup.stream.iterate(setup.start_step)
     start = time.perf_counter()
     prior = float(setup.resumed_state.get("elapsed_s", 0.0)) if setup.resumed_state else 0.0
