@@ -63,11 +63,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--modes", default="graphs,eager", help="graphs and/or eager")
     args = parser.parse_args()
     model_dir = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     bandwidth = copy_bandwidth()
     rows = []
-    for graphs in (True, False):
+    for graphs in [m == "graphs" for m in args.modes.split(",")]:
         config = EngineConfig(model=str(model_dir), random_weights=True, max_running=32, max_context=2048,
                               cuda_graphs=graphs, device="cuda")
         engine = LLMEngine(config)

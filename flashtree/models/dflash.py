@@ -30,6 +30,7 @@ from torch import nn
 
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.models.attention import masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
@@ -81,8 +82,7 @@ class DrafterAttention(nn.Module):
         k, v = self.key_value(x, rope)  # [B, KVH, b, D] x2
         cache.write(self.layer_index, batch.slots, batch.cache_lengths, k, v)
         keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.heads != self.kv_heads)  # [B, H, b, D]
+        out = masked_attention(q, keys, values, mask)  # [B, H, b, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree.kv_cache import KVCache
+from flashtree.models.attention import masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
 from flashtree.models.rope import RotaryTable, apply_rotary
@@ -108,8 +109,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KVH, N, D]
         cache.write_at(self.layer_index, write_index, k.transpose(1, 2), v)
         keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.heads != self.kv_heads)  # [B, H, N, D]
+        out = masked_attention(q, keys, values, mask)  # [B, H, N, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+from typing import TYPE_CHECKING
 
 from flashtree.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flashtree.train.config import TrainConfig
 
 
 def register(subparsers) -> None:
@@ -27,7 +30,8 @@ def _register_train(subparsers) -> None:
     p.add_argument("--resume", default=None, help="checkpoint directory (with trainer_state.pt) to continue")
     p.add_argument("--layers", type=int, default=d.layers, help="drafter decoder layers")
     p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--target-layer-ids", default=None, help="comma-separated target layers (default: spread)")
+    p.add_argument("--target-layer-ids", default=None,
+                   help="comma-separated target layers (default: spread over the target)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="mask token id (default: <|MASK|> if the tokenizer has it, else an unused special)")
     p.add_argument("--output-norm-init", type=float, default=d.output_norm_init,
@@ -74,13 +78,14 @@ def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
 def train_config_from_args(args) -> "TrainConfig":
     from flashtree.train.config import TrainConfig
 
-    batch_size = args.batch_size if args.batch_size is not None or args.batch_tokens is not None \
-        else TrainConfig.batch_size
+    batch_size = args.batch_size
+    if args.batch_size is None and args.batch_tokens is None:
+        batch_size = TrainConfig.batch_size
     return TrainConfig(
         model=args.model, data=args.data, output=args.output, resume=args.resume, layers=args.layers,
         block_size=args.block_size, target_layer_ids=parse_layer_ids(args.target_layer_ids),
-        mask_token_id=args.mask_token_id, output_norm_init=args.output_norm_init, max_seq_len=args.max_seq_len, batch_size=batch_size,
-        batch_tokens=args.batch_tokens, anchors_per_seq=args.anchors_per_seq,
+        mask_token_id=args.mask_token_id, output_norm_init=args.output_norm_init, max_seq_len=args.max_seq_len,
+        batch_size=batch_size, batch_tokens=args.batch_tokens, anchors_per_seq=args.anchors_per_seq,
         heldout_percent=args.heldout_percent, max_conversations=args.max_conversations, steps=args.steps,
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, time_budget_s=args.time_budget_s, device=args.device, dtype=args.dtype,

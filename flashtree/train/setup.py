@@ -66,8 +66,8 @@ def load_samples(cfg: TrainConfig, target: CausalLM, tokenizer) -> tuple[list, l
         convs = convs[:cfg.max_conversations]
     train, heldout = split_conversations(convs, cfg.heldout_percent)
     end_of_turn = frozenset(stop_token_ids_for(target.config, tokenizer))
-    encode = lambda items: encode_all(tokenizer, items, cfg.max_seq_len, end_of_turn, progress=cfg.progress)  # noqa: E731
-    return encode(train), encode(heldout)
+    return tuple(encode_all(tokenizer, items, cfg.max_seq_len, end_of_turn, progress=cfg.progress)
+                 for items in (train, heldout))
 
 
 def drafter_source(cfg: TrainConfig, target: CausalLM, tokenizer
