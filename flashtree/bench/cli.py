@@ -36,6 +36,8 @@ def register(subparsers) -> None:
     bench.add_argument("--allow-inexact", action="store_true",
                        help="exit 0 even when a method's tokens differ from plain decoding")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--profile-stages", action="store_true",
+                       help="exact per-stage times (synchronizes the GPU and disables CUDA graphs: lower tokens/s)")
     bench.set_defaults(func=cmd_bench)
 
 
@@ -73,7 +75,7 @@ def setup_from_args(args: argparse.Namespace, needs_draft: bool):
                       dtype=args.dtype, batch_size=args.batch_size, max_context=args.max_context,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       ignore_eos=args.ignore_eos, random_weights=args.random_weights,
-                      warmup_tokens=max(args.warmup_tokens, 0))
+                      warmup_tokens=max(args.warmup_tokens, 0), profile_stages=args.profile_stages)
 
 
 class OutputPaths(NamedTuple):
