@@ -48,7 +48,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor] | None,
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if weights is None:
-        _init_random(model, seed)
+        init_random_weights(model, seed)
     else:
         _load_weights(model, weights)
     model.eval().requires_grad_(False)
@@ -56,8 +56,10 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor] | None,
     return model
 
 
-def _init_random(model: CausalLM, seed: int) -> None:
-    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights for speed runs: N(0, 0.02) matrices, unit norms, zero biases."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)

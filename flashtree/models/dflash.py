@@ -32,6 +32,7 @@ from flashtree.errors import CheckpointError, ConfigError
 from flashtree.kv_cache import KVCache, KVCacheSpec
 from flashtree.models.attention import masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
+from flashtree.models.build import init_random_weights
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
 from flashtree.models.rope import RotaryTable, apply_rotary
@@ -242,21 +243,10 @@ def build_drafter(config: DFlashConfig, target: CausalLM, weights: dict[str, tor
         drafter = DFlashDrafter(config, target)
     drafter = drafter.to_empty(device=device).to(dtype)
     if weights is None:
-        _init_random(drafter, seed)
+        init_random_weights(drafter, seed)
     else:
         _load_weights(drafter, weights, config.source)
     return drafter.eval().requires_grad_(False)
-
-
-def _init_random(drafter: DFlashDrafter, seed: int) -> None:
-    gen = torch.Generator(device=drafter.fc.weight.device).manual_seed(seed)
-    for name, param in drafter.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.data.zero_()
-        else:
-            param.data.normal_(0.0, 0.02, generator=gen)
 
 
 def _load_weights(drafter: DFlashDrafter, weights: dict[str, torch.Tensor], source: str) -> None:
