@@ -102,6 +102,11 @@ class KVCache:
         self.storage[:, :, slot_idx, :, dst] = moved
         self.lengths[slots] = starts + keep_counts
 
+    def commit_prefix(self, slots: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> None:
+        """Commit the first ``counts[b]`` scratch entries where they are (chains: the accepted
+        path is a prefix of the new entries, so nothing moves). Lengths are set, not incremented."""
+        self.lengths[slots] = starts + counts
+
     def advance(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first ``counts[b]`` scratch entries in place (chains, prefill)."""
         self.lengths[slots] += counts

@@ -279,7 +279,9 @@ def test_overload_answers_429_and_admitted_requests_finish(tmp_path):
         rejected = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
         done = [o for o in outcomes if not isinstance(o, Exception)]
         assert len(rejected) + len(done) == 10, outcomes
-        assert rejected and len(done) >= 3
+        # the queue admits max_waiting=2 at least; a third fits only if the engine thread moved one
+        # request to the running slot before the rest arrived (a race, so not asserted)
+        assert rejected and len(done) >= 2
         assert rejected[0].response.headers["retry-after"] == "1" and rejected[0].code == "queue_full"
         assert all(o.choices[0].text == expected for o in done)
         assert client(busy).completions.create(**request).choices[0].text == expected

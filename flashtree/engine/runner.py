@@ -172,7 +172,10 @@ class ModelRunner:
 
         walk = accept_walk(tree._replace(tokens=tokens), choice, self.proposer.max_depth)
         path = walk.path.clamp(min=0)  # [B, D+1]
-        self.cache.commit(rows.slots, rows.starts, path, walk.accept_lengths)
+        if getattr(self.proposer, "chain", False):
+            self.cache.commit_prefix(rows.slots, rows.starts, walk.accept_lengths)
+        else:
+            self.cache.commit(rows.slots, rows.starts, path, walk.accept_lengths)
         if out.hidden is not None:
             features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
             self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)

@@ -95,6 +95,7 @@ class DFlashProposer(_DrafterProposer):
     """The DFlash chain: the drafter's argmax at each of the b-1 positions."""
 
     name = "dflash"
+    chain = True
 
     def __init__(self, runner: DrafterRunner):
         super().__init__(runner, max_nodes=runner.drafter.config.block_size - 1)
@@ -108,6 +109,7 @@ class DDTreeProposer(_DrafterProposer):
     """The best ``budget`` prefixes of the drafter's marginals, as a tree (per-row budgets)."""
 
     name = "ddtree"
+    chain = False
 
     def __init__(self, runner: DrafterRunner, budget: int):
         super().__init__(runner, max_nodes=budget)

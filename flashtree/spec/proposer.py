@@ -30,6 +30,7 @@ class Proposer(Protocol):
     capture_layers: tuple[int, ...]  # target layers whose outputs the proposer reads
     max_nodes: int  # static number of drafted nodes per row (tree budget); 0 for plain
     max_depth: int  # deepest node
+    chain: bool  # node i's parent is always i-1 (plain, DFlash): accepted paths need no KV move
 
     def propose(self, rows: ProposerRows) -> DraftTree: ...
 
@@ -61,6 +62,7 @@ class PlainProposer:
     capture_layers: tuple[int, ...] = ()
     max_nodes = 0
     max_depth = 0
+    chain = True
 
     def propose(self, rows: ProposerRows) -> DraftTree:
         return root_only_tree(rows.bonus)
