@@ -28,6 +28,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=8, help="requests decoded together")
 
 
+def add_trace_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace-trees", default=None, metavar="FILE",
+                        help="write each round's tree and accepted path as JSON lines (runs rounds eagerly)")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -53,7 +58,8 @@ def llm_from_args(args, **extra):
     spec, draft = default_spec(args.model, args.spec, args.draft)
     return LLM(args.model, spec=spec, draft=draft, budget=args.budget, block_size=args.block_size,
                device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-               max_context=args.max_context, max_running=args.max_running, **extra)
+               max_context=args.max_context, max_running=args.max_running,
+               trace_trees=args.trace_trees, **extra)
 
 
 def cmd_generate(args) -> None:
@@ -89,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     add_model_args(gen)
     add_sampling_args(gen)
+    add_trace_arg(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="user message (sent through the chat template)")
     source.add_argument("--prompt-ids", help="comma-separated prompt token ids (no template)")
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat that streams tokens")
     add_model_args(chat)
     add_sampling_args(chat)
+    add_trace_arg(chat)
     chat.add_argument("--system", default=None, help="system message")
     chat.set_defaults(func=cmd_chat)
 

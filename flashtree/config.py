@@ -41,6 +41,7 @@ class EngineConfig:
     seed: int = 0  # random-weight init
     profile_stages: bool = False  # synchronize the device around stages for exact stage times
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
+    trace_trees: str | None = None  # JSON-lines file: per round, each request's tree and accepted path
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_context", "max_waiting", "prefill_chunk"):

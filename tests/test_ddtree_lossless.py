@@ -178,3 +178,29 @@ def test_chi_square_catches_a_wrong_acceptance_rule(small, monkeypatch):
     counts = torch.bincount(samples[:, 0] * 8 + samples[:, 1], minlength=64)
     stat, df = chi_square(counts, joint)
     assert stat > 10 * chi_square_critical(df)
+
+
+def test_trace_trees_records_each_round(tmp_path):
+    """--trace-trees: per request and round, the verified tree and the accepted path."""
+    import json
+
+    from flashtree import LLM, SamplingParams
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=24, block_size=4)
+    trace = tmp_path / "trees.jsonl"
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, max_context=128,
+              trace_trees=str(trace))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == out.rounds
+    for line, accepted in zip(lines, out.acceptance_lengths):
+        assert line["parents"][0] == -1 and len(line["tokens"]) == len(line["parents"]) == 9
+        path = line["accepted_path"]
+        assert path[0] == 0 and len(path) == accepted
+        assert all(line["parents"][child] == parent for parent, child in zip(path, path[1:]))
+    # the output is each round's root (bonus) followed by that round's accepted drafts
+    rebuilt = [t for line in lines for t in [line["tokens"][n] for n in line["accepted_path"]]]
+    # (max_tokens may cut the last round short; otherwise its next bonus is the one extra token)
+    shared = min(len(rebuilt), len(out.token_ids))
+    assert out.token_ids[:shared] == rebuilt[:shared] and shared >= len(out.token_ids) - 1

@@ -16,6 +16,7 @@ from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.request import Request, Status
 from flashtree.engine.runner import ModelRunner, StageTimer
 from flashtree.engine.scheduler import Scheduler
+from flashtree.engine.tree_trace import TreeTracer
 from flashtree.kv_cache import KVCache, KVCacheSpec
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
 from flashtree.models.loader import load_checkpoint
@@ -54,7 +55,8 @@ class LLMEngine:
         self.cache = KVCache(spec, self.dtype, self.device)
         self.model.setup_rope(spec.capacity + 1)
         self.timer = StageTimer(self.device, config.profile_stages)
-        self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, config.cuda_graphs)
+        tracer = TreeTracer(config.trace_trees) if config.trace_trees else None
+        self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, config.cuda_graphs, tracer)
         self.scheduler = Scheduler(config)
         self.tracker = TextTracker(self.tokenizer)
         self.default_stop_ids = frozenset(stop_token_ids_for(cfg, self.tokenizer))

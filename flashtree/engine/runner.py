@@ -18,6 +18,7 @@ import torch
 
 from flashtree.engine.cuda_graphs import GraphCache
 from flashtree.engine.request import Request
+from flashtree.engine.tree_trace import TreeTracer
 from flashtree.kv_cache import KVCache
 from flashtree.models.batch import ForwardBatch, causal_mask, slot_range_of
 from flashtree.models.transformer import CausalLM
@@ -74,10 +75,11 @@ class StageTimer:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, proposer: Proposer, timer: StageTimer,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, tracer: TreeTracer | None = None):
         self.model, self.cache, self.proposer, self.timer = model, cache, proposer, timer
         self.device = model.lm_head.weight.device
-        use_graphs = cuda_graphs and self.device.type == "cuda" and not timer.sync
+        self.tracer = tracer
+        use_graphs = cuda_graphs and self.device.type == "cuda" and not timer.sync and tracer is None
         self.graphs = GraphCache() if use_graphs else None
 
     def _tensor(self, values) -> torch.Tensor:
@@ -126,6 +128,8 @@ class ModelRunner:
         result = self._to_host(packed)  # the one sync
         if self.graphs is not None:
             self.timer.add("round", t0)
+        if self.tracer is not None:
+            self.tracer.write(rows)
         return result
 
     def _round_inputs(self, rows: Sequence[Request], max_nodes: int) -> tuple[RoundInputs, bool, bool]:
@@ -171,6 +175,8 @@ class ModelRunner:
         t2 = timer.add("verify", t1) if timer else 0.0
 
         walk = accept_walk(tree._replace(tokens=tokens), choice, self.proposer.max_depth)
+        if self.tracer is not None:
+            self.tracer.hold(tree, tokens, walk.path)
         path = walk.path.clamp(min=0)  # [B, D+1]
         if getattr(self.proposer, "chain", False):
             self.cache.commit_prefix(rows.slots, rows.starts, walk.accept_lengths)
