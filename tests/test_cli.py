@@ -69,3 +69,9 @@ def test_bad_sampling_params():
         SamplingParams(top_p=0)
     with pytest.raises(RequestError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_prompt_token_out_of_vocab(tiny_dir, capsys):
+    assert main(["generate", "--model", str(tiny_dir), "--prompt-ids", "1,97"]) == 2
+    err = capsys.readouterr().err
+    assert "97" in err and "[0, 97)" in err

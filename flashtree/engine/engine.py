@@ -17,6 +17,7 @@ from flashtree.engine.request import Request, Status
 from flashtree.engine.runner import ModelRunner, StageTimer
 from flashtree.engine.scheduler import Scheduler
 from flashtree.engine.tree_trace import TreeTracer
+from flashtree.errors import RequestError
 from flashtree.kv_cache import KVCache, KVCacheSpec
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
 from flashtree.models.loader import load_checkpoint
@@ -64,6 +65,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, budget: int | None = None) -> Request:
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad!r} is out of range; allowed: integers in [0, {vocab})")
         params = params.with_seed()
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.default_stop_ids))
         req = Request(prompt_ids=list(prompt_ids), params=params, stop_token_ids=frozenset(stop_ids), budget=budget)
