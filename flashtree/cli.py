@@ -59,7 +59,7 @@ def llm_from_args(args, **extra):
     return LLM(args.model, spec=spec, draft=draft, budget=args.budget, block_size=args.block_size,
                device=args.device, dtype=args.dtype, random_weights=args.random_weights,
                max_context=args.max_context, max_running=args.max_running,
-               trace_trees=args.trace_trees, **extra)
+               trace_trees=getattr(args, "trace_trees", None), **extra)  # only generate and chat trace
 
 
 def cmd_generate(args) -> None:

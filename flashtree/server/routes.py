@@ -81,33 +81,27 @@ def event_stream(events, ctx: ServerContext, stream: RequestStream) -> Streaming
 def build_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    async def serve(body, request: Request, make_input, prompt_field: str, id_prefix: str, events, respond):
+        """One generation endpoint: submit, then stream the events or answer with the whole result."""
         arrival = time.monotonic()
         model = ctx.model(body.model)
-        stream = await ctx.submit(chat_input(body, model), "messages", arrival)
-        response_id = new_id("chatcmpl")
+        stream = await ctx.submit(make_input(body, model), prompt_field, arrival)
+        response_id = new_id(id_prefix)
         if body.stream:
-            events = chat_events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel)
-            return event_stream(events, ctx, stream)
+            return event_stream(events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel),
+                                ctx, stream)
         final = await ctx.finish(stream, request)
         if final is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return chat_response(response_id, model.name, final)
+        return respond(response_id, model.name, final)
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await serve(body, request, chat_input, "messages", "chatcmpl", chat_events, chat_response)
 
     @router.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
-        arrival = time.monotonic()
-        model = ctx.model(body.model)
-        stream = await ctx.submit(completion_input(body, model), "prompt", arrival)
-        response_id = new_id("cmpl")
-        if body.stream:
-            events = completion_events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel)
-            return event_stream(events, ctx, stream)
-        final = await ctx.finish(stream, request)
-        if final is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return completion_response(response_id, model.name, final)
+        return await serve(body, request, completion_input, "prompt", "cmpl", completion_events, completion_response)
 
     @router.get("/v1/models")
     async def list_models() -> ModelList:
