@@ -74,9 +74,14 @@ def _load_weights(model: CausalLM, weights: dict[str, torch.Tensor]) -> None:
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
-    for name, param in expected.items():
+    copy_weights(expected, weights, "the config")
+
+
+def copy_weights(params: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``weights[name]`` into every parameter, refusing a shape the ``source`` does not imply."""
+    for name, param in params.items():
         tensor = weights[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
-                f"tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
+                f"tensor {name} has shape {list(tensor.shape)}, {source} implies {list(param.shape)}")
         param.data.copy_(tensor.to(param.dtype))

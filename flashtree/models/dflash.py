@@ -32,7 +32,7 @@ from flashtree.errors import CheckpointError, ConfigError
 from flashtree.kv_cache import KVCache, KVCacheSpec
 from flashtree.models.attention import masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
-from flashtree.models.build import init_random_weights
+from flashtree.models.build import copy_weights, init_random_weights
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
 from flashtree.models.rope import RotaryTable, apply_rotary
@@ -261,9 +261,4 @@ def _load_weights(drafter: DFlashDrafter, weights: dict[str, torch.Tensor], sour
             f"drafter weights beside {source} carry {len(unexpected)} tensor(s) a DFlash drafter does not have, "
             f"e.g. {unexpected[:3]}; allowed: fc, hidden_norm, norm and layers.i.* (the embedding and lm_head "
             f"are the target's)")
-    for name, param in expected.items():
-        tensor = weights[name]
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise CheckpointError(
-                f"drafter tensor {name} has shape {list(tensor.shape)}, {source} implies {list(param.shape)}")
-        param.data.copy_(tensor.to(param.dtype))
+    copy_weights(expected, weights, source)
