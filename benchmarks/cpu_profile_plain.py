@@ -67,6 +67,20 @@ def install_timers(model) -> None:
         return out
 
     torch.nn.functional.linear = linear
+
+    from flashtree.models.cpu_quant_linear import QuantizedLinear  # the GGUF-block kernel (kernels on)
+
+    block_call = QuantizedLinear.__call__
+
+    def block_linear(self, x, bias=None):
+        label = "matmul: lm_head (GGUF blocks)" if self is model.lm_head_quant else "matmul: layer linears (GGUF blocks)"
+        start = time.perf_counter()
+        out = block_call(self, x, bias)
+        seconds[label] += time.perf_counter() - start
+        calls[label] += 1
+        return out
+
+    QuantizedLinear.__call__ = block_linear
     wrap(torch.nn.functional, "rms_norm", "rmsnorm")
     wrap(torch.nn.functional, "silu", "silu")
     wrap(transformer_module, "masked_attention", "attention (sdpa)")
@@ -136,6 +150,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="decodes; the fastest is reported")
+    parser.add_argument("--no-quant-kernels", action="store_true", help="profile the fp32-only engine")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,7 +160,8 @@ def main() -> None:
     from flashtree.tokenizer import encode_chat
 
     cold = cold_op_cost()
-    llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024)
+    llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024,
+                        quant_kernels=not args.no_quant_kernels)
     install_timers(llm.engine.model)
     prompt_ids = encode_chat(llm.tokenizer, [{"role": "user", "content": PROMPT}])
     wall, leaves, counts = min((decode_once(llm.engine, prompt_ids, args.new_tokens) for _ in range(args.repeats)),
@@ -159,7 +175,7 @@ def main() -> None:
         print(f"| {row['piece']} | {row['ms_per_token']:.3f} | {100 * row['share']:.1f}% | {row['calls_per_token']} |")
     print("small op cost:", cold)
     config = {**environment(torch.device("cpu")), "threads": args.threads, "new_tokens": args.new_tokens,
-              "prompt_tokens": len(prompt_ids)}
+              "prompt_tokens": len(prompt_ids), "quant_kernels": llm.engine.model.lm_head_quant is not None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": config, "ms_per_token": round(ms_per_token, 3), "pieces": rows,
                                     "small_op_cost": cold}, indent=2) + "\n")

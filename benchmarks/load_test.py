@@ -7,7 +7,9 @@ max(``--requests``, concurrency) have finished, and reports, with mean, p50, p90
 - ITL: inter-token latency, the gap between streamed chunks (one chunk per engine step, so
   with speculative decoding a chunk can carry several tokens);
 - TPOT: time per output token, a request's decode time over its tokens after the first;
-- E2E: end-to-end latency; and tau, the mean acceptance length reported in ``usage``.
+- E2E: end-to-end latency; and tau, the mean acceptance length reported in ``usage``;
+- rounds by nodes: the server's batched rounds per drafted node count during the level (from
+  ``/metrics``; what adaptive speculation chose; 0 = plain rounds), when the server has them.
 Writes ``OUT.json`` and ``OUT.md``. ``benchmarks/load_cpu.sh`` is a complete CPU run:
 
     flashtree serve --model smollm2 --spec none --max-running 32 --max-context 512 &
@@ -28,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 PROMPTS = (
@@ -109,11 +112,34 @@ async def run_level(client: openai.AsyncOpenAI, args, concurrency: int) -> dict:
         while not queue.empty():
             results.append(await one_request(client, args, queue.get_nowait()))
 
+    before = await rounds_by_nodes(args.base_url)
     start = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
     level = summarize(concurrency, results, time.perf_counter() - start)
     level["load_average_1m"] = os.getloadavg()[0]  # this machine's load at the end (shared hosts are noisy)
+    after = await rounds_by_nodes(args.base_url)
+    level["rounds_by_nodes"] = None if after is None else {
+        n: count - (before or {}).get(n, 0) for n, count in after.items() if count > (before or {}).get(n, 0)}
     return level
+
+
+ROUND_NODES_METRIC = "flashtree_spec_batch_rounds_total"
+
+
+async def rounds_by_nodes(base_url: str) -> dict[int, float] | None:
+    """The server's batched rounds per drafted node count so far (flashtree's ``/metrics``);
+    None when the server does not expose them."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/metrics"
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            text = (await client.get(url)).text
+    except httpx.HTTPError:
+        return None
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith(ROUND_NODES_METRIC + "{"):  # flashtree_spec_batch_rounds_total{nodes="64"} 12.0
+            counts[int(line.split('"')[1])] = float(line.rpartition(" ")[2])
+    return dict(sorted(counts.items())) or None
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -150,7 +176,8 @@ def _ms(value: float | None) -> str:
 
 
 TABLE_HEAD = ("| concurrency | requests | errors | output tok/s | req/s | TTFT p50 / p90 / p99 ms | "
-              "ITL p50 / p90 / p99 ms | TPOT mean ms | E2E p50 / p99 s | tau | load avg |\n" + "|" + " --- |" * 11)
+              "ITL p50 / p90 / p99 ms | TPOT mean ms | E2E p50 / p99 s | tau | load avg | rounds by nodes |\n"
+              + "|" + " --- |" * 12)
 
 
 def markdown(report: dict) -> str:
@@ -170,7 +197,11 @@ def table_row(level: dict) -> str:
             f"{level['output_tokens_per_s']:.1f} | {level['requests_per_s']:.2f} | "
             f"{_ms(ttft['p50'])} / {_ms(ttft['p90'])} / {_ms(ttft['p99'])} | "
             f"{_ms(itl['p50'])} / {_ms(itl['p90'])} / {_ms(itl['p99'])} | {_ms(tpot['mean'])} | {e2e_text} | {tau} | "
-            f"{level.get('load_average_1m', float('nan')):.1f} |")
+            f"{level.get('load_average_1m', float('nan')):.1f} | {_nodes(level.get('rounds_by_nodes'))} |")
+
+
+def _nodes(counts: dict[int, float] | None) -> str:
+    return "-" if not counts else " ".join(f"{n}:{count:.0f}" for n, count in counts.items())
 
 
 async def run(args) -> dict:
@@ -178,6 +209,10 @@ async def run(args) -> dict:
                                 timeout=args.timeout)
     async with client:
         await one_request(client, args, "Hello")  # warm the connection and the server
+        if args.warmup:  # every level once, unmeasured: graph captures and policy exploration happen here
+            for concurrency in args.concurrency:
+                await run_level(client, args, concurrency)
+            print("warm-up done (every level once, unmeasured)", flush=True)
         levels = []
         for concurrency in args.concurrency:
             level = await run_level(client, args, concurrency)
@@ -188,7 +223,7 @@ async def run(args) -> dict:
     return {
         "base_url": args.base_url, "model": args.model, "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "requests_per_level": args.requests, "max_tokens": args.max_tokens, "temperature": args.temperature,
-        "ignore_eos": args.ignore_eos, "client": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
+        "ignore_eos": args.ignore_eos, "warmup": args.warmup, "client": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}", "levels": levels,
     }
 
@@ -205,6 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (flashtree extension)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--warmup", action="store_true",
+                        help="run every level once unmeasured first (a long-running server has captured its "
+                             "CUDA graphs and settled its speculation policy; a fresh one has not)")
     parser.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.md")
     return parser.parse_args(argv)
 

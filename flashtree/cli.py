@@ -22,10 +22,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, help="DFlash drafter directory or hub id")
     parser.add_argument("--budget", type=int, default=None, help="DDTree node budget")
     parser.add_argument("--block-size", type=int, default=None, help="lower the drafter's block size")
+    parser.add_argument("--adaptive-spec", action=argparse.BooleanOptionalAction, default=None,
+                        help="pick each round's draft size (down to plain decoding) for the most tokens/s; "
+                             "the budget becomes a maximum (default: on, except in bench)")
     parser.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default=None, help="auto (default: bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     parser.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens per request")
     parser.add_argument("--max-running", type=int, default=8, help="requests decoded together")
+    parser.add_argument("--no-quant-kernels", action="store_true",
+                        help="CPU fp32 GGUF models: multiply every product by the dequantized fp32 weights "
+                             "(default: decode-sized products read the GGUF blocks with an AVX-512 kernel)")
 
 
 def add_trace_arg(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +65,14 @@ def llm_from_args(args, **extra):
     return LLM(args.model, spec=spec, draft=draft, budget=args.budget, block_size=args.block_size,
                device=args.device, dtype=args.dtype, random_weights=args.random_weights,
                max_context=args.max_context, max_running=args.max_running,
-               trace_trees=getattr(args, "trace_trees", None), **extra)  # only generate and chat trace
+               trace_trees=getattr(args, "trace_trees", None), adaptive_spec=adaptive_spec_of(args),
+               quant_kernels=not getattr(args, "no_quant_kernels", False), **extra)  # only generate and chat trace
+
+
+def adaptive_spec_of(args, default: bool = True) -> bool:
+    """``--adaptive-spec`` / ``--no-adaptive-spec``, or ``default`` when neither was given."""
+    value = getattr(args, "adaptive_spec", None)
+    return default if value is None else value
 
 
 def cmd_generate(args) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flashtree.engine.spec_policy import SpecPolicyConfig
 from flashtree.errors import ConfigError
 
 SPEC_METHODS = ("none", "dflash", "ddtree")
@@ -42,9 +43,14 @@ class EngineConfig:
     profile_stages: bool = False  # synchronize the device around stages for exact stage times
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
     trace_trees: str | None = None  # JSON-lines file: per round, each request's tree and accepted path
+    quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 8 rows straight from the GGUF blocks
+    adaptive_spec: bool = True  # pick each round's node count (0 = plain) for throughput; False: always max
+    spec_policy: SpecPolicyConfig = SpecPolicyConfig()  # knobs of the adaptive policy
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_context", "max_waiting", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.adaptive_spec, bool):
+            raise ConfigError(f"adaptive_spec must be True or False, got {self.adaptive_spec!r}")

@@ -16,6 +16,7 @@ from typing import Sequence
 from flashtree.config import EngineConfig, SpecConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.engine.request import Request
+from flashtree.spec.defaults import default_spec
 from flashtree.sampling import SamplingParams
 from flashtree.tokenizer import encode_chat, encode_prompt
 
@@ -53,9 +54,12 @@ class RunStats:
     acceptance_histogram: dict[int, int]  # acceptance length -> rounds
     mean_tree_size: float  # drafted nodes verified per round
     stage_seconds: dict[str, float]  # wall time per engine stage (prefill, draft, verify, commit / round)
+    # node count the engine chose -> batched rounds (one per step, not per row; 0: plain rounds)
+    rounds_by_nodes: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, outputs: Sequence["RequestOutput"], stage_seconds: dict[str, float]) -> "RunStats":
+    def of(cls, outputs: Sequence["RequestOutput"], stage_seconds: dict[str, float],
+           rounds_by_nodes: dict[int, int] | None = None) -> "RunStats":
         lengths = [n for out in outputs for n in out.acceptance_lengths]
         sizes = [n for out in outputs for n in out.tree_sizes]
         return cls(
@@ -63,7 +67,8 @@ class RunStats:
             generated_tokens=sum(len(out.token_ids) for out in outputs), committed_tokens=sum(lengths),
             mean_acceptance_length=sum(lengths) / len(lengths) if lengths else 0.0,
             acceptance_histogram=dict(sorted(Counter(lengths).items())),
-            mean_tree_size=sum(sizes) / len(sizes) if sizes else 0.0, stage_seconds=dict(stage_seconds))
+            mean_tree_size=sum(sizes) / len(sizes) if sizes else 0.0, stage_seconds=dict(stage_seconds),
+            rounds_by_nodes=dict(sorted((rounds_by_nodes or {}).items())))
 
 
 class LLM:
@@ -72,19 +77,23 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", *, spec: str = "none", draft: str | None = None,
                  budget: int | None = None, block_size: int | None = None, **engine_kwargs):
+        if spec in ("dflash", "ddtree") and draft is None:  # the shipped drafter of the embedded default
+            spec, draft = default_spec(model, spec, draft)
         spec_config = SpecConfig(method=spec, draft=draft, budget=budget, block_size=block_size)
         self.engine = LLMEngine(EngineConfig(model=model, spec=spec_config, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._finished: list[RequestOutput] = []  # outputs since the last stats reset
         self._stage_base: dict[str, float] = {}  # timer readings at the last stats reset
+        self._nodes_base: Counter[int] = Counter()  # engine.rounds_by_nodes at the last stats reset
 
     def stats(self, reset: bool = False) -> RunStats:
         """Decoding statistics of every request generated since this LLM was made or last
         reset; ``reset=True`` starts a new window after reading."""
-        seconds = self.engine.timer.seconds
-        stats = RunStats.of(self._finished, {k: v - self._stage_base.get(k, 0.0) for k, v in seconds.items()})
+        seconds, nodes = self.engine.timer.seconds, self.engine.rounds_by_nodes
+        stats = RunStats.of(self._finished, {k: v - self._stage_base.get(k, 0.0) for k, v in seconds.items()},
+                            nodes - self._nodes_base)
         if reset:
-            self._finished, self._stage_base = [], dict(seconds)
+            self._finished, self._stage_base, self._nodes_base = [], dict(seconds), Counter(nodes)
         return stats
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -225,17 +225,18 @@ class CopyingProposer:
         self.engine = engine
         return self
 
-    def propose(self, rows):
+    def propose(self, rows, nodes: int | None = None):
+        nodes = self.max_nodes if nodes is None else nodes
         by_slot = {r.slot: r for r in self.engine.scheduler.active}
         requests = [by_slot[s] for s in rows.slots.tolist()]
         sequences = [r.prompt_ids + r.output_ids for r in requests]  # ends with the bonus token
         copy = greedy_continuations(self.target, sequences, self.max_depth)  # [B, depth]
         if self.budget is None:
-            return chain_tree(copy)
+            return chain_tree(copy[:, :nodes])
         vocab = self.target.config.vocab_size
         noise = torch.rand(copy.shape[0], self.max_depth, vocab, generator=self.generator).to(copy.device)
         logits = noise + 8.0 * torch.nn.functional.one_hot(copy, vocab)  # [B, depth, V]
-        return build_tree(logits, rows.budgets, self.max_nodes)
+        return build_tree(logits, rows.budgets.clamp(max=nodes), nodes)
 
     def observe(self, slots, features, counts, starts) -> None:
         pass

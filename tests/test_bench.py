@@ -88,8 +88,8 @@ def perturb_rounds(engine):
     vocab = engine.model.config.vocab_size
     calls = []
 
-    def round_with_wrong_token(rows):
-        result = real_round(rows)
+    def round_with_wrong_token(rows, *args):
+        result = real_round(rows, *args)
         calls.append(1)
         if len(calls) % 3 == 0:
             result.emitted[0][0] = (result.emitted[0][0] + 1) % vocab

@@ -75,3 +75,26 @@ def test_prompt_token_out_of_vocab(tiny_dir, capsys):
     assert main(["generate", "--model", str(tiny_dir), "--prompt-ids", "1,97"]) == 2
     err = capsys.readouterr().err
     assert "97" in err and "[0, 97)" in err
+
+
+def test_adaptive_spec_flags():
+    """On by default for generate and serve, off by default for bench (it measures each method
+    as named); --adaptive-spec / --no-adaptive-spec override both."""
+    from flashtree.bench.cli import setup_from_args
+    from flashtree.bench.methods import parse_method
+    from flashtree.cli import adaptive_spec_of, build_parser
+    from flashtree.server.cli import config_from_args
+
+    parser = build_parser()
+    generate = ["generate", "--prompt", "hi"]
+    assert adaptive_spec_of(parser.parse_args(generate)) is True
+    assert adaptive_spec_of(parser.parse_args(generate + ["--no-adaptive-spec"])) is False
+    assert config_from_args(parser.parse_args(["serve", "--spec", "none"])).engine.adaptive_spec is True
+    assert config_from_args(parser.parse_args(["serve", "--no-adaptive-spec"])).engine.adaptive_spec is False
+    bench = ["bench", "--methods", "ar"]
+    assert setup_from_args(parser.parse_args(bench), needs_draft=False).adaptive_spec is False
+    setup = setup_from_args(parser.parse_args(bench + ["--adaptive-spec"]), needs_draft=False)
+    assert setup.adaptive_spec is True and setup.engine_config(parse_method("ar")).adaptive_spec is True
+    assert EngineConfig().adaptive_spec is True
+    with pytest.raises(ConfigError):
+        EngineConfig(adaptive_spec="yes")

@@ -120,6 +120,7 @@ def test_run_stats_and_cli_json(pair, ddtree, tmp_path, capsys):
     assert stats.committed_tokens == sum(lengths) and stats.mean_acceptance_length == sum(lengths) / len(lengths)
     assert sum(stats.acceptance_histogram.values()) == stats.rounds and 0 < stats.mean_tree_size <= 16
     assert {"draft", "verify", "commit"} <= set(stats.stage_seconds)
+    assert set(stats.rounds_by_nodes) == {16} and sum(stats.rounds_by_nodes.values()) <= stats.rounds  # fixed
     assert all(v >= 0 for v in stats.stage_seconds.values())
     assert llm.stats(reset=True).requests == 3 and llm.stats().requests == 0
     argv = ["generate", "--model", str(pair.target), "--spec", "ddtree", "--draft", str(pair.drafter), "--budget", "8",
@@ -190,7 +191,7 @@ def test_trace_trees_records_each_round(tmp_path):
     pair = tiny_pair(tmp_path, vocab=24, block_size=4)
     trace = tmp_path / "trees.jsonl"
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, max_context=128,
-              trace_trees=str(trace))
+              trace_trees=str(trace), adaptive_spec=False)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(lines) == out.rounds

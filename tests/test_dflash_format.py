@@ -194,6 +194,22 @@ def test_attention_bias_drafter_matches_reference(pair, target, tmp_path):
     assert (ours[0] - ref).abs().max().item() < 1e-4
 
 
+def test_shallow_drafts_are_the_first_positions_of_the_full_draft(pair, target):
+    """draft_logits(depth=k) runs the whole block through the layers and the lm_head on the
+    first k positions only: the same logits as the full draft's first k."""
+    drafter = load_drafter(str(pair.drafter), target)
+    cache = drafter.new_cache(max_slots=1, max_context=32, scratch=8)
+    tokens = [5, 9, 2, 30, 17, 8, 8]
+    observe_rows(drafter, cache, [0], [hf_features(pair.hf, drafter, tokens)], [(0, 6)])
+    args = (cache, torch.tensor([0]), torch.tensor([tokens[6]]), torch.tensor([6]))
+    full = drafter.draft_logits(*args, kv_len=6 + drafter.config.block_size)
+    for depth in range(1, drafter.config.block_size):
+        shallow = drafter.draft_logits(*args, kv_len=6 + drafter.config.block_size, depth=depth)
+        assert shallow.shape[1] == depth and torch.allclose(shallow, full[:, :depth], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError):
+        drafter.draft_logits(*args, kv_len=6 + drafter.config.block_size, depth=drafter.config.block_size)
+
+
 def test_engine_feeds_drafter_the_committed_context(pair, monkeypatch):
     """Through the engine (chunked prefill, DDTree rounds, several rows), every draft equals the
     reference computed from the request's committed tokens and bonus."""
@@ -203,8 +219,8 @@ def test_engine_feeds_drafter_the_committed_context(pair, monkeypatch):
     seen = []
     real = runner.draft_logits
 
-    def recording(rows):
-        logits = real(rows)
+    def recording(rows, depth=None):
+        logits = real(rows, depth)
         by_slot = {r.slot: r for r in llm.engine.scheduler.active}
         for row, slot in enumerate(rows.slots.tolist()):
             req = by_slot[slot]
@@ -218,7 +234,8 @@ def test_engine_feeds_drafter_the_committed_context(pair, monkeypatch):
                  SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(seen) >= 6
     for committed, bonus, logits in seen:
-        assert (logits - reference_draft_logits(pair.hf, pair.drafter, committed, bonus)).abs().max() < 1e-4
+        reference = reference_draft_logits(pair.hf, pair.drafter, committed, bonus)
+        assert (logits - reference[:len(logits)]).abs().max() < 1e-4
 
 
 # ---------------------------------------------------------------------------- real checkpoints
@@ -296,7 +313,7 @@ def test_block_size_override_lowers_and_never_raises(pair, target, tmp_path):
 
 
 def test_default_budget():
-    assert default_budget(torch.device("cpu")) == 64 and default_budget(torch.device("cuda")) == 256
+    assert default_budget(torch.device("cpu")) == 4 and default_budget(torch.device("cuda")) == 64
 
 
 # ---------------------------------------------------------------------------- validation rules

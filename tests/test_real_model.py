@@ -43,3 +43,23 @@ def test_chat_stops_at_end_of_turn(smollm2):
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, budget", [("dflash", None), ("ddtree", 4), ("ddtree", 16)])
+def test_shipped_drafter_is_lossless_and_accepts(smollm2, method, budget):
+    """The drafter shipped for the embedded default (flashtree/assets/smollm2-dflash) gives the
+    plain tokens, greedy and seeded, batched, and real acceptance (mean acceptance length > 1.2)."""
+    from flashtree.spec.defaults import shipped_drafter
+
+    assert shipped_drafter("smollm2") is not None
+    spec = LLM("smollm2", spec=method, budget=budget, adaptive_spec=False, max_running=4, max_context=512)
+    assert spec.engine.config.spec.draft == str(shipped_drafter("smollm2"))
+    for params in (SamplingParams(max_tokens=32, ignore_eos=True),
+                   SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)):
+        want = smollm2.chat(CHATS, params)
+        got = spec.chat(CHATS, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    greedy = spec.chat(CHATS, SamplingParams(max_tokens=32, ignore_eos=True))
+    lengths = [n for o in greedy for n in o.acceptance_lengths]
+    assert sum(lengths) / len(lengths) > 1.2

@@ -219,3 +219,19 @@ def test_cli_commands(pair, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 3 and (tmp_path / "d" / "model.safetensors").is_file()
     assert main(["train-drafter", "--model", str(pair.target), "--data", str(chats), "--block-size", "1"]) == 2
+
+
+def test_stop_after_saves_and_resume_counts_earlier_time(trained, tmp_path):
+    """--stop-after-s ends this run early (saved, resumable); a resume counts the earlier runs'
+    wall time against --time-budget-s, so the schedule and the stop follow the whole training."""
+    cfg, result = trained
+    first = dataclasses.replace(cfg, resume=cfg.output, output=str(tmp_path / "part"), steps=result.steps + 10_000,
+                                time_budget_s=3600.0, stop_after_s=0.5)
+    part = train(first)
+    assert part.stopped_by == "stop_after" and result.steps < part.steps < result.steps + 10_000
+    state = torch.load(Path(first.output) / "trainer_state.pt", weights_only=False)
+    spent = float(state["elapsed_s"])
+    over = dataclasses.replace(first, resume=first.output, output=str(tmp_path / "over"), time_budget_s=spent * 0.5,
+                               stop_after_s=None)
+    done = train(over)
+    assert done.stopped_by == "time" and done.steps == part.steps  # the budget was already spent

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import NamedTuple
 
-from flashtree.cli import add_model_args
+from flashtree.cli import adaptive_spec_of, add_model_args
 from flashtree.errors import ConfigError, FlashtreeError
 
 DEFAULT_METHODS = "ar,dflash,ddtree:16,ddtree:64"
@@ -75,7 +75,9 @@ def setup_from_args(args: argparse.Namespace, needs_draft: bool):
                       dtype=args.dtype, batch_size=args.batch_size, max_context=args.max_context,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       ignore_eos=args.ignore_eos, random_weights=args.random_weights,
-                      warmup_tokens=max(args.warmup_tokens, 0), profile_stages=args.profile_stages)
+                      warmup_tokens=max(args.warmup_tokens, 0), profile_stages=args.profile_stages,
+                      quant_kernels=not args.no_quant_kernels,
+                      adaptive_spec=adaptive_spec_of(args, default=False))  # fixed methods: per-method tau
 
 
 class OutputPaths(NamedTuple):

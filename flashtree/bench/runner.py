@@ -41,13 +41,16 @@ class BenchSetup:
     random_weights: bool = False
     warmup_tokens: int = 16  # tokens of the untimed warm-up request (0: none)
     profile_stages: bool = False  # exact per-stage times: synchronizes and turns CUDA graphs off (slower)
+    adaptive_spec: bool = False  # let speculative methods adapt their draft size (off: each method as named)
+    quant_kernels: bool = True  # CPU fp32 GGUF models: decode-sized products from the GGUF blocks
 
     def engine_config(self, method: BenchMethod) -> EngineConfig:
         device = resolve_device(self.device)
         return EngineConfig(model=self.model, spec=method.spec_config(self.draft, self.block_size),
                             device=str(device), dtype=self.dtype, max_running=self.batch_size,
                             max_context=self.max_context, random_weights=self.random_weights,
-                            profile_stages=self.profile_stages)
+                            profile_stages=self.profile_stages, quant_kernels=self.quant_kernels,
+                            adaptive_spec=self.adaptive_spec)
 
     def sampling(self, prompt_index: int, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_new_tokens,

@@ -31,6 +31,7 @@ class GraphCache:
         self.max_graphs = max_graphs
         self.graphs: dict[Hashable, _Captured] = {}
         self.pool = None
+        self.captures = 0  # graphs captured so far (a capturing call is much slower than a replay)
 
     def run(self, key: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]):
         captured = self.graphs.get(key)
@@ -38,6 +39,7 @@ class GraphCache:
             if len(self.graphs) >= self.max_graphs:
                 return fn(*inputs)
             captured = self.graphs[key] = self._capture(fn, inputs)
+            self.captures += 1
         for static, live in zip(captured.inputs, inputs):
             static.copy_(live)
         captured.graph.replay()

@@ -2,24 +2,29 @@
 
 ``step()`` is the whole loop: schedule -> one round for the running rows -> one prefill chunk
 for the admitted rows -> append committed tokens (stop conditions) -> free finished slots.
+Each round's node count comes from the speculation policy (``engine/spec_policy.py``), which
+is fed the round's wall time and acceptance afterwards.
 """
 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from collections import Counter
+from typing import NamedTuple, Sequence
 
 import torch
 
 from flashtree.config import EngineConfig
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.request import Request, Status
-from flashtree.engine.runner import ModelRunner, StageTimer
+from flashtree.engine.runner import ModelRunner, RoundResult, StageTimer
 from flashtree.engine.scheduler import Scheduler
+from flashtree.engine.spec_policy import FixedNodes, SpecPolicy, node_ladder
 from flashtree.engine.tree_trace import TreeTracer
 from flashtree.errors import RequestError
 from flashtree.kv_cache import KVCache, KVCacheSpec
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
+from flashtree.models.cpu_quant_linear import maybe_attach_quantized
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.transformer import CausalLM
 from flashtree.sampling import SamplingParams
@@ -37,6 +42,7 @@ class LoadedTarget(NamedTuple):
 def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedTarget:
     checkpoint = load_checkpoint(config.model, random_weights=config.random_weights)
     model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=config.seed)
+    maybe_attach_quantized(model, checkpoint, enabled=config.quant_kernels)  # CPU fp32 GGUF models
     return LoadedTarget(model, checkpoint.tokenizer)
 
 
@@ -51,14 +57,18 @@ class LLMEngine:
         self.proposer = make_proposer(config, self.model, self.tokenizer)
         scratch = self.proposer.max_nodes + 1
         cfg = self.model.config
-        spec = KVCacheSpec(cfg.num_hidden_layers, config.max_running, config.max_context,
+        spec = KVCacheSpec(cfg.num_hidden_layers, config.max_running + 1, config.max_context,  # + the pad slot
                            max(scratch, config.prefill_chunk), cfg.num_key_value_heads, cfg.head_dim)
         self.cache = KVCache(spec, self.dtype, self.device)
         self.model.setup_rope(spec.capacity + 1)
         self.timer = StageTimer(self.device, config.profile_stages)
         tracer = TreeTracer(config.trace_trees) if config.trace_trees else None
-        self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, config.cuda_graphs, tracer)
+        self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, config.cuda_graphs, tracer,
+                                  pad_slot=config.max_running)
         self.scheduler = Scheduler(config)
+        self.policy = make_policy(config, self.proposer)
+        self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
+        self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
         self.tracker = TextTracker(self.tokenizer)
         self.default_stop_ids = frozenset(stop_token_ids_for(cfg, self.tokenizer))
         self.load_seconds = time.perf_counter() - t0
@@ -86,8 +96,9 @@ class LLMEngine:
     def step(self) -> list[StepEvent]:
         scheduled = self.scheduler.schedule()
         events: list[StepEvent] = []
+        self.last_round_nodes = None
         if scheduled.decode:
-            result = self.runner.round(scheduled.decode)
+            result = self._round(scheduled.decode)
             for req, tokens, size in zip(scheduled.decode, result.emitted, result.tree_sizes):
                 req.stats.rounds += 1
                 req.stats.acceptance_lengths.append(len(tokens))
@@ -105,6 +116,44 @@ class LLMEngine:
             self.proposer.release([req.slot])
         return events
 
+    def _round(self, rows: Sequence[Request]) -> RoundResult:
+        """One round with the policy's node count; its wall time (the host sync included) and
+        acceptance go back to the policy."""
+        nodes = fit_to_budgets(self.policy.choose(len(rows)), rows, self.policy.ladder)
+        t0 = time.perf_counter()
+        result = self.runner.round(rows, nodes)
+        seconds = None if result.captured_graph else time.perf_counter() - t0
+        self.policy.record(len(rows), nodes, seconds, mean_acceptance(rows, result, nodes))
+        self.rounds_by_nodes[nodes] += 1
+        self.last_round_nodes = nodes
+        return result
+
     def run_until_done(self, requests: list[Request]) -> None:
         while any(not r.finished for r in requests):
             self.step()
+
+
+def make_policy(config: EngineConfig, proposer) -> SpecPolicy | FixedNodes:
+    """The adaptive policy over the proposer's ladder, or every round at ``max_nodes``."""
+    if not config.adaptive_spec or proposer.max_nodes == 0:
+        return FixedNodes(proposer.max_nodes)
+    ladder = node_ladder(proposer.max_nodes, getattr(proposer, "chain", False), config.spec_policy.min_tree_nodes)
+    return SpecPolicy(ladder, config.spec_policy)
+
+
+def fit_to_budgets(nodes: int, rows: Sequence[Request], ladder: Sequence[int]) -> int:
+    """``nodes``, or the smallest ladder option that still holds every row's own budget when
+    all rows asked for less (verifying nodes no row may use is wasted work)."""
+    if any(r.budget is None for r in rows):
+        return nodes
+    wanted = max(r.budget for r in rows)
+    if wanted >= nodes:
+        return nodes
+    return min((n for n in ladder if n >= wanted), default=nodes)
+
+
+def mean_acceptance(rows: Sequence[Request], result: RoundResult, nodes: int) -> float | None:
+    """Mean acceptance length of the rows whose own budget did not cap the round's node count
+    (None when every row was capped: the round says little about ``nodes``)."""
+    lengths = [len(tokens) for r, tokens in zip(rows, result.emitted) if r.budget is None or r.budget >= nodes]
+    return sum(lengths) / len(lengths) if lengths else None

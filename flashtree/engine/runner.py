@@ -3,7 +3,10 @@
 - ``prefill``: run a chunk of each row's prompt, commit it, hand the context features to the
   proposer, and choose the first output token for rows whose prompt is complete.
 - ``round``: draft (proposer) -> verify the tree with one target pass -> choose the target's
-  token at every node -> accept walk -> commit the accepted path's KV and features.
+  token at every node -> accept walk -> commit the accepted path's KV and features. The
+  caller picks the round's node count (``nodes``, the drafted nodes per row; part of the
+  round's static shape); 0 is a plain round: the root-only tree and no drafter pass, while the
+  drafter still observes the committed tokens' context features so it stays in sync.
 
 Both end with exactly one host sync: the tokens the scheduler needs.
 """
@@ -23,7 +26,7 @@ from flashtree.kv_cache import KVCache
 from flashtree.models.batch import ForwardBatch, causal_mask, slot_range_of
 from flashtree.models.transformer import CausalLM
 from flashtree.sampling import SamplingTensors, choose_tokens, seed_value
-from flashtree.spec.proposer import Proposer
+from flashtree.spec.proposer import Proposer, root_only_tree
 from flashtree.spec.verify import accept_walk
 
 
@@ -48,11 +51,13 @@ class RoundShape(NamedTuple):
     slot_range: tuple[int, int] | None
     any_sampled: bool
     any_filtered: bool
+    nodes: int  # drafted nodes per row (the tree has nodes + 1 entries); 0: plain round
 
 
 class RoundResult(NamedTuple):
     emitted: list[list[int]]  # per row: accepted drafts + next bonus (= acceptance length tokens)
     tree_sizes: list[int]  # per row: drafted nodes verified
+    captured_graph: bool = False  # this round captured a CUDA graph (its wall time is not typical)
 
 
 class StageTimer:
@@ -75,12 +80,15 @@ class StageTimer:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, proposer: Proposer, timer: StageTimer,
-                 cuda_graphs: bool = False, tracer: TreeTracer | None = None):
+                 cuda_graphs: bool = False, tracer: TreeTracer | None = None, pad_slot: int | None = None):
+        """``pad_slot``: a KV slot no request uses; graphed rounds pad their rows with it up to the
+        next power of two, so a handful of graphs serves every batch size (None: no padding)."""
         self.model, self.cache, self.proposer, self.timer = model, cache, proposer, timer
         self.device = model.lm_head.weight.device
         self.tracer = tracer
         use_graphs = cuda_graphs and self.device.type == "cuda" and not timer.sync and tracer is None
         self.graphs = GraphCache() if use_graphs else None
+        self.pad_slot = pad_slot
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -111,37 +119,58 @@ class ModelRunner:
         done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
         return [tok if d else None for tok, d in zip(first, done)]
 
-    def round(self, rows: Sequence[Request]) -> RoundResult:
-        """One round for the running rows; the device work is replayed as a CUDA graph when enabled."""
+    def round(self, rows: Sequence[Request], nodes: int | None = None) -> RoundResult:
+        """One round for the running rows verifying ``nodes`` drafted nodes per row (default and
+        at most ``proposer.max_nodes``; rows' own budgets cap theirs); the device work is
+        replayed as a CUDA graph when enabled."""
+        nodes = self.proposer.max_nodes if nodes is None else nodes
+        if not 0 <= nodes <= self.proposer.max_nodes:
+            raise ValueError(f"nodes must be in [0, {self.proposer.max_nodes}], got {nodes}")
         slots_list = [r.slot for r in rows]
-        max_nodes = self.proposer.max_nodes
-        inputs, sampled, filtered = self._round_inputs(rows, max_nodes)
-        shape = RoundShape(kv_len=max(r.committed_length for r in rows) + max_nodes + 1,
-                           slot_range=slot_range_of(slots_list), any_sampled=sampled, any_filtered=filtered)
+        pads = self._pad_rows(len(rows))
+        slots_list += [self.pad_slot] * pads
+        inputs, sampled, filtered = self._round_inputs(rows, nodes, pads)
+        shape = RoundShape(kv_len=max(r.committed_length for r in rows) + nodes + 1,
+                           slot_range=slot_range_of(slots_list), any_sampled=sampled, any_filtered=filtered,
+                           nodes=nodes)
         t0 = self.timer.mark()
+        captures = self.graphs.captures if self.graphs is not None else 0
         if self.graphs is None:
             packed = self._round_device(shape, *inputs, timer=self.timer)
         else:
             shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))
-            key = (len(rows), shape)
+            key = (len(slots_list), shape)
             packed = self.graphs.run(key, lambda *t: self._round_device(shape, *t), inputs)
-        result = self._to_host(packed)  # the one sync
+        result = self._to_host(packed, len(rows))  # the one sync
         if self.graphs is not None:
             self.timer.add("round", t0)
+            result = result._replace(captured_graph=self.graphs.captures != captures)
         if self.tracer is not None:
             self.tracer.write(rows)
         return result
 
-    def _round_inputs(self, rows: Sequence[Request], max_nodes: int) -> tuple[RoundInputs, bool, bool]:
+    def _pad_rows(self, rows: int) -> int:
+        """Pad rows a graphed round adds: up to the next power of two."""
+        if self.graphs is None or self.pad_slot is None:
+            return 0
+        return (1 << (rows - 1).bit_length()) - rows
+
+    def _round_inputs(self, rows: Sequence[Request], nodes: int, pads: int = 0) -> tuple[RoundInputs, bool, bool]:
         """The rows' inputs on the device, sent in two non-blocking copies from pinned memory (a
-        copy from pageable memory would make the host wait for all queued device work)."""
+        copy from pageable memory would make the host wait for all queued device work).
+
+        ``pads`` pad rows follow the real ones: all on the pad slot with identical inputs (token 0
+        at position 0, greedy, budget 0), so they write identical values to the same pad-slot
+        entries and their outputs are dropped."""
         params = [r.params for r in rows]
         ints = torch.tensor([
-            [r.slot for r in rows], [r.output_ids[-1] for r in rows], [r.committed_length for r in rows],
-            [max_nodes if r.budget is None else min(r.budget, max_nodes) for r in rows],
-            [len(r.output_ids) for r in rows], [p.top_k for p in params],
-            [seed_value(p) for p in params]], dtype=torch.long)  # [7, B]
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]])  # [2, B]
+            [r.slot for r in rows] + [self.pad_slot] * pads, [r.output_ids[-1] for r in rows] + [0] * pads,
+            [r.committed_length for r in rows] + [0] * pads,
+            [nodes if r.budget is None else min(r.budget, nodes) for r in rows] + [0] * pads,
+            [len(r.output_ids) for r in rows] + [0] * pads, [p.top_k for p in params] + [0] * pads,
+            [seed_value(p) for p in params] + [0] * pads], dtype=torch.long)  # [7, B + pads]
+        floats = torch.tensor([[p.temperature for p in params] + [0.0] * pads,
+                               [p.top_p for p in params] + [1.0] * pads])  # [2, B + pads]
         if self.device.type == "cuda":
             ints, floats = ints.pin_memory(), floats.pin_memory()
         ints = ints.to(self.device, non_blocking=True)
@@ -157,10 +186,12 @@ class ModelRunner:
 
     def _round_device(self, shape: "RoundShape", *tensors: torch.Tensor, timer: StageTimer | None = None):
         """draft -> verify -> choose -> walk -> commit, all on the device; returns the packed
-        ``[B, 2 + D + 1]`` (acceptance length, tree size, emitted tokens) for the host."""
+        ``[B, 2 + D + 1]`` (acceptance length, tree size, emitted tokens) for the host, with
+        D = min(max_depth, nodes) the round's deepest node."""
         rows = RoundInputs(*tensors)
+        nodes = shape.nodes
         t0 = timer.mark() if timer else 0.0
-        tree = self.proposer.propose(rows)
+        tree = self.proposer.propose(rows, nodes) if nodes else root_only_tree(rows.bonus)  # N = nodes + 1
         tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, T+1]
         t1 = timer.add("draft", t0) if timer else 0.0
 
@@ -174,15 +205,16 @@ class ModelRunner:
         choice = choose_tokens(out.logits, sampling, rows.generated[:, None] + tree.depths)  # [B, T+1]
         t2 = timer.add("verify", t1) if timer else 0.0
 
-        walk = accept_walk(tree._replace(tokens=tokens), choice, self.proposer.max_depth)
+        depth = min(self.proposer.max_depth, nodes)  # deepest node of this round's trees
+        walk = accept_walk(tree._replace(tokens=tokens), choice, depth)
         if self.tracer is not None:
             self.tracer.hold(tree, tokens, walk.path)
         path = walk.path.clamp(min=0)  # [B, D+1]
-        if getattr(self.proposer, "chain", False):
+        if getattr(self.proposer, "chain", False) or nodes == 0:
             self.cache.commit_prefix(rows.slots, rows.starts, walk.accept_lengths)
         else:
             self.cache.commit(rows.slots, rows.starts, path, walk.accept_lengths)
-        if out.hidden is not None:
+        if out.hidden is not None:  # also after a plain round: the drafter sees every committed token
             features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
             self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
         packed = self._pack(walk, tree.valid)
@@ -202,6 +234,6 @@ class ModelRunner:
         return torch.cat([counts[:, None], sizes, emitted], dim=1)
 
     @staticmethod
-    def _to_host(packed: torch.Tensor) -> RoundResult:
-        host = packed.tolist()
+    def _to_host(packed: torch.Tensor, rows: int) -> RoundResult:
+        host = packed[:rows].tolist()
         return RoundResult(emitted=[row[2:2 + row[0]] for row in host], tree_sizes=[row[1] for row in host])

@@ -155,8 +155,12 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft_logits(self, cache: KVCache, slots: torch.Tensor, bonus: torch.Tensor, starts: torch.Tensor,
-                     kv_len: int, slot_range: tuple[int, int] | None = None) -> torch.Tensor:
-        """Draft logits ``[B, b-1, V]`` (float32) for the blocks ``[bonus, MASK x (b-1)]``.
+                     kv_len: int, slot_range: tuple[int, int] | None = None, depth: int | None = None
+                     ) -> torch.Tensor:
+        """Draft logits ``[B, depth, V]`` (float32) for the blocks ``[bonus, MASK x (b-1)]``: the
+        first ``depth`` draft positions (default all b-1). The whole block runs through the
+        layers (attention inside a block is non-causal); only the lm_head, the largest piece
+        on a CPU, is cut to the positions a round can use.
 
         slots, bonus, starts: [B] (starts = each slot's context length); kv_len >= max(starts) + b.
         """
@@ -173,7 +177,10 @@ class DFlashDrafter(nn.Module):
         x = self.target.embed(block_ids).to(self.fc.weight.dtype)  # [B, b, hidden]
         for index, layer in enumerate(self.layers):
             x = layer(x, batch, cache, rope, masks[cfg.window(index)])
-        return self.target.head(self.norm(x[:, 1:]))  # [B, b-1, V]
+        depth = block - 1 if depth is None else depth
+        if not 1 <= depth <= block - 1:
+            raise ValueError(f"depth must be in [1, {block - 1}], got {depth}")
+        return self.target.head(self.norm(x[:, 1:1 + depth]))  # [B, depth, V]
 
     def _layer_masks(self, batch: ForwardBatch) -> dict[int | None, torch.Tensor]:
         """``[B, 1, b, kv_len]`` masks by window: all context + the whole block (non-causal); a

@@ -7,6 +7,8 @@ rest of flashtree only reads Hugging Face directories, so :func:`convert_gguf` w
     $FLASHTREE_CACHE/gguf/<stem>-<key>/   (FLASHTREE_CACHE defaults to ~/.cache/flashtree)
         config.json         Hugging Face config built from the GGUF metadata
         model.safetensors   every tensor dequantized to float32, Hugging Face names
+        gguf_blocks.safetensors  the Q4_0/Q4_1/Q8_0 matrices' raw blocks, GGUF names, q/k rows
+                            un-permuted (for the CPU block kernel, cpu_quant_linear.py)
         tokenizer.json ...  the GGUF tokenizer, saved with ``save_pretrained``
 
 ``key`` hashes the file's absolute path, size and mtime, so an edited or replaced file is
@@ -126,7 +128,17 @@ def write_converted(gguf_path: Path, out_dir: Path) -> None:
     model = read_gguf(reader, gguf_path)
     safetensors.torch.save_file(model.weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     save_tokenizer(reader, gguf_path, out_dir)
+    _save_quantized_blocks(reader, model.config, out_dir)
     (out_dir / "config.json").write_text(json.dumps(model.config, indent=2) + "\n")
+
+
+def _save_quantized_blocks(reader: gguf.GGUFReader, config: dict[str, Any], out_dir: Path) -> None:
+    """Keep the Q4_0 / Q4_1 / Q8_0 blocks too, for the CPU block kernel (cpu_quant_linear.py)."""
+    from flashtree.models.cpu_quant_linear import gguf_blocks, save_blocks
+
+    blocks = gguf_blocks(reader, config["model_type"], config["num_attention_heads"], config["num_key_value_heads"])
+    if blocks:
+        save_blocks(blocks, out_dir, config["flashtree_source_gguf"])
 
 
 def _open_reader(gguf_path: Path) -> gguf.GGUFReader:

@@ -18,6 +18,7 @@ from flashtree.kv_cache import KVCache
 from flashtree.models.attention import masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
+from flashtree.models.cpu_quant_linear import QuantizedLinear, linear
 from flashtree.models.rope import RotaryTable, apply_rotary
 
 
@@ -51,6 +52,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden] after fuse()
+        # GGUF blocks for products with few rows (cpu_quant_linear.attach_quantized), else None
+        self.gate_up_quant: QuantizedLinear | None = None
+        self.down_quant: QuantizedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate gate and up so one matmul computes both (fewer launches per layer)."""
@@ -59,8 +63,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up, None, self.gate_up_quant).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight, None, self.down_quant)
 
 
 class Attention(nn.Module):
@@ -80,6 +84,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv_weight: torch.Tensor | None = None  # [(H + 2 KVH) * D, hidden] after fuse()
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
+        self.o_quant: QuantizedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate q/k/v projections so one matmul computes all three."""
@@ -92,7 +98,7 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return F.linear(x, self.qkv_weight, self.qkv_bias).split([q_width, kv_width, kv_width], dim=-1)
+        return linear(x, self.qkv_weight, self.qkv_bias, self.qkv_quant).split([q_width, kv_width, kv_width], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
@@ -110,7 +116,8 @@ class Attention(nn.Module):
         cache.write_at(self.layer_index, write_index, k.transpose(1, 2), v)
         keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
         out = masked_attention(q, keys, values, mask)  # [B, H, N, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+        return linear(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim), self.o_proj.weight, None,
+                      self.o_quant)
 
 
 class DecoderLayer(nn.Module):
@@ -148,6 +155,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
+        self.lm_head_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
 
     def fuse(self) -> None:
         """Fuse per-layer projections for inference (call after the weights are loaded)."""
@@ -182,7 +190,7 @@ class CausalLM(nn.Module):
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]
-        logits = self.lm_head(self.model.norm(x)).float()
+        logits = linear(self.model.norm(x), self.lm_head.weight, None, self.lm_head_quant).float()
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -190,4 +198,4 @@ class CausalLM(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on already-normed hidden states (the drafter uses the target's head)."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, None, self.lm_head_quant).float()

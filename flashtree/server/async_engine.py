@@ -255,6 +255,7 @@ class AsyncEngine:
             log.exception("engine step failed; failing the requests in the batch")
             self._fail_active(f"the engine failed: {type(err).__name__}: {err}")
             return
+        self.metrics.observe_round_nodes(self.engine.last_round_nodes)
         now = time.monotonic()
         deliveries = defaultdict(list)
         for event in events:

@@ -14,7 +14,7 @@ import argparse
 import logging
 import os
 
-from flashtree.cli import add_model_args
+from flashtree.cli import adaptive_spec_of, add_model_args
 from flashtree.config import EngineConfig, SpecConfig
 from flashtree.errors import FlashtreeError
 from flashtree.server.config import LOOPBACK, ServerConfig
@@ -46,7 +46,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
         model=args.model, spec=SpecConfig(method=method, draft=draft, budget=args.budget, block_size=args.block_size),
         device=args.device, dtype=args.dtype, max_running=args.max_running, max_context=args.max_context,
-        max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, random_weights=args.random_weights)
+        max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, random_weights=args.random_weights,
+        quant_kernels=not args.no_quant_kernels, adaptive_spec=adaptive_spec_of(args))
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         log_level=args.log_level)

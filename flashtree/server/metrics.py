@@ -6,7 +6,9 @@ Tokens: prompt and generation counters; latency: time to first token (arrival ->
 token) and inter-token latency (per token; a round that commits k tokens counts k tokens of
 1/k of its interval). Load: running and waiting requests, KV usage (committed entries over
 ``max_running * max_context``). Speculation: rounds, drafted tokens (tree nodes verified),
-accepted tokens (drafts committed, bonus excluded), acceptance length per round (bonus included).
+accepted tokens (drafts committed, bonus excluded), acceptance length per round (bonus included),
+and ``flashtree_spec_batch_rounds_total{nodes}``: batched rounds (engine steps) by the drafted
+node count per row the engine chose (0 = plain rounds; what adaptive speculation did).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class ServerMetrics:
         self.acceptance_length = Histogram("flashtree_spec_acceptance_length",
                                            "Tokens committed per round, bonus included",
                                            buckets=ACCEPTANCE_BUCKETS, registry=r)
+        self.round_nodes = Counter("flashtree_spec_batch_rounds",
+                                   "Batched rounds (engine steps) by drafted nodes per row; 0 = plain",
+                                   ["nodes"], registry=r)
         self.engine_info = Gauge("flashtree_engine_info", "The served model and decoding method (value 1)",
                                  ["model", "method", "device", "dtype"], registry=r)
 
@@ -63,6 +68,11 @@ class ServerMetrics:
         self.accepted_tokens.inc(sum(length - 1 for length in acceptance_lengths))
         for length in acceptance_lengths:
             self.acceptance_length.observe(length)
+
+    def observe_round_nodes(self, nodes: int | None) -> None:
+        """The node count of one engine step's round (None: the step ran no round)."""
+        if nodes is not None:
+            self.round_nodes.labels(nodes=str(nodes)).inc()
 
     def set_load(self, *, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)

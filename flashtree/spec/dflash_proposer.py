@@ -7,8 +7,9 @@ Both share a :class:`DrafterRunner` (the drafter and its own context KV cache):
 
 Glossary
 - b: the drafter's block size; b-1 = max_depth, the draft horizon.
-- budget: drafted nodes per DDTree (the root excluded); ``max_nodes`` is the static maximum and
-  each row may ask for fewer (``rows.budgets``).
+- budget: drafted nodes per DDTree (the root excluded); ``max_nodes`` is the static maximum,
+  each round verifies ``nodes <= max_nodes`` (the speculation policy's choice) and each row
+  may ask for fewer (``rows.budgets``).
 - context length: committed tokens of a slot whose context K/V the drafter holds; it equals the
   target's committed length, because the engine observes every committed token in order.
 """
@@ -28,12 +29,17 @@ from flashtree.spec.tree import DraftTree, build_tree, chain_tree
 
 
 def default_budget(device: torch.device) -> int:
-    """DDTree budget when none is given.
+    """DDTree budget when none is given: the best tokens/s measured per device with the shipped
+    SmolLM2 pair (greedy, batch 1, 128 new tokens; benchmarks/README.md, "Default budget"):
 
-    Placeholder values: replace them from the measured budget table in benchmarks/ (the best
-    tokens/s per device and batch size) once it exists.
+    | device | budgets measured | best | its speedup over plain |
+    | --- | --- | --- | --- |
+    | 2-core CPU, fp32 | 2, 4, 7, 16, 32 | 4 | 1.12x (16: 0.52x) |
+    | H200, bf16 | 8, 16, 32, 64 | 64 | 1.42x |
+
+    Under load the adaptive policy halves it as the batch grows (down to plain rounds).
     """
-    return 256 if torch.device(device).type == "cuda" else 64
+    return 64 if torch.device(device).type == "cuda" else 4
 
 
 class DrafterRunner:
@@ -47,11 +53,12 @@ class DrafterRunner:
         """Context features ``[B, P, F]`` of tokens committed at ``starts[b] + j``, j < counts[b]."""
         self.drafter.observe(self.cache, slots, features, counts, starts)
 
-    def draft_logits(self, rows: ProposerRows) -> torch.Tensor:
-        """``[B, b-1, V]`` draft logits for every row's block; rows may have different lengths."""
+    def draft_logits(self, rows: ProposerRows, depth: int | None = None) -> torch.Tensor:
+        """``[B, depth, V]`` draft logits (default depth b-1) for every row's block; rows may have
+        different lengths."""
         kv_len, slot_range = self._attention_extent(rows)
         return self.drafter.draft_logits(self.cache, rows.slots, rows.bonus, rows.starts,
-                                         kv_len=kv_len, slot_range=slot_range)
+                                         kv_len=kv_len, slot_range=slot_range, depth=depth)
 
     def _attention_extent(self, rows: ProposerRows) -> tuple[int, tuple[int, int] | None]:
         """(keys attended per row, slot range) of the block pass.
@@ -92,7 +99,7 @@ class _DrafterProposer:
 
 
 class DFlashProposer(_DrafterProposer):
-    """The DFlash chain: the drafter's argmax at each of the b-1 positions."""
+    """The DFlash chain: the drafter's argmax at each of the b-1 positions (the first ``nodes``)."""
 
     name = "dflash"
     chain = True
@@ -100,9 +107,9 @@ class DFlashProposer(_DrafterProposer):
     def __init__(self, runner: DrafterRunner):
         super().__init__(runner, max_nodes=runner.drafter.config.block_size - 1)
 
-    def propose(self, rows: ProposerRows) -> DraftTree:
-        draft = self.runner.draft_logits(rows).argmax(dim=-1)  # [B, b-1]
-        return chain_tree(draft)
+    def propose(self, rows: ProposerRows, nodes: int) -> DraftTree:
+        draft = self.runner.draft_logits(rows, depth=nodes).argmax(dim=-1)  # [B, nodes]
+        return chain_tree(draft)  # [B, nodes + 1] nodes
 
 
 class DDTreeProposer(_DrafterProposer):
@@ -114,9 +121,10 @@ class DDTreeProposer(_DrafterProposer):
     def __init__(self, runner: DrafterRunner, budget: int):
         super().__init__(runner, max_nodes=budget)
 
-    def propose(self, rows: ProposerRows) -> DraftTree:
-        logits = self.runner.draft_logits(rows)  # [B, b-1, V]
-        return build_tree(logits, rows.budgets, self.max_nodes)
+    def propose(self, rows: ProposerRows, nodes: int) -> DraftTree:
+        depth = min(nodes, self.max_depth)  # a tree of n nodes is at most n deep
+        logits = self.runner.draft_logits(rows, depth=depth)  # [B, depth, V]
+        return build_tree(logits, rows.budgets.clamp(max=nodes), nodes)  # [B, nodes + 1] nodes
 
 
 def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
@@ -124,7 +132,7 @@ def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     spec = config.spec
     drafter = load_drafter(spec.draft, target, tokenizer, block_size_override=spec.block_size,
                            random_weights=config.random_weights, seed=config.seed + 1)
-    cache = drafter.new_cache(config.max_running, config.max_context, scratch=config.prefill_chunk)
+    cache = drafter.new_cache(config.max_running + 1, config.max_context, scratch=config.prefill_chunk)  # + pad slot
     runner = DrafterRunner(drafter, cache)
     if spec.method == "dflash":
         return DFlashProposer(runner)

@@ -4,7 +4,11 @@ A proposer turns the running rows into a :class:`DraftTree` whose root is each r
 token; the engine verifies that tree with one target pass and walks it. Plain decoding is the
 root-only tree, DFlash a chain, DDTree a best-first tree, so one round serves all three.
 Proposers that read context features (DFlash drafters) receive the target hidden states of
-every committed token through :meth:`Proposer.observe`.
+every committed token through :meth:`Proposer.observe`, in plain rounds too.
+
+Each round has a node count (``nodes``, chosen by the engine's speculation policy, at most
+``max_nodes``): the tree it verifies has ``nodes + 1`` entries on the node axis. A round of 0
+nodes is plain: the engine builds the root-only tree itself and never calls ``propose``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ class ProposerRows(Protocol):
     slots: torch.Tensor  # [B] int64
     bonus: torch.Tensor  # [B] int64, each row's bonus token
     starts: torch.Tensor  # [B] int64, position of the bonus token (= committed length)
-    budgets: torch.Tensor  # [B] int64, per-row tree budget (DDTree)
+    budgets: torch.Tensor  # [B] int64, per-row tree budget (DDTree), at most the round's nodes
 
 
 class Proposer(Protocol):
@@ -32,7 +36,9 @@ class Proposer(Protocol):
     max_depth: int  # deepest node
     chain: bool  # node i's parent is always i-1 (plain, DFlash): accepted paths need no KV move
 
-    def propose(self, rows: ProposerRows) -> DraftTree: ...
+    def propose(self, rows: ProposerRows, nodes: int) -> DraftTree:
+        """The round's trees with ``nodes`` drafted nodes per row (1 <= nodes <= max_nodes):
+        every tensor has ``nodes + 1`` entries on the node axis."""
 
     def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
                 starts: torch.Tensor) -> None:
@@ -64,7 +70,7 @@ class PlainProposer:
     max_depth = 0
     chain = True
 
-    def propose(self, rows: ProposerRows) -> DraftTree:
+    def propose(self, rows: ProposerRows, nodes: int = 0) -> DraftTree:
         return root_only_tree(rows.bonus)
 
     def observe(self, slots, features, counts, starts) -> None:

@@ -21,9 +21,11 @@ Nodes are laid out by (depth, weight descending, ranks), so parents come before 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 ROOT = 0  # node index of the root (the bonus token)
 NO_PARENT = -1  # parent of the root
@@ -112,42 +114,118 @@ def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 def _expand_levels(
     top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int
 ) -> list[_Level]:
-    """Kept lists for depths 1..L; each is the best B prefixes of its depth (exact)."""
+    """Kept lists for depths 1..L; each is the best B prefixes of its depth (exact).
+
+    Depth d's candidates are the [B, K] matrix ``kept (d-1) x top-K of depth d``. Its best B
+    are found without a top-k over all B*K entries: a top-k over the short prefilter list
+    (see :func:`_prefilter_pairs`) gives the B-th best weight (the threshold) exactly, and one
+    pass over the matrix keeps what beats it plus the lexicographically first ties.
+    """
     num_rows, depth, k = top_logp.shape
-    # The root as a depth-0 kept list: one prefix of weight 0, the rest absent.
-    kept = torch.full((num_rows, max_budget), float("-inf"), dtype=top_logp.dtype,
-                      device=top_logp.device)  # [R, B]
-    kept[:, 0] = 0.0
-    levels = []
-    for d in range(depth):
-        candidates = kept[:, :, None] + top_logp[:, d, None, :]  # [R, B, K]
-        # Flat index p*K + rank is lexicographic order, because the kept list is.
-        flat = _best_in_index_order(candidates.reshape(num_rows, -1), max_budget)  # [R, B]
-        kept = candidates.reshape(num_rows, -1).gather(1, flat)  # [R, B]
-        tokens = top_tokens[:, d, :].gather(1, flat % k)  # [R, B]
-        levels.append(_Level(kept, flat // k, tokens))
+    level = _first_level(top_logp[:, 0], top_tokens[:, 0], max_budget)
+    levels = [level]
+    sorted_w = _sorted_desc(level.log_weights, top_logp[:, 0])  # [R, B]
+    pair_row, pair_rank = _prefilter_pairs(max_budget, k, top_logp.device)  # [M] x2
+    pair_logp = top_logp[:, :, pair_rank]  # [R, L, M]
+    by_key = num_rows * max_budget > PREFILTER_MAX_ROW_NODES
+    for d in range(1, depth):
+        candidates = level.log_weights[:, :, None] + top_logp[:, d, None, :]  # [R, B, K]
+        if by_key:
+            flat, best_values = _best_flat_by_key(candidates.reshape(num_rows, -1), max_budget)
+        else:  # the B best of the prefilter list hold the B best weights of the whole matrix
+            best_values = torch.topk(sorted_w[:, pair_row] + pair_logp[:, d], max_budget, dim=1).values  # [R, B]
+            flat = _best_flat(candidates.reshape(num_rows, -1), best_values, max_budget)  # [R, B]
+        level = _Level(
+            candidates.reshape(num_rows, -1).gather(1, flat),
+            flat // k,
+            top_tokens[:, d, :].gather(1, flat % k),
+        )
+        levels.append(level)
+        sorted_w = _sorted_desc(level.log_weights, best_values)
     return levels
 
 
-def _best_in_index_order(weights: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the ``count`` largest weights per row, ties to the lower index.
-
-    weights: [R, M] with M >= count. Returns [R, count] int64 in ascending index order.
-    One top-k on an int64 key that holds the weight's order-preserving bits above the reversed
-    index, so equal weights rank by index exactly and top-k itself never meets a tie.
-    """
-    size = weights.shape[1]
-    order_bits = _order_preserving_bits(weights)  # [R, M] int64, same order as weights
-    later_first = torch.arange(size, 0, -1, device=weights.device)  # [M]; size .. 1
-    key = (order_bits << 32) | later_first  # [R, M]
-    picked = torch.topk(key, count, dim=1, sorted=False).indices  # [R, count]
-    return picked.sort(dim=1).values  # [R, count]
+# rows x budget above which one top-k over every candidate (int64 keys) beats the prefilter plus
+# the full-matrix threshold pass: measured on an H200, benchmarks/results/tree_build_speed_h200.json
+# (prefilter faster at 1 x 16..1024 and 8 x 16..64, slower at 8 x 256 and 8 x 1024).
+PREFILTER_MAX_ROW_NODES = 1024
 
 
-def _order_preserving_bits(weights: torch.Tensor) -> torch.Tensor:
-    """int64 keys that sort like the float weights (float32 precision; -inf lowest)."""
+def _best_flat_by_key(weights: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat indices of the ``count`` best weights in ascending order [R, count], their weights in
+    descending order [R, count]) by one top-k on an int64 key: the weight's order-preserving
+    float32 bits above the reversed index, so ties go to the lower index (as in _best_flat)."""
     bits = weights.float().view(torch.int32).long()  # [R, M] sign-extended
-    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # negative floats count downwards
+    order_bits = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # negative floats count downwards
+    later_first = torch.arange(weights.shape[1], 0, -1, device=weights.device)  # [M]
+    picked = torch.topk((order_bits << 32) | later_first, count, dim=1).indices  # [R, count], best first
+    return picked.sort(dim=1).values, weights.gather(1, picked)
+
+
+def _first_level(logp: torch.Tensor, tokens: torch.Tensor, max_budget: int) -> _Level:
+    """Depth 1: the top-K tokens themselves (rank order is lex order), -inf padded to B.
+
+    logp, tokens: [R, K]. Equals the general step on the root-only kept list.
+    """
+    missing = max_budget - logp.shape[1]
+    log_weights = F.pad(logp, (0, missing), value=float("-inf"))  # [R, B]
+    return _Level(log_weights, torch.zeros_like(log_weights, dtype=torch.long),
+                  F.pad(tokens, (0, missing)))
+
+
+def _sorted_desc(log_weights: torch.Tensor, sorted_values: torch.Tensor) -> torch.Tensor:
+    """A kept list's weights in descending order, [R, B].
+
+    ``sorted_values`` are the top-k values the list was cut from: for float32 weights they are
+    the same multiset (ties at the threshold are equal), so no sort is needed. Wider weights
+    can differ below float32 precision among threshold ties: sort them.
+    """
+    if log_weights.dtype == torch.float32:
+        missing = log_weights.shape[1] - sorted_values.shape[1]
+        return F.pad(sorted_values, (0, missing), value=float("-inf")) if missing else sorted_values
+    return torch.sort(log_weights, dim=1, descending=True).values
+
+
+@functools.lru_cache(maxsize=None)
+def _prefilter_pairs(max_budget: int, k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Static (row, rank) pairs with (row + 1) * (rank + 1) <= B, ~B ln B of them.
+
+    Sort the kept weights s descending and the log-probs l descending: the candidate matrix
+    s_i + l_j is then non-increasing along both axes (float rounding is monotone), so entry
+    (i, j) has (i + 1) * (j + 1) - 1 entries >= it. An entry outside the list therefore never
+    beats the B-th best weight, and the B best weights of the list are those of the whole
+    matrix (any B cells closed under "smaller i or j" lie inside the list). Only which of the
+    entries tied at the B-th weight are kept is decided outside the list (see _best_flat):
+    ties can sit anywhere, since rounding can make s_a + l equal s_b + l for s_a > s_b.
+    Returns pair_row, pair_rank: [M] int64, built on the device (no host copy, capturable).
+    """
+    rank = torch.arange(k, device=device)  # [K]
+    rows_per_rank = torch.clamp(max_budget // (rank + 1), max=max_budget)  # [K]
+    size = sum(min(max_budget, max_budget // (j + 1)) for j in range(k))  # M (host arithmetic)
+    pair_rank = torch.repeat_interleave(rank, rows_per_rank, output_size=size)  # [M]
+    first = rows_per_rank.cumsum(0) - rows_per_rank  # [K]; where each rank's run starts
+    pair_row = torch.arange(size, device=device) - first[pair_rank]  # [M]
+    return pair_row, pair_rank
+
+
+def _best_flat(weights: torch.Tensor, top_values: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of the ``count`` best weights, ties to the lower index, ascending. [R, count]
+
+    weights: [R, M] in index (lex) order. top_values: [R, count] the ``count`` largest weights,
+    descending (any tie order). Same result as the int64-key top-k of the reference: keep all
+    weights above the threshold (float32 order, like the key) and the first ties at it.
+    """
+    top32 = top_values.float()  # [R, count]
+    threshold = top32[:, -1:]  # [R, 1]
+    need = count - (top32 > threshold).sum(dim=1, keepdim=True)  # [R, 1]; ties to keep
+    weights32 = weights.float()  # [R, M]
+    tied = weights32 == threshold  # [R, M]
+    keep = (weights32 > threshold) | (tied & (tied.cumsum(dim=1) <= need))  # [R, M]; count each
+    slot = keep.cumsum(dim=1) - 1  # [R, M]; place among the kept, in index order
+    slot = torch.where(keep, slot, count)  # [R, M]; the rest go to a dump column
+    index = torch.arange(weights.shape[1], device=weights.device).expand_as(slot)  # [R, M]
+    flat = torch.zeros(weights.shape[0], count + 1, dtype=torch.long, device=weights.device)
+    return flat.scatter_(1, slot, index)[:, :count]  # [R, count]
 
 
 def _select_nodes(levels: list[_Level], budgets: torch.Tensor, max_budget: int) -> DraftTree:
@@ -159,7 +237,8 @@ def _select_nodes(levels: list[_Level], budgets: torch.Tensor, max_budget: int) 
     all_parent = torch.cat([lv.parent_pos for lv in levels], dim=1)  # [R, L*B]
     all_tokens = torch.cat([lv.tokens for lv in levels], dim=1)  # [R, L*B]
     # Best B over all depths; ties go to the lower flat index = shallower, then lex smaller.
-    chosen = _best_in_index_order(all_w, max_budget)  # [R, B]
+    top_values = torch.topk(all_w, max_budget, dim=1).values  # [R, B]
+    chosen = _best_flat(all_w, top_values, max_budget)  # [R, B]
     # Rank order (weight desc, stable): the first `budget` existing ones are the tree.
     by_weight = torch.sort(all_w.gather(1, chosen), dim=1, descending=True, stable=True)
     ranked = chosen.gather(1, by_weight.indices)  # [R, B]
@@ -228,19 +307,24 @@ def _assemble(
 def _ancestor_mask(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
     """mask[r, i, j] = j == i or j is an ancestor of i; invalid nodes see only themselves.
 
-    parents, valid: [R, N]. After step s every node of depth <= s is exact, since
-    mask(node) = mask(parent) | self; max_depth steps of batched row gathers.
+    parents, valid: [R, N]. Pointer doubling: ``path[:, i, t]`` is the t-th ancestor of i
+    (the root, and invalid nodes, are their own parents, so paths end in a fixed point);
+    each step appends the paths of the nodes 2^s levels up, so ceil(log2(L + 1)) steps cover
+    every ancestor. One scatter then writes the mask.
     """
     num_rows, size = parents.shape
-    self_mask = torch.eye(size, dtype=torch.bool, device=parents.device).expand(num_rows, -1, -1)
+    node = torch.arange(size, device=parents.device).expand(num_rows, -1)  # [R, N]
     inherits = valid.clone()  # [R, N]
     inherits[:, ROOT] = False
-    parent_rows = parents.clamp(min=0)[:, :, None].expand(-1, -1, size)  # [R, N, N]
-    mask = self_mask.clone()  # [R, N, N]
-    for _ in range(max_depth):
-        from_parent = mask.gather(1, parent_rows) & inherits[:, :, None]  # [R, N, N]
-        mask = self_mask | from_parent
-    return mask
+    jump = torch.where(inherits, parents, node)  # [R, N]; ancestor 2^s levels up
+    path = node[:, :, None]  # [R, N, 1]
+    while path.shape[2] < max_depth + 1:
+        width = path.shape[2]
+        upper = path.gather(1, jump[:, :, None].expand(-1, -1, width))  # [R, N, width]
+        path = torch.cat([path, upper], dim=2)  # [R, N, 2 * width]
+        jump = jump.gather(1, jump)  # [R, N]
+    mask = torch.zeros(num_rows, size, size, dtype=torch.bool, device=parents.device)
+    return mask.scatter_(2, path, True)  # [R, N, N]
 
 
 def _root_only(num_rows: int, max_budget: int, draft_logits: torch.Tensor) -> DraftTree:

@@ -49,26 +49,44 @@ def accept_walk(
         )
     if max_depth is None:
         max_depth = num_nodes - 1
-    device = tree.tokens.device
     target_choice = target_choice.long()
-    node_index = torch.arange(num_nodes, device=device)  # [N]
-    walkable = tree.valid & (node_index != ROOT)  # [R, N]
-    current = torch.full((num_rows,), ROOT, dtype=torch.long, device=device)  # [R]
-    moving = torch.ones(num_rows, dtype=torch.bool, device=device)  # [R]
-    steps = [current]
-    for _ in range(max_depth):
-        choice = target_choice.gather(1, current[:, None])  # [R, 1]
-        match = walkable & (tree.parents == current[:, None]) & (tree.tokens == choice)  # [R, N]
-        moving = moving & match.any(dim=1)  # [R]
-        child = match.long().argmax(dim=1)  # [R]; first (only) match
-        current = torch.where(moving, child, current)  # [R]
-        steps.append(torch.where(moving, child, PATH_PAD))
-    path = torch.stack(steps, dim=1)  # [R, P]
+    on_path = _path_nodes(tree, target_choice, max_depth)  # [R, N]
+    # Path nodes have distinct depths 0..len-1: each goes to the slot of its depth.
+    slot = torch.where(on_path, tree.depths, max_depth + 1)  # [R, N]; others to a dump slot
+    node_index = torch.arange(num_nodes, device=tree.tokens.device).expand(num_rows, -1)
+    path = torch.full((num_rows, max_depth + 2), PATH_PAD, dtype=torch.long,
+                      device=tree.tokens.device)
+    path = path.scatter_(1, slot, node_index)[:, : max_depth + 1]  # [R, P]
+    accept_lengths = on_path.sum(dim=1)  # [R]
+    current = path.gather(1, (accept_lengths - 1)[:, None])  # [R, 1]; last path node
     on_path = path != PATH_PAD  # [R, P]
     path_tokens = tree.tokens.gather(1, path.clamp(min=0))  # [R, P]
     return AcceptResult(
         path=path,
-        accept_lengths=on_path.sum(dim=1),
-        next_bonus=target_choice.gather(1, current[:, None]).squeeze(1),
+        accept_lengths=accept_lengths,
+        next_bonus=target_choice.gather(1, current).squeeze(1),
         committed_tokens=torch.where(on_path, path_tokens, PATH_PAD),
     )
+
+
+def _path_nodes(tree: DraftTree, target_choice: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[R, N] bool: the nodes the walk visits (root included), without a step loop.
+
+    A node is a step of the walk from its parent when it is a valid non-root node carrying the
+    target's choice at its parent and no lower-index sibling does too (the walk takes the first
+    match). It is on the path when it and all its ancestors (ancestor_mask) are such steps and
+    its depth is within max_depth.
+    """
+    num_rows, num_nodes = tree.tokens.shape
+    node_index = torch.arange(num_nodes, device=tree.tokens.device)  # [N]
+    parent = tree.parents.clamp(min=0)  # [R, N]; the root points at itself
+    walkable = tree.valid & (node_index != ROOT)  # [R, N]
+    match = walkable & (tree.tokens == target_choice.gather(1, parent))  # [R, N]
+    no_match = torch.full_like(parent, num_nodes)  # [R, N]
+    first_child = no_match.scatter_reduce(
+        1, parent, torch.where(match, node_index, num_nodes), reduce="amin"
+    )  # [R, N]; lowest matching child per node
+    step = match & (first_child.gather(1, parent) == node_index)  # [R, N]
+    step = step | (node_index == ROOT)  # [R, N]
+    broken = (tree.ancestor_mask & ~step[:, None, :]).any(dim=2)  # [R, N]
+    return ~broken & tree.valid & (tree.depths <= max_depth)  # [R, N]

@@ -49,7 +49,10 @@ def _register_train(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    p.add_argument("--time-budget-s", type=float, default=None, help="stop cleanly and save after this wall time")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="total training wall time, resumes included: the cosine schedule follows it; stop and save then")
+    p.add_argument("--stop-after-s", type=float, default=None,
+                   help="stop and save after this wall time of this run (continue later with --resume)")
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default=None, help="target / autocast dtype (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_KINDS)
@@ -88,7 +91,8 @@ def train_config_from_args(args) -> "TrainConfig":
         batch_size=batch_size, batch_tokens=args.batch_tokens, anchors_per_seq=args.anchors_per_seq,
         heldout_percent=args.heldout_percent, max_conversations=args.max_conversations, steps=args.steps,
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, time_budget_s=args.time_budget_s, device=args.device, dtype=args.dtype,
+        grad_clip=args.grad_clip, time_budget_s=args.time_budget_s, stop_after_s=args.stop_after_s,
+        device=args.device, dtype=args.dtype,
         attention=args.attention, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, save_dtype=args.save_dtype, max_shard_mb=args.max_shard_mb,
         log_every=args.log_every, seed=args.seed, progress=not args.no_progress)

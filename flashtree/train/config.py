@@ -51,7 +51,8 @@ class TrainConfig:
     warmup: int = 100  # steps
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    time_budget_s: float | None = None  # stop cleanly (and save) after this much wall time
+    time_budget_s: float | None = None  # total training wall time (resumes included); sets the cosine
+    stop_after_s: float | None = None  # stop and save after this much wall time of this run (resume later)
     # runtime
     device: str | None = None
     dtype: str | None = None  # target dtype and autocast dtype on CUDA (default bf16)
@@ -94,6 +95,8 @@ class TrainConfig:
             raise ConfigError(f"--attention {self.attention!r}; allowed: {', '.join(ATTENTION_KINDS)}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ConfigError(f"--time-budget-s must be > 0, got {self.time_budget_s}")
+        if self.stop_after_s is not None and self.stop_after_s <= 0:
+            raise ConfigError(f"--stop-after-s must be > 0, got {self.stop_after_s}")
         if self.save_dtype not in SAVE_DTYPES:
             raise ConfigError(f"--save-dtype {self.save_dtype!r}; allowed: {', '.join(SAVE_DTYPES)}")
         if self.max_shard_mb is not None and not self.max_shard_mb > 0:

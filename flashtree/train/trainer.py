@@ -34,7 +34,7 @@ class TrainResult:
     output: str
     steps: int
     seconds: float
-    stopped_by: str  # "steps" | "time"
+    stopped_by: str  # "steps" | "time" (time budget spent) | "stop_after" (this run's limit; resumable)
     train: dict  # metrics of the last log window
     heldout: dict  # final held-out metrics (empty without held-out data)
     weights_mb: float
@@ -158,9 +158,13 @@ def run(setup: TrainSetup) -> TrainResult:
     step, stopped_by = setup.start_step, "steps"
     setup.drafter.train()
     while step < setup.total_steps:
-        elapsed = time.perf_counter() - start
+        this_run = time.perf_counter() - start
+        elapsed = prior + this_run  # the schedule follows the whole training, resumes included
         if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
             stopped_by = "time"
+            break
+        if cfg.stop_after_s is not None and this_run >= cfg.stop_after_s:
+            stopped_by = "stop_after"
             break
         fraction = elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0
         window.add(train_step(setup, next(batches), generator, lr_at(cfg, step, setup.total_steps, fraction)))

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# H200 load test of `flashtree serve` at Qwen3-8B shape with random bf16 weights: plain, DFlash and
+# DDTree (adaptive speculation on, the serving default), concurrency 1 / 4 / 16 / 32, streamed
+# chat requests through the official openai client (benchmarks/load_test.py).
+#
+# The model is Qwen3-8B's shape with SmolLM2's 49,152-token vocabulary and tokenizer (the
+# machine has no Qwen tokenizer; the lm_head is then 0.4 GB instead of 1.2 GB of the 16.4 GB),
+# and the drafter is z-lab's Qwen3-8B-DFlash-b16 shape, also random: its drafts are almost
+# never accepted, so this measures what the serving path costs and whether adaptive
+# speculation avoids losing to plain decoding, not a speedup.
+#
+# Needs the serving wheels for the device's Python (see benchmarks/README.md) in $WHEELS and the
+# SmolLM2 tokenizer files in $TOKENIZER.
+#   WHEELS=dir TOKENIZER=dir [REQUESTS=32 MAX_TOKENS=128 METHODS="none dflash ddtree"] bash benchmarks/gpu_load.sh OUT_DIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:?usage: gpu_load.sh OUT_DIR}
+REQUESTS=${REQUESTS:-32}
+MAX_TOKENS=${MAX_TOKENS:-128}
+METHODS=${METHODS:-none dflash ddtree}
+BUDGET=${BUDGET:-64}
+PORT=${PORT:-8140}
+EXTRA=${EXTRA:-}
+WARMUP=${WARMUP---warmup}  # WARMUP= (empty) measures a fresh server
+mkdir -p "$OUT_DIR" "${LOG_DIR:-$OUT_DIR}" /tmp/site
+if [[ -n "${WHEELS:-}" ]]; then
+  python3 -m pip install -q --no-index --no-compile --find-links "$WHEELS" --target /tmp/site \
+    fastapi uvicorn openai prometheus-client httpx 2>&1 | grep -v -i warning || true
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+MODEL=/tmp/flashtree-load/qwen3-8b-shape
+DRAFT=/tmp/flashtree-load/qwen3-8b-dflash-shape
+python3 - "$MODEL" "$DRAFT" "${TOKENIZER:?TOKENIZER=dir with the SmolLM2 tokenizer files}" <<'EOF'
+import shutil, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config
+import json, os
+model, draft, tokenizer = sys.argv[1:]
+vocab = {"vocab_size": 49152, "eos_token_id": 2}
+small = json.loads(os.environ.get("SHAPE_OVERRIDE", "{}"))  # a tiny shape for a CPU dry run
+write_config(model, {**QWEN3_8B, **vocab, **small})
+dflash = {**QWEN3_8B_DFLASH["dflash_config"], "mask_token_id": 8, "mask_token": "<issue_start>"}
+if small:
+    dflash["target_layer_ids"] = [0, small["num_hidden_layers"] - 1]
+write_config(draft, {**QWEN3_8B_DFLASH, **vocab, **small, "num_hidden_layers": 1,
+                     "num_target_layers": small.get("num_hidden_layers", 36), "dflash_config": dflash}
+             if small else {**QWEN3_8B_DFLASH, **vocab, "dflash_config": dflash})
+for f in Path(tokenizer).iterdir():
+    shutil.copy(f, Path(model) / f.name)
+EOF
+
+for method in $METHODS; do
+  draft_flags=()
+  [[ $method != none ]] && draft_flags=(--draft "$DRAFT" --budget "$BUDGET")
+  log="${LOG_DIR:-$OUT_DIR}/serve_$method.log"
+  python3 -m flashtree.cli serve --model "$MODEL" --random-weights --spec "$method" "${draft_flags[@]}" \
+    --max-running 32 --max-context 1024 --port "$PORT" --log-level warning $EXTRA >"$log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 240); do
+    [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/health")" == 200 ]] && break
+    kill -0 $server 2>/dev/null || { echo "server for $method died:"; tail -20 "$log"; exit 1; }
+    sleep 1
+  done
+  echo "== $method: server up after $SECONDS s"
+  python3 benchmarks/load_test.py --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
+    --concurrency 1 4 16 32 --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP \
+    --out "$OUT_DIR/load_h200_qwen3_8b_shape_$method" 2>&1 | tail -8
+  kill $server; wait $server 2>/dev/null || true
+done

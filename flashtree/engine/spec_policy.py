@@ -1,0 +1,241 @@
+"""Adaptive speculation: how many drafted nodes each round verifies (issue #5).
+
+A round that verifies ``nodes`` drafted nodes per row costs more than a plain step, and pays
+off only when enough of them are accepted. The best node count depends on the drafter (how
+much it agrees with the target: acceptance), on the batch (a round's cost grows with rows x
+nodes once the device is busy) and on the device. :class:`SpecPolicy` picks it per round from
+a small ladder of node counts by maximizing the expected throughput
+
+    tokens/s(rows, nodes) = rows x acceptance(nodes) / seconds(bucket(rows), nodes)
+
+with online estimates the engine feeds it after every round (:meth:`SpecPolicy.record`):
+- acceptance(nodes): an exponential moving average (EMA) of the mean acceptance length of
+  rounds with that node count (bonus included; it hardly depends on the batch size, so it is
+  shared by every rows bucket). The plain option (0 nodes) accepts exactly 1 token.
+- seconds(bucket, nodes): an EMA of the round's measured host wall time, per rows bucket
+  (1, 2, 4, 8, ...: the next power of two at or above the rows). A sample is clipped to
+  ``OUTLIER_FACTOR`` times the estimate first, so one stalled round (another process, a page
+  fault) barely moves it while a lasting change still gets through in a few rounds.
+
+Exploration: every option of a bucket is tried ``explore_rounds`` times before the estimates
+decide (round robin, fewest measurements first), so an unseen bucket explores on its own; an
+option already measured at under ``DOMINATED`` of the best estimate is not tried again (big
+trees at a big batch can cost many plain steps).
+Tracking: after ``probe_interval`` rounds of a bucket, a neighbour of the best option in the
+ladder is tried once (alternately the larger and the smaller), so drift in acceptance or cost
+moves the choice; a probe's measurements weigh ``PROBE_WEIGHT`` (its old estimate is stale).
+A probe whose option stays clearly worse (under ``BACKOFF_BELOW`` of the best estimate)
+doubles that bucket's interval (up to ``max_probe_interval``); one that changes the best option
+resets it: a settled choice (e.g. plain rounds with a drafter that never matches) pays for few
+probes, a drifting one is followed fast.
+Everything is deterministic given the same measurements.
+
+The node count only changes the shape of a round, never which tokens are committed: every
+option is lossless, so the policy is free to pick any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Sequence
+
+from flashtree.errors import ConfigError
+
+PLAIN_NODES = 0  # the plain option: root-only tree, no drafter pass
+PLAIN_ACCEPTANCE = 1.0  # a plain round commits exactly its bonus token
+OUTLIER_FACTOR = 2.0  # round-time samples are clipped to this multiple of the current estimate
+DOMINATED = 0.5  # exploration skips options measured below this fraction of the best tokens/s
+BACKOFF_BELOW = 0.8  # a probe below this fraction of the best tokens/s doubles the probe interval
+PROBE_WEIGHT = 0.75  # EMA weight of a probe's measurements (at least; the estimate it refreshes is old)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecPolicyConfig:
+    """Knobs of :class:`SpecPolicy` (validated, frozen)."""
+
+    smoothing: float = 0.2  # EMA weight of the newest measurement (the first ones are averaged)
+    explore_rounds: int = 2  # timed rounds of every option per rows bucket before trusting estimates
+    probe_interval: int = 50  # rounds of a bucket between tries of a neighbour of the best option
+    max_probe_interval: int = 800  # the interval doubles after each probe that changes nothing, up to this
+    min_tree_nodes: int = 4  # smallest non-zero tree in a DDTree ladder (halving stops above it)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ConfigError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        for name in ("explore_rounds", "probe_interval", "max_probe_interval", "min_tree_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_probe_interval < self.probe_interval:
+            raise ConfigError(f"max_probe_interval ({self.max_probe_interval}) must be >= probe_interval "
+                              f"({self.probe_interval})")
+
+
+def node_ladder(max_nodes: int, chain: bool, min_tree_nodes: int = 4) -> tuple[int, ...]:
+    """The node counts a round may verify, largest first, ending with 0 (plain).
+
+    Chains (DFlash): the full block or nothing. Trees (DDTree): ``max_nodes`` halved down to
+    ``min_tree_nodes``, e.g. 256 -> (256, 128, 64, 32, 16, 8, 4, 0).
+    """
+    if max_nodes <= 0:
+        return (PLAIN_NODES,)
+    if chain:
+        return (max_nodes, PLAIN_NODES)
+    ladder = [max_nodes]
+    while ladder[-1] // 2 >= min_tree_nodes:
+        ladder.append(ladder[-1] // 2)
+    return (*ladder, PLAIN_NODES)
+
+
+def rows_bucket(rows: int) -> int:
+    """The timing bucket of a batch: the next power of two at or above ``rows`` (1, 2, 4, ...)."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    return 1 << (rows - 1).bit_length()
+
+
+class _Ema:
+    """An exponential moving average whose first ``1 / smoothing`` samples are a plain mean
+    (so a first outlier does not linger); ``clip`` bounds a sample to that multiple of the
+    current value."""
+
+    __slots__ = ("value", "count", "smoothing", "clip")
+
+    def __init__(self, smoothing: float, clip: float | None = None):
+        self.value, self.count, self.smoothing, self.clip = 0.0, 0, smoothing, clip
+
+    def add(self, sample: float, least_weight: float = 0.0) -> None:
+        if self.clip is not None and self.count:
+            sample = min(sample, self.clip * self.value)
+        self.count += 1
+        weight = max(self.smoothing, 1.0 / self.count, least_weight)
+        self.value += weight * (sample - self.value)
+
+
+class SpecPolicy:
+    """Picks each round's node count from ``ladder`` (see the module docstring)."""
+
+    def __init__(self, ladder: Sequence[int], config: SpecPolicyConfig = SpecPolicyConfig()):
+        if not ladder or len(set(ladder)) != len(ladder) or min(ladder) < 0:
+            raise ValueError(f"ladder must be distinct node counts >= 0, got {tuple(ladder)}")
+        self.ladder = tuple(sorted(ladder, reverse=True))
+        self.config = config
+        self._acceptance: dict[int, _Ema] = {}  # nodes -> mean acceptance length
+        self._seconds: dict[tuple[int, int], _Ema] = {}  # (rows bucket, nodes) -> round seconds
+        self._rounds: Counter[int] = Counter()  # rows bucket -> rounds chosen for it
+        self._interval: dict[int, int] = {}  # rows bucket -> rounds between probes (backs off)
+        self._next_probe: dict[int, int] = {}  # rows bucket -> round count at which to probe
+        self._probes: Counter[int] = Counter()  # rows bucket -> probes so far (alternates up / down)
+        self._probe: tuple[int, int, int] | None = None  # pending probe: (nodes, bucket, best before)
+
+    # ------------------------------------------------------------------ decisions
+    def choose(self, rows: int) -> int:
+        """The node count of the next round of ``rows`` rows."""
+        bucket = rows_bucket(rows)
+        self._rounds[bucket] += 1
+        self._probe = None
+        unexplored = self._unexplored(bucket)
+        if unexplored:
+            return min(unexplored, key=lambda n: self._timed(bucket, n))  # ladder order breaks ties
+        best = self.best(rows)
+        if self._rounds[bucket] >= self._next_probe.setdefault(bucket, self._rounds[bucket] + self.config.probe_interval):
+            self._probes[bucket] += 1
+            nodes = self._neighbour(best, larger=self._probes[bucket] % 2 == 1)
+            self._probe = (nodes, bucket, best)
+            return nodes
+        return best
+
+    def best(self, rows: int) -> int:
+        """The option with the highest estimated tokens/s (ties: fewer nodes); options without
+        estimates are skipped (plain always has one once timed)."""
+        bucket = rows_bucket(rows)
+        scored = [(self._per_row(bucket, n), -n) for n in self.ladder]
+        known = [(score, neg) for score, neg in scored if score is not None]
+        if not known:
+            return self.ladder[-1]
+        return -max(known)[1]
+
+    def tokens_per_second(self, rows: int, nodes: int) -> float | None:
+        """Expected throughput of a round of ``nodes`` nodes, None while unmeasured."""
+        per_row = self._per_row(rows_bucket(rows), nodes)
+        return None if per_row is None else rows * per_row
+
+    def _per_row(self, bucket: int, nodes: int) -> float | None:
+        """acceptance / round seconds: tokens/s per row of the bucket, None while unmeasured."""
+        acceptance = self.acceptance(nodes)
+        seconds = self._seconds.get((bucket, nodes))
+        if acceptance is None or seconds is None:
+            return None
+        return acceptance / max(seconds.value, 1e-9)
+
+    def acceptance(self, nodes: int) -> float | None:
+        """Mean acceptance length estimate (bonus included); exactly 1 for plain rounds."""
+        if nodes == PLAIN_NODES:
+            return PLAIN_ACCEPTANCE
+        ema = self._acceptance.get(nodes)
+        return ema.value if ema is not None else None
+
+    def _unexplored(self, bucket: int) -> list[int]:
+        """Options still to try in ``bucket``: too few timed rounds and not clearly worse."""
+        scores = {n: self._per_row(bucket, n) for n in self.ladder}
+        top = max((s for s in scores.values() if s is not None), default=0.0)
+        return [n for n in self.ladder if self._timed(bucket, n) < self.config.explore_rounds
+                and (scores[n] is None or scores[n] >= DOMINATED * top)]
+
+    def _timed(self, bucket: int, nodes: int) -> int:
+        ema = self._seconds.get((bucket, nodes))
+        return ema.count if ema is not None else 0
+
+    def _neighbour(self, nodes: int, larger: bool) -> int:
+        """The ladder option next to ``nodes``: the larger one if asked and there is one."""
+        index = self.ladder.index(nodes)
+        up = self.ladder[index - 1] if index > 0 else None
+        down = self.ladder[index + 1] if index + 1 < len(self.ladder) else None
+        first, second = (up, down) if larger else (down, up)
+        return first if first is not None else (second if second is not None else nodes)
+
+    # ------------------------------------------------------------------ measurements
+    def record(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None) -> None:
+        """What a round of ``rows`` rows and ``nodes`` nodes measured: its host wall time (None:
+        not representative, e.g. it captured a CUDA graph) and its rows' mean acceptance length
+        (None: no row could use the full node count)."""
+        if nodes not in self.ladder:
+            raise ValueError(f"nodes {nodes} is not on the ladder {self.ladder}")
+        probe, self._probe = self._probe, None
+        was_probe = probe is not None and probe[0] == nodes and probe[1] == rows_bucket(rows)
+        weight = PROBE_WEIGHT if was_probe else 0.0
+        if seconds is not None:
+            key = (rows_bucket(rows), nodes)
+            self._seconds.setdefault(key, _Ema(self.config.smoothing, OUTLIER_FACTOR)).add(seconds, weight)
+        if acceptance is not None and nodes != PLAIN_NODES:
+            self._acceptance.setdefault(nodes, _Ema(self.config.smoothing)).add(acceptance, weight)
+        if was_probe:
+            self._schedule_next_probe(rows, nodes, best_before=probe[2])
+
+    def _schedule_next_probe(self, rows: int, probed: int, best_before: int) -> None:
+        """Back off after a probe of a clearly worse option; probe again soon after one that
+        changed the best option; keep the interval otherwise."""
+        bucket = rows_bucket(rows)
+        interval = self._interval.get(bucket, self.config.probe_interval)
+        best = self.best(rows)
+        probed_rate, best_rate = self._per_row(bucket, probed), self._per_row(bucket, best)
+        if best != best_before:
+            interval = self.config.probe_interval
+        elif probed_rate is not None and best_rate is not None and probed_rate < BACKOFF_BELOW * best_rate:
+            interval = min(2 * interval, self.config.max_probe_interval)
+        self._interval[bucket] = interval
+        self._next_probe[bucket] = self._rounds[bucket] + interval
+
+
+class FixedNodes:
+    """Today's fixed behaviour with the policy's interface: every round verifies ``nodes``."""
+
+    def __init__(self, nodes: int):
+        self.ladder = (nodes,)
+
+    def choose(self, rows: int) -> int:
+        return self.ladder[0]
+
+    def record(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None) -> None:
+        pass

@@ -1,0 +1,484 @@
+"""CPU products with few rows straight from a GGUF's quantized blocks (Q4_0, Q4_1, Q8_0).
+
+A GGUF model is dequantized once to float32 (gguf_convert.py). On a CPU, a decode step then
+streams every fp32 weight once per token and is bound by memory bandwidth. For products with
+at most :data:`MAX_ROWS` rows (decode: one row per sequence; small verification trees) this
+module multiplies from the GGUF blocks instead: 0.625 bytes per Q4_1 weight (0.56 for Q4_0,
+1.06 for Q8_0) instead of 4. A small AVX-512 kernel rebuilds each weight in registers exactly
+as the converter stored it and accumulates in float32:
+
+- Q4_1: ``fma(d, q, m)``. ``d`` is an fp16 value and ``q`` a 4-bit integer, so ``d * q`` is
+  exact in fp32 and the fma rounds once, like numpy's ``d * q + m``.
+- Q4_0: ``fma(d, q, -8 d)`` = ``d * (q - 8)`` exactly (every term and the result are
+  representable), as numpy's ``d * (q - 8)``.
+- Q8_0: ``d * q``, exact.
+
+so the weights are bit-identical to the fp32 ones (checked at load on a spread of rows of every
+weight, in full by the tests); only the summation order differs from MKL's.
+Each weight block is decoded once for all rows of a product, and a row's result does not depend
+on how many rows share the call. The kernel prefetches 4 KB ahead in the weight stream: the
+separate per-layer products are too short for the hardware prefetcher alone (3x slower without).
+Larger products (prefill, big trees) keep the fp32 weights (kept too: 538 MB for SmolLM2-135M).
+
+The blocks come from ``gguf_blocks.safetensors``, which the GGUF conversion writes beside the
+fp32 weights (and the first load of an older cache entry adds). The kernel is plain C++ (no
+torch headers, so it compiles in about two seconds) built once with
+the system compiler into ``$FLASHTREE_CACHE/kernels`` and called through ``ctypes``; its OpenMP
+loop runs on the OpenMP runtime torch already loaded, with torch's thread count. It is used only
+when the CPU has AVX-512 (avx512f, avx512bw, f16c, fma in /proc/cpuinfo) and a compiler works;
+otherwise the fp32 path stays and one log line says why. ``EngineConfig(quant_kernels=False)``
+/ ``--no-quant-kernels`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from flashtree.models.loader import Checkpoint
+    from flashtree.models.transformer import CausalLM
+
+log = logging.getLogger("flashtree")
+
+MAX_ROWS = 8  # products with at most this many rows use the block kernel
+CHECKED_ROWS = 64  # rows per weight compared with the fp32 weight at load
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "f16c", "fma")
+CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mf16c", "-mfma")
+_ROTARY_PERMUTED_ARCHITECTURES = ("llama",)  # as in gguf_convert.py
+
+# type name -> (bytes per 32-weight block, kernel type code)
+BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
+
+KERNEL_SOURCE = r"""
+// flashtree CPU block kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W in GGUF blocks.
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One 32-weight block as two vectors of 16 weights (elements 0..15 and 16..31).
+// type 0: Q4_0 {fp16 d; u8 qs[16]}     w = d * (q - 8)  computed as fma(d, q, -8 d), exact
+// type 1: Q4_1 {fp16 d, m; u8 qs[16]}  w = fma(d, q, m) (d * q exact: one rounding, like d*q + m)
+// type 2: Q8_0 {fp16 d; i8 qs[32]}     w = d * q, exact
+template <int TYPE>
+inline void decode(const uint8_t* block, __m512& w0, __m512& w1) {
+  const __m512 d = _mm512_set1_ps(half_to_float(block));
+  if (TYPE == 2) {
+    const __m128i* q = (const __m128i*)(block + 2);
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  } else {
+    const __m512 m = TYPE == 1 ? _mm512_set1_ps(half_to_float(block + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    const __m128i v = _mm_loadu_si128((const __m128i*)(block + (TYPE == 1 ? 4 : 2)));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4))), m);
+    w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4))), m);
+  }
+}
+
+constexpr int64_t block_bytes(int type) { return type == 0 ? 18 : type == 1 ? 20 : 34; }
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+template <int TYPE, int M>
+void gemm(const float* x, const uint8_t* w, const float* bias, float* y, int64_t N, int64_t K, int threads) {
+  const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+  for (int64_t n = 0; n < N; ++n) {
+    __m512 acc0[M], acc1[M];
+    for (int r = 0; r < M; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 w0, w1;
+      _mm_prefetch((const char*)(row + b * block_bytes(TYPE) + PREFETCH_BYTES), _MM_HINT_T0);
+      decode<TYPE>(row + b * block_bytes(TYPE), w0, w1);
+      for (int r = 0; r < M; ++r) {
+        const float* xr = x + r * K + b * 32;
+        acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc1[r]);
+      }
+    }
+    const float add = bias ? bias[n] : 0.0f;
+    for (int r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + add;
+  }
+}
+
+template <int TYPE>
+int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+              int threads) {
+  switch (M) {
+    case 1: gemm<TYPE, 1>(x, w, bias, y, N, K, threads); return 0;
+    case 2: gemm<TYPE, 2>(x, w, bias, y, N, K, threads); return 0;
+    case 3: gemm<TYPE, 3>(x, w, bias, y, N, K, threads); return 0;
+    case 4: gemm<TYPE, 4>(x, w, bias, y, N, K, threads); return 0;
+    case 5: gemm<TYPE, 5>(x, w, bias, y, N, K, threads); return 0;
+    case 6: gemm<TYPE, 6>(x, w, bias, y, N, K, threads); return 0;
+    case 7: gemm<TYPE, 7>(x, w, bias, y, N, K, threads); return 0;
+    case 8: gemm<TYPE, 8>(x, w, bias, y, N, K, threads); return 0;
+  }
+  return 1;
+}
+
+template <int TYPE>
+void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
+  const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 w0, w1;
+      decode<TYPE>(w + n * row_bytes + b * block_bytes(TYPE), w0, w1);
+      _mm512_storeu_ps(out + n * K + b * 32, w0);
+      _mm512_storeu_ps(out + n * K + b * 32 + 16, w1);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 for an unsupported type or row count.
+int flashtree_block_gemm(int type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
+                         int64_t N, int64_t K, int threads) {
+  if (K % 32 != 0) return 1;
+  switch (type) {
+    case 0: return gemm_rows<0>(x, w, bias, y, M, N, K, threads);
+    case 1: return gemm_rows<1>(x, w, bias, y, M, N, K, threads);
+    case 2: return gemm_rows<2>(x, w, bias, y, M, N, K, threads);
+  }
+  return 1;
+}
+
+int flashtree_block_dequantize(int type, const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
+  if (K % 32 != 0) return 1;
+  switch (type) {
+    case 0: dequantize<0>(w, out, N, K, threads); return 0;
+    case 1: dequantize<1>(w, out, N, K, threads); return 0;
+    case 2: dequantize<2>(w, out, N, K, threads); return 0;
+  }
+  return 1;
+}
+
+}
+"""
+
+
+class KernelUnavailable(RuntimeError):
+    """Why the block kernel cannot run here (the fp32 path is used instead)."""
+
+
+# ----------------------------------------------------------------------------- build and load
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def find_compiler() -> str | None:
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def kernel_cache_dir() -> Path:
+    from flashtree.models.gguf_convert import default_cache_root
+
+    return default_cache_root() / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernels() -> ctypes.CDLL:
+    """The compiled kernel library, built on first use and cached by source, flags and compiler.
+    Raises :class:`KernelUnavailable` with the reason when it cannot be used here."""
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
+    compiler = find_compiler()
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise KernelUnavailable(f"{compiler} does not run ({err})") from None
+    key = hashlib.sha256("\0".join([KERNEL_SOURCE, *CXX_FLAGS, compiler, version]).encode()).hexdigest()[:16]
+    library = kernel_cache_dir() / f"flashtree_block_kernels-{key}.so"
+    if not library.is_file():
+        build_library(compiler, library)
+    lib = ctypes.CDLL(str(library))
+    lib.flashtree_block_gemm.restype = ctypes.c_int
+    lib.flashtree_block_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_int]
+    lib.flashtree_block_dequantize.restype = ctypes.c_int
+    lib.flashtree_block_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                               ctypes.c_int64, ctypes.c_int]
+    return lib
+
+
+def build_library(compiler: str, library: Path) -> None:
+    """Compile into a private temporary file and rename it into place (concurrent builds are safe)."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=library.parent) as tmp:
+        source, output = Path(tmp) / "kernels.cpp", Path(tmp) / library.name
+        source.write_text(KERNEL_SOURCE)
+        try:
+            result = subprocess.run([compiler, *CXX_FLAGS, str(source), "-o", str(output)],
+                                    capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise KernelUnavailable(f"{compiler} failed to run ({err})") from None
+        if result.returncode != 0:
+            detail = (result.stderr or result.stdout).strip().splitlines()
+            raise KernelUnavailable(f"{compiler} could not build the kernel: {detail[0] if detail else result.returncode}")
+        os.replace(output, library)
+
+
+def kernels_available() -> tuple[bool, str]:
+    """(True, "") when the kernel is usable here, else (False, why)."""
+    try:
+        load_kernels()
+    except (KernelUnavailable, OSError) as err:
+        return False, str(err)
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- the weight holder
+
+class QuantizedLinear:
+    """One linear weight ``[N, K]`` kept as GGUF blocks (rows of ``K / 32`` blocks, raw bytes).
+
+    Call it with a float32 CPU ``x [..., K]`` of at most :data:`MAX_ROWS` rows (and a contiguous
+    float32 ``bias [N]`` or None); :func:`linear` picks it or the fp32 weight by the row count."""
+
+    def __init__(self, type_name: str, blocks: torch.Tensor, in_features: int):
+        if type_name not in BLOCK_TYPES:
+            raise ValueError(f"unsupported block type {type_name!r}; allowed: {', '.join(BLOCK_TYPES)}")
+        block_bytes, self.type_code = BLOCK_TYPES[type_name]
+        if in_features % 32 or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
+                or blocks.shape[1] != in_features // 32 * block_bytes:
+            raise ValueError(f"{type_name} blocks of shape {list(blocks.shape)} do not hold rows of {in_features}")
+        self.type_name = type_name
+        self.blocks = blocks.contiguous()
+        self.out_features, self.in_features = blocks.shape[0], in_features
+        self._lib = load_kernels()
+        self._gemm = self._lib.flashtree_block_gemm
+        self._blocks_ptr = self.blocks.data_ptr()
+
+    @classmethod
+    def concat(cls, parts: Sequence["QuantizedLinear"]) -> "QuantizedLinear":
+        """The fused weight (rows of every part, in order); all parts share one type and K."""
+        first = parts[0]
+        if any(p.type_name != first.type_name or p.in_features != first.in_features for p in parts):
+            raise ValueError("fused weights need one block type and one input size")
+        return cls(first.type_name, torch.cat([p.blocks for p in parts]), first.in_features)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        rows = x.numel() // self.in_features
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+        if rows == 0:
+            return y
+        status = self._gemm(self.type_code, x.data_ptr(), self._blocks_ptr,
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), rows,
+                            self.out_features, self.in_features, torch.get_num_threads())
+        if status:
+            raise ValueError(f"block kernel refused {rows} rows of {self.in_features} ({self.type_name})")
+        return y
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 weight ``[N, K]`` (or its ``rows``) rebuilt by the kernel's own block decoding."""
+        blocks = self.blocks if rows is None else self.blocks.index_select(0, rows).contiguous()
+        out = torch.empty(blocks.shape[0], self.in_features, dtype=torch.float32)
+        self._lib.flashtree_block_dequantize(self.type_code, blocks.data_ptr(), out.data_ptr(),
+                                             blocks.shape[0], self.in_features, torch.get_num_threads())
+        return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           quant: QuantizedLinear | None = None) -> torch.Tensor:
+    """``F.linear`` that takes products with few rows from the blocks when ``quant`` is set."""
+    if quant is not None and x.numel() <= MAX_ROWS * quant.in_features:
+        return quant(x, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+# ----------------------------------------------------------------------------- GGUF -> holders
+
+BLOCKS_FILE = "gguf_blocks.safetensors"  # beside model.safetensors in the conversion cache
+
+
+def gguf_blocks(reader, architecture: str, heads: int, kv_heads: int) -> dict[str, tuple[str, np.ndarray]]:
+    """Every Q4_0 / Q4_1 / Q8_0 matrix of an open GGUF file: GGUF name -> (type name, raw blocks
+    ``uint8 [rows, K / 32 * block bytes]``), the q/k rows un-permuted like the converter does
+    (whole blocks move with their rows)."""
+    from flashtree.models.gguf_convert import unpermute_rotary_rows
+
+    found = {}
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        if type_name not in BLOCK_TYPES or len(tensor.shape) != 2:
+            continue
+        rows = int(tensor.shape[1])  # GGUF lists the fastest dimension first
+        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
+        if architecture in _ROTARY_PERMUTED_ARCHITECTURES:
+            if ".attn_q." in tensor.name:
+                raw = unpermute_rotary_rows(raw, heads)
+            elif ".attn_k." in tensor.name:
+                raw = unpermute_rotary_rows(raw, kv_heads)
+        found[tensor.name] = (type_name, np.array(raw, order="C"))  # a copy: the reader's memmap is read-only
+    return found
+
+
+def save_blocks(blocks: dict[str, tuple[str, np.ndarray]], out_dir: Path, source: dict) -> None:
+    """Write ``blocks`` to ``out_dir/gguf_blocks.safetensors`` (atomically), tagged with the source
+    record so a file converted from another GGUF is never used."""
+    import safetensors.numpy
+
+    metadata = {"types": json.dumps({name: t for name, (t, _) in blocks.items()}),
+                "source": json.dumps(_source_key(source))}
+    tmp = out_dir / f".{BLOCKS_FILE}.{os.getpid()}.tmp"
+    safetensors.numpy.save_file({name: raw for name, (_, raw) in blocks.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, out_dir / BLOCKS_FILE)
+
+
+def _source_key(source: dict) -> list:
+    return [source.get("path"), source.get("size"), source.get("mtime_ns")]
+
+
+def load_blocks(model_dir: Path, source: dict, architecture: str, heads: int, kv_heads: int) -> dict[str, QuantizedLinear]:
+    """The holders of a converted GGUF: from ``gguf_blocks.safetensors`` in its cache directory,
+    written from the GGUF itself (and kept for next time) when missing or stale."""
+    import safetensors
+
+    path = model_dir / BLOCKS_FILE
+    found = None
+    if path.is_file():
+        try:
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+                if json.loads(metadata.get("source", "null")) == _source_key(source):
+                    types = json.loads(metadata["types"])
+                    found = {name: (types[name], f.get_tensor(name)) for name in f.keys()}
+        except (OSError, ValueError, KeyError, safetensors.SafetensorError):
+            found = None
+    if found is None:
+        import gguf
+
+        gguf_path = Path(source["path"])
+        if not gguf_path.is_file() or gguf_path.stat().st_size != source.get("size") \
+                or gguf_path.stat().st_mtime_ns != source.get("mtime_ns"):
+            raise KernelUnavailable(f"{gguf_path} changed or is gone since it was converted")
+        raw = gguf_blocks(gguf.GGUFReader(str(gguf_path)), architecture, heads, kv_heads)
+        try:
+            save_blocks(raw, model_dir, source)
+        except OSError as err:  # a read-only cache: fine, read the GGUF again next time
+            log.info("flashtree: cannot cache the GGUF blocks in %s: %s", model_dir, err)
+        found = {name: (t, torch.from_numpy(array)) for name, (t, array) in raw.items()}
+    holders = {}
+    for name, (type_name, blocks) in found.items():
+        block_bytes = BLOCK_TYPES[type_name][0]
+        holders[name] = QuantizedLinear(type_name, blocks, blocks.shape[1] // block_bytes * 32)
+    return holders
+
+
+def _fused(blocks: dict[str, QuantizedLinear], names: Sequence[str]) -> QuantizedLinear | None:
+    if not all(name in blocks for name in names):
+        return None
+    parts = [blocks[name] for name in names]
+    if len({(p.type_name, p.in_features) for p in parts}) != 1:
+        return None
+    return parts[0] if len(parts) == 1 else QuantizedLinear.concat(parts)
+
+
+def attach_quantized(model: "CausalLM", blocks: dict[str, QuantizedLinear]) -> int:
+    """Give ``model``'s linears their GGUF blocks (by GGUF name; fused like the model: qkv,
+    gate_up; the lm_head from ``output`` or, tied, ``token_embd``). Every holder is checked
+    bit-identical to the fp32 weight it stands for (on a spread of rows: a wrong type, layout or row
+    order shows in every row; the tests compare whole weights). Returns the number of weights attached;
+    raises KernelUnavailable."""
+    cfg = model.config
+    plan = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp, p = layer.self_attn, layer.mlp, f"blk.{i}."
+        plan += [
+            (attn, "qkv_quant", attn.qkv_weight, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+            (attn, "o_quant", attn.o_proj.weight, [p + "attn_output.weight"]),
+            (mlp, "gate_up_quant", mlp.gate_up, [p + "ffn_gate.weight", p + "ffn_up.weight"]),
+            (mlp, "down_quant", mlp.down_proj.weight, [p + "ffn_down.weight"]),
+        ]
+    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    plan.append((model, "lm_head_quant", model.lm_head.weight, [head]))
+    attached = 0
+    for owner, attr, weight, names in plan:
+        quant = _fused(blocks, names) if weight is not None else None
+        if quant is None:
+            continue
+        rows = torch.arange(0, quant.out_features, max(1, quant.out_features // CHECKED_ROWS))
+        if tuple(weight.shape) != (quant.out_features, quant.in_features) or weight.dtype != torch.float32 \
+                or not torch.equal(quant.dequantize(rows), weight[rows]):
+            raise KernelUnavailable(f"the GGUF blocks of {', '.join(names)} differ from the loaded fp32 weights")
+        setattr(owner, attr, quant)
+        attached += 1
+    return attached
+
+
+def detach_quantized(model: "CausalLM") -> None:
+    """Back to the fp32 path everywhere."""
+    holders = [model] + [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
+    for owner in holders:
+        for attr in ("qkv_quant", "o_quant", "gate_up_quant", "down_quant", "lm_head_quant"):
+            if getattr(owner, attr, None) is not None:
+                setattr(owner, attr, None)
+
+
+def maybe_attach_quantized(model: "CausalLM", checkpoint: "Checkpoint", enabled: bool = True) -> bool:
+    """Use the block kernel for ``model`` when it was loaded from a GGUF with quantized matrices,
+    lives on the CPU in float32, and the kernel works here; one log line when it cannot."""
+    raw_config = checkpoint.raw_config
+    source = raw_config.get("flashtree_source_gguf") if isinstance(raw_config, dict) else None
+    if not enabled or checkpoint.weights is None or not isinstance(source, dict) or not source.get("path"):
+        return False
+    if not set(source.get("tensor_types") or BLOCK_TYPES) & set(BLOCK_TYPES):
+        return False  # an F32/F16 GGUF: nothing quantized to keep
+    param = model.lm_head.weight
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        return False
+    cfg = model.config
+    try:
+        load_kernels()
+        blocks = load_blocks(checkpoint.path, source, str(raw_config.get("model_type", "")),
+                             cfg.num_attention_heads, cfg.num_key_value_heads)
+        attached = attach_quantized(model, blocks)
+    except (KernelUnavailable, OSError, ValueError) as err:
+        detach_quantized(model)
+        log.warning("flashtree: quantized CPU kernels off, using the float32 weights: %s", err)
+        return False
+    return attached > 0

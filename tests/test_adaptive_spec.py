@@ -1,0 +1,271 @@
+"""Adaptive speculation in the engine: whatever node counts the policy picks per round (plain
+rounds of 0 nodes included), greedy and seeded outputs equal plain decoding; plain rounds keep
+the drafter's context cache in sync; a drafter that never matches drives the policy to plain
+rounds and one that always matches keeps it on drafted rounds."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+import flashtree.engine.engine as engine_module
+from flashtree import LLM, SamplingParams
+from flashtree.engine.spec_policy import SpecPolicyConfig
+from flashtree.spec.tree import build_tree, chain_tree
+from tests.dflash_helpers import one_thread, tiny_pair
+from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
+
+BUDGET = 16  # DDTree ladder (16, 8, 4, 0); DFlash ladder (3, 0)
+ENGINE = dict(max_running=8, max_context=128, prefill_chunk=8)
+SWITCHY = SpecPolicyConfig(explore_rounds=1, probe_interval=3)  # switches node counts often
+
+
+class ScriptedPolicy:
+    """Node counts from a fixed cycle (the policy interface, without measurements)."""
+
+    def __init__(self, ladder, script):
+        self.ladder, self.script = tuple(ladder), itertools.cycle(script)
+
+    def choose(self, rows: int) -> int:
+        return next(self.script)
+
+    def record(self, rows, nodes, seconds, acceptance) -> None:
+        pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    pass
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("adaptive"), vocab=VOCAB, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    return LLM(str(pair.target), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def adaptive(pair):
+    """method -> adaptive LLM with the real (random) drafter, built on first use."""
+    engines: dict[str, LLM] = {}
+
+    def get(method: str) -> LLM:
+        if method not in engines:
+            engines[method] = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET,
+                                  adaptive_spec=True, spec_policy=SWITCHY, **ENGINE)
+        return engines[method]
+
+    return get
+
+
+def switches_to_plain_and_back(tree_sizes: list[int]) -> bool:
+    """A plain round (0 drafted nodes) followed later by a drafted round."""
+    return 0 in tree_sizes and any(tree_sizes[tree_sizes.index(0):])
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_greedy_equals_plain_while_node_counts_switch(plain, adaptive, method, rows):
+    """Rows of different lengths and stop conditions, then 40 tokens each (enough rounds in one
+    rows bucket for the policy to try every option and switch back and forth)."""
+    prompts = PROMPTS[:rows] if rows > 1 else PROMPTS[1:2]
+    runs = [[SamplingParams(max_tokens=40, ignore_eos=True)] * rows]
+    if rows > 1:
+        runs.insert(0, mixed_params(plain, prompts))
+    llm = adaptive(method)
+    llm.stats(reset=True)
+    got = []
+    for params in runs:
+        expected = plain.generate(prompts, params)
+        got += llm.generate(prompts, params)
+        for ref, out in zip(expected, got[-rows:]):
+            assert out.token_ids == ref.token_ids and out.finish_reason == ref.finish_reason
+    ladder = llm.engine.policy.ladder
+    assert set(llm.stats().rounds_by_nodes) == set(ladder)  # every option ran, plain included
+    assert any(switches_to_plain_and_back(o.tree_sizes) for o in got)
+
+
+@pytest.mark.parametrize("script", ["adaptive", "scripted"])
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_seeded_sampling_equals_plain(plain, adaptive, method, script, monkeypatch):
+    """Keyed sampling noise makes sampled tokens independent of the round shapes: the policy's
+    own choices, and a script that surely switches to plain rounds and back."""
+    llm = adaptive(method)
+    if script == "scripted":
+        ladder = llm.engine.policy.ladder
+        monkeypatch.setattr(llm.engine, "policy", ScriptedPolicy(ladder, [0, ladder[0], 0, 0, ladder[-2]]))
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[6]]
+    params = [SamplingParams(max_tokens=16, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True)
+              for s, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8)] * 4)]
+    many = [prompts[i % 3] for i in range(len(params))]
+    got = llm.generate(many, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(many, params)]
+    if script == "scripted":
+        assert all(switches_to_plain_and_back(o.tree_sizes) for o in got)
+
+
+# ---------------------------------------------------------------------------- drafter in sync
+
+def drafter_context(llm: LLM, slot: int) -> tuple[int, torch.Tensor]:
+    """(context length, its K/V ``[layers, 2, kv_heads, length, head_dim]``) of a drafter slot."""
+    cache = llm.engine.proposer.runner.cache
+    length = int(cache.lengths[slot])
+    return length, cache.storage[:, :, slot, :, :length].clone()
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_plain_rounds_keep_the_drafter_in_sync(pair, method):
+    """After a mix of plain and drafted rounds, the drafter holds the context K/V of every
+    committed token: the same as a drafter that prefilled the whole committed text."""
+    llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)
+    ladder = llm.engine.policy.ladder
+    llm.engine.policy = ScriptedPolicy(ladder, [0, 0, ladder[0], 0, ladder[-2], ladder[0], 0])
+    reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=100, ignore_eos=True)) for p in PROMPTS[:3]]
+    for _ in range(12):
+        llm.engine.step()
+    reference = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET,
+                    **{**ENGINE, "prefill_chunk": 128})
+    for req in reqs:
+        assert not req.finished and 0 in req.stats.tree_sizes and max(req.stats.tree_sizes) > 0
+        committed = req.prompt_ids + req.output_ids[:-1]  # the bonus token is not committed yet
+        assert int(llm.engine.cache.lengths[req.slot]) == len(committed)
+        length, context = drafter_context(llm, req.slot)
+        twin = reference.engine.add_request(committed, SamplingParams(max_tokens=2, ignore_eos=True))
+        reference.engine.step()  # one prefill chunk holds the whole text
+        ref_length, ref_context = drafter_context(reference, twin.slot)
+        reference.engine.run_until_done([twin])
+        assert length == ref_length == len(committed)
+        torch.testing.assert_close(context, ref_context, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- policy outcomes
+
+class OracleProposer:
+    """A test double that drafts from the plain greedy continuation of each prompt: exactly
+    (``match``), or always wrong (every drafted token differs from the target's, and a tree
+    never holds the right one). Mismatching drafts pay ``delay`` seconds, like a drafter pass."""
+
+    name = "oracle"
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], chain: bool, match: bool, delay: float):
+        self.continuations, self.chain, self.match, self.delay = continuations, chain, match, delay
+        self.max_depth = BLOCK - 1
+        self.max_nodes = self.max_depth if chain else BUDGET
+        self.engine = None
+
+    def propose(self, rows, nodes: int):
+        time.sleep(self.delay)
+        by_slot = {r.slot: r for r in self.engine.scheduler.active}
+        drafts = []
+        for slot in rows.slots.tolist():
+            req = by_slot[slot]
+            done = len(req.output_ids)
+            # the bonus is output token done - 1; the drafts are the ones after it
+            drafts.append(self.continuations[tuple(req.prompt_ids)][done:done + self.max_depth])
+        right = torch.tensor(drafts)  # [B, L]: the target's next tokens after the bonus
+        draft = right if self.match else (right + 1) % VOCAB
+        if self.chain:
+            return chain_tree(draft[:, :nodes])
+        logits = torch.rand(*draft.shape, VOCAB, generator=torch.Generator().manual_seed(0))  # [B, L, V]
+        logits = logits + 8.0 * torch.nn.functional.one_hot(draft, VOCAB)
+        if not self.match:
+            logits[:, 0].scatter_(1, right[:, :1], -30.0)  # far below every deeper prefix of the tree
+        return build_tree(logits, rows.budgets, nodes)
+
+    def observe(self, slots, features, counts, starts) -> None:
+        pass
+
+    def release(self, slots) -> None:
+        pass
+
+
+class RecordingPolicy:
+    """Wraps a policy and keeps its choices."""
+
+    def __init__(self, policy):
+        self.policy, self.ladder, self.chosen = policy, policy.ladder, []
+
+    def choose(self, rows: int) -> int:
+        self.chosen.append(self.policy.choose(rows))
+        return self.chosen[-1]
+
+    def record(self, *args) -> None:
+        self.policy.record(*args)
+
+
+def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool) -> Counter:
+    """Rounds per node count after exploration, for 4 rows of 80 tokens decoded together
+    (prompts within one prefill chunk) under the policy."""
+    prompts = [p for p in PROMPTS if len(p) <= ENGINE["prefill_chunk"]][:4]
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    long = plain.generate(prompts, SamplingParams(max_tokens=80 + BLOCK, ignore_eos=True))
+    continuations = {tuple(p): o.token_ids for p, o in zip(prompts, long)}
+    made: list[OracleProposer] = []
+
+    def factory(config, target, tokenizer):
+        made.append(OracleProposer(continuations, chain=method == "dflash", match=match,
+                                   delay=0.0 if match else 0.005))
+        return made[-1]
+
+    monkeypatch.setattr(engine_module, "make_proposer", factory)
+    config = SpecPolicyConfig(explore_rounds=1, probe_interval=10)
+    llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, spec_policy=config, **ENGINE)
+    made[-1].engine = llm.engine
+    policy = llm.engine.policy = RecordingPolicy(llm.engine.policy)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
+    explore = len(policy.ladder)
+    assert sorted(policy.chosen[:explore]) == sorted(policy.ladder)  # one round of each option first
+    return Counter(policy.chosen[explore:])
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_never_matching_drafter_ends_on_plain_rounds(pair, plain, monkeypatch, method):
+    rounds = run_with_oracle(pair, plain, monkeypatch, method, match=False)
+    assert rounds.get(0, 0) >= 0.8 * sum(rounds.values()), rounds
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_always_matching_drafter_stays_on_drafted_rounds(pair, plain, monkeypatch, method):
+    rounds = run_with_oracle(pair, plain, monkeypatch, method, match=True)
+    drafted = sum(c for n, c in rounds.items() if n >= BLOCK - 1)  # nodes enough for a full block
+    assert drafted >= 0.8 * sum(rounds.values()), rounds
+
+
+# ---------------------------------------------------------------------------- request budgets
+
+def test_request_budgets_cap_the_round_and_the_measurement():
+    from flashtree.engine.engine import fit_to_budgets, mean_acceptance
+    from flashtree.engine.request import Request
+    from flashtree.engine.runner import RoundResult
+
+    ladder = (16, 8, 4, 0)
+
+    def rows(*budgets):
+        return [Request(prompt_ids=[1], params=SamplingParams(), budget=b) for b in budgets]
+
+    assert fit_to_budgets(16, rows(None, 2), ladder) == 16  # a row without its own budget
+    assert fit_to_budgets(16, rows(5, 2), ladder) == 8  # smallest option holding every budget
+    assert fit_to_budgets(16, rows(0, 0), ladder) == 0 and fit_to_budgets(4, rows(9), ladder) == 4
+    result = RoundResult(emitted=[[1, 2, 3], [4]], tree_sizes=[8, 2])
+    assert mean_acceptance(rows(None, 2), result, 8) == 3.0  # the capped row does not count
+    assert mean_acceptance(rows(1, 2), result, 8) is None
+
+
+def test_requests_asking_for_no_draft_run_plain_rounds(adaptive):
+    llm = adaptive("ddtree")
+    before = dict(llm.engine.rounds_by_nodes)
+    reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True), budget=0) for p in PROMPTS[:2]]
+    llm.engine.run_until_done(reqs)
+    after = llm.engine.rounds_by_nodes
+    assert {n for n in after if after[n] != before.get(n, 0)} == {0}
+    assert all(r.stats.acceptance_lengths == [1] * 7 for r in reqs)

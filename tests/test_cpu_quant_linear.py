@@ -1,0 +1,227 @@
+"""CPU block kernel (flashtree/models/cpu_quant_linear.py): products from GGUF Q4_0 / Q4_1 / Q8_0
+blocks equal ``x @ W.T`` with the converter's fp32 weights, the rebuilt weights are bit-identical,
+and the engine with the kernel returns the same greedy tokens as without it (plain and
+speculative decoding). Needs a C++ compiler and an AVX-512 CPU; skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+from flashtree.config import EngineConfig
+from flashtree.models import cpu_quant_linear
+from flashtree.models.cpu_quant_linear import MAX_ROWS, QuantizedLinear, kernels_available
+from flashtree.models.loader import resolve_model_dir
+from tests.dflash_helpers import save_tiny_drafter, use_copying_proposer
+from tests.test_loader import QT, tiny_model, write_tiny_gguf
+
+AVAILABLE, WHY = kernels_available()
+needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU block kernel unavailable: {WHY}")
+# a fixed node count per round where the engine has an adaptive policy (so every round speculates)
+FIXED_NODES = {"adaptive_spec": False} if "adaptive_spec" in EngineConfig.__dataclass_fields__ else {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_cache(tmp_path_factory):
+    """Conversions of the tiny GGUFs (and the kernel build) go to a private cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLASHTREE_CACHE", str(tmp_path_factory.mktemp("flashtree-cache")))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+def quantized(rows: int, cols: int, type_name: str, seed: int) -> tuple[QuantizedLinear, torch.Tensor]:
+    """Random weights quantized with the gguf package: the holder and numpy's dequantized fp32."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    dense = np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(rows, cols)
+    return QuantizedLinear(type_name, torch.from_numpy(np.array(data).reshape(rows, -1)), cols), torch.from_numpy(dense)
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 576), (200, 1536), (1000, 64)])
+def test_kernel_matches_dequantized_matmul(type_name, shape):
+    holder, dense = quantized(*shape, type_name, seed=shape[0])
+    assert torch.equal(holder.dequantize(), dense)  # rebuilt bit-identical to numpy's dequantization
+    torch.manual_seed(0)
+    bias = torch.randn(shape[0])
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, shape[1])
+        torch.testing.assert_close(holder(x), x @ dense.T, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(holder(x, bias), x @ dense.T + bias, rtol=1e-5, atol=1e-4)
+        # a row's result does not depend on the rows it shares the call with
+        assert torch.equal(holder(x)[-1], holder(x[-1:])[0])
+
+
+@needs_kernel
+def test_linear_dispatches_by_rows_and_keeps_shapes():
+    holder, dense = quantized(64, 96, "Q4_1", seed=1)
+    for shape in [(1, 1, 96), (2, 1, 96), (1, 4, 96), (2, 4, 96), (3, 5, 96), (40, 96)]:
+        x = torch.randn(*shape)
+        y = cpu_quant_linear.linear(x, dense, None, holder)
+        assert y.shape == (*shape[:-1], 64)
+        torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-4)
+    x = torch.randn(2, 4, 96)[:, ::2]  # non-contiguous input
+    torch.testing.assert_close(cpu_quant_linear.linear(x, dense, None, holder), x @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_fused_rows_concatenate_blocks():
+    a, dense_a = quantized(32, 64, "Q4_1", seed=2)
+    b, dense_b = quantized(64, 64, "Q4_1", seed=3)
+    fused = QuantizedLinear.concat([a, b])
+    assert torch.equal(fused.dequantize(), torch.cat([dense_a, dense_b]))
+
+
+# ----------------------------------------------------------------------------- tiny GGUF models
+
+def tiny_gguf(path, model_type="llama", tied=True, seed=0):
+    """A tiny model as llama.cpp writes it: Q4_1 layers, the (tied) embedding Q8_0."""
+    model = tiny_model(model_type, seed=seed, tie_word_embeddings=tied, num_hidden_layers=3)
+    with torch.no_grad():  # less flat than N(0, 1) everywhere: meaningful argmax decisions
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+            elif "norm" not in name:
+                p.normal_(0, 0.1)
+            else:
+                p.fill_(1.0)
+    embedding = model.model.embed_tokens.weight.detach().float().numpy()
+    overrides = {"token_embd.weight": (gguf.quants.quantize(embedding, QT.Q8_0), QT.Q8_0)}
+    write_tiny_gguf(path, model, QT.Q4_1, raw_overrides=overrides)
+    return path
+
+
+def holders(model) -> list:
+    found = [model.lm_head_quant]
+    for layer in model.model.layers:
+        found += [layer.self_attn.qkv_quant, layer.self_attn.o_quant, layer.mlp.gate_up_quant, layer.mlp.down_quant]
+    return found
+
+
+@needs_kernel
+@pytest.mark.parametrize("model_type,tied", [("llama", True), ("qwen2", False)])
+def test_gguf_model_gets_bit_identical_blocks(tmp_path, model_type, tied):
+    """Every linear (fused qkv / gate_up, llama's un-permuted q/k, the lm_head) gets its blocks,
+    and they rebuild exactly the fp32 weights the converter wrote."""
+    llm = LLM(str(tiny_gguf(tmp_path / "tiny.gguf", model_type, tied)), device="cpu", max_running=2, max_context=64)
+    model = llm.engine.model
+    found = holders(model)
+    assert all(h is not None for h in found)
+    assert model.lm_head_quant.type_name == ("Q8_0" if tied else "Q4_1")
+    assert torch.equal(model.lm_head_quant.dequantize(), model.lm_head.weight)
+    for layer in model.model.layers:
+        assert torch.equal(layer.self_attn.qkv_quant.dequantize(), layer.self_attn.qkv_weight)
+        assert torch.equal(layer.mlp.gate_up_quant.dequantize(), layer.mlp.gate_up)
+        assert torch.equal(layer.mlp.down_quant.dequantize(), layer.mlp.down_proj.weight)
+
+
+@needs_kernel
+def test_blocks_are_cached_beside_the_conversion(tmp_path):
+    """The conversion keeps the blocks (gguf_blocks.safetensors); an older cache entry without
+    them gets them from the GGUF on the next load."""
+    path = str(tiny_gguf(tmp_path / "tiny.gguf"))
+    blocks_file = resolve_model_dir(path) / cpu_quant_linear.BLOCKS_FILE
+    assert blocks_file.is_file()
+    first = LLM(path, device="cpu", max_running=1, max_context=64)
+    blocks_file.unlink()
+    second = LLM(path, device="cpu", max_running=1, max_context=64)
+    assert blocks_file.is_file()
+    for a, b in zip(holders(first.engine.model), holders(second.engine.model)):
+        assert b is not None and torch.equal(a.blocks, b.blocks)
+
+
+@needs_kernel
+def test_switch_off_and_fallback_log(tmp_path, monkeypatch, caplog):
+    path = str(tiny_gguf(tmp_path / "tiny.gguf"))
+    off = LLM(path, device="cpu", max_running=1, max_context=64, quant_kernels=False)
+    assert all(h is None for h in holders(off.engine.model))
+    assert all(h is None for h in holders(LLM(path, device="cpu", max_context=64, dtype="bfloat16").engine.model))
+    monkeypatch.setattr(cpu_quant_linear, "cpu_flags", lambda: {"sse4_2"})
+    cpu_quant_linear.load_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="flashtree"):
+            llm = LLM(path, device="cpu", max_running=1, max_context=64)
+    finally:
+        cpu_quant_linear.load_kernels.cache_clear()
+    assert all(h is None for h in holders(llm.engine.model))
+    assert [r.getMessage() for r in caplog.records if "quantized CPU kernels off" in r.getMessage()] == [
+        "flashtree: quantized CPU kernels off, using the float32 weights: this CPU lacks avx512f, avx512bw, f16c, fma"]
+
+
+def test_switch_reaches_the_engine_config():
+    from flashtree.bench.cli import setup_from_args
+    from flashtree.cli import build_parser
+    from flashtree.server.cli import config_from_args
+
+    assert EngineConfig().quant_kernels is True
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--prompt", "x"]).no_quant_kernels is False
+    assert parser.parse_args(["generate", "--prompt", "x", "--no-quant-kernels"]).no_quant_kernels is True
+    for flags, expected in (([], True), (["--no-quant-kernels"], False)):
+        assert config_from_args(parser.parse_args(["serve", *flags])).engine.quant_kernels is expected
+        bench = parser.parse_args(["bench", "--methods", "ar", "--dataset", "humaneval", *flags])
+        assert setup_from_args(bench, needs_draft=False).quant_kernels is expected
+
+
+PROMPTS = [[1, 5, 7], list(range(3, 20)), [9, 9, 9, 4], [30, 2, 60, 61, 62]]
+
+
+@needs_kernel
+def test_kernel_keeps_greedy_tokens_and_speculation_stays_exact(tmp_path, monkeypatch):
+    """Plain decoding with the kernel equals plain decoding without it; DFlash and DDTree (random
+    drafter; trees of up to 8 and of more nodes) and a copying drafter (deep acceptance) with the
+    kernel equal plain decoding with the kernel."""
+    path = str(tiny_gguf(tmp_path / "tiny.gguf"))
+    engine = dict(device="cpu", max_running=4, max_context=96, prefill_chunk=8, **FIXED_NODES)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLM(path, **engine)
+    assert plain.engine.model.lm_head_quant is not None
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    off = LLM(path, quant_kernels=False, **engine)
+    assert [o.token_ids for o in off.generate(PROMPTS, params)] == expected
+    drafter = save_tiny_drafter(resolve_model_dir(path), tmp_path / "drafter", block_size=4)
+    for spec, budget in (("dflash", None), ("ddtree", 6), ("ddtree", 20)):
+        llm = LLM(path, spec=spec, draft=str(drafter), budget=budget, **engine)
+        assert llm.engine.model.lm_head_quant is not None
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, (spec, budget)
+    made = use_copying_proposer(monkeypatch, depth=3)
+    llm = LLM(path, spec="dflash", draft=str(drafter), **engine)
+    made[-1].attach(llm.engine)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == expected
+    assert max(n for o in outs for n in o.acceptance_lengths) == 4  # whole blocks accepted: 4-row products
+
+
+# ----------------------------------------------------------------------------- the embedded model
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    torch.set_num_threads(2)
+    base = dict(device="cpu", dtype="float32", max_running=2, max_context=256)
+    return LLM("smollm2", **base), LLM("smollm2", quant_kernels=False, **base)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_smollm2_kernel_same_greedy_tokens(smollm2_pair):
+    on, off = smollm2_pair
+    found = holders(on.engine.model)
+    assert all(h is not None for h in found) and len(found) == 1 + 4 * on.engine.model.config.num_hidden_layers
+    assert on.engine.model.lm_head_quant.type_name == "Q8_0"
+    assert {h.type_name for h in found[1:]} == {"Q4_1"}
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Write a Python function that reverses a string."}]]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for chat in chats:  # one at a time (1-row products) and both together (2-row products)
+        assert on.chat(chat, params)[0].token_ids == off.chat(chat, params)[0].token_ids
+    assert [o.token_ids for o in on.chat(chats, params)] == [o.token_ids for o in off.chat(chats, params)]

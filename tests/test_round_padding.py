@@ -1,0 +1,75 @@
+"""Graphed rounds pad their rows to the next power of two with the engine's pad slot: the pad
+rows must not change any real row's tokens (greedy and seeded), must not touch any request's
+KV, and batch sizes in one power-of-two bucket must share one graph key.
+
+CUDA graphs need a GPU; here a pass-through graph cache (records keys, runs the function
+eagerly) drives the same padded code path on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtree import LLM, SamplingParams
+from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401  (fixture)
+from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
+
+ENGINE = dict(max_running=8, max_context=96, prefill_chunk=8, adaptive_spec=False)
+
+
+class PassThroughGraphs:
+    """GraphCache's interface without CUDA: remembers the keys it was asked for."""
+
+    def __init__(self):
+        self.keys: list = []
+        self.captures = 0
+
+    def run(self, key, fn, inputs):
+        self.keys.append(key)
+        return fn(*inputs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):  # noqa: F811
+    pass
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("padding"), vocab=VOCAB, block_size=BLOCK)
+
+
+def padded(llm: LLM) -> PassThroughGraphs:
+    graphs = PassThroughGraphs()
+    llm.engine.runner.graphs = graphs
+    return graphs
+
+
+@pytest.mark.parametrize("method", ["none", "dflash", "ddtree"])
+def test_padded_rounds_give_the_unpadded_tokens(pair, method):
+    draft = None if method == "none" else str(pair.drafter)
+    reference = LLM(str(pair.target), spec=method, draft=draft, budget=8, **ENGINE)
+    llm = LLM(str(pair.target), spec=method, draft=draft, budget=8, **ENGINE)
+    graphs = padded(llm)
+    for rows in (3, 5, 7):  # padded to 4, 8, 8
+        prompts = PROMPTS[:rows]
+        params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                                 seed=i) for i in range(rows)]
+        expected = reference.generate(prompts, params)
+        got = llm.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert {key[0] for key in graphs.keys} <= {1, 2, 4, 8}  # rows in the key: powers of two only
+    assert {key[0] for key in graphs.keys} >= {4, 8}
+
+
+def test_pad_rows_write_only_the_pad_slot(pair):
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **ENGINE)
+    padded(llm)
+    engine = llm.engine
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in PROMPTS[:3]]
+    idle = engine.cache.storage[:, :, 3:engine.config.max_running].clone()  # slots no request holds
+    for _ in range(6):
+        engine.step()
+    assert engine.runner.pad_slot == engine.config.max_running
+    assert sorted(r.slot for r in reqs) == [0, 1, 2]
+    assert (engine.cache.storage[:, :, 3:engine.config.max_running] == idle).all()
+    assert int(engine.cache.lengths[engine.runner.pad_slot]) <= 9  # reset every round, never grows

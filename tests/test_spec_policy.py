@@ -1,0 +1,187 @@
+"""The adaptive speculation policy, driven by fake measurements (no models): it explores every
+option, prefers plain rounds when drafts are not accepted, big trees when they are and rounds
+cost the same, adapts to the batch size per rows bucket, re-probes neighbours and follows drift."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flashtree.engine.spec_policy import (FixedNodes, SpecPolicy, SpecPolicyConfig, node_ladder,
+                                          rows_bucket)
+from flashtree.errors import ConfigError
+
+LADDER = node_ladder(256, chain=False)  # (256, 128, 64, 32, 16, 8, 4, 0)
+
+
+def drive(policy: SpecPolicy, rounds: int, rows: int, acceptance, seconds) -> list[int]:
+    """Run ``rounds`` decisions, feeding back ``acceptance(nodes)`` and ``seconds(rows, nodes)``."""
+    chosen = []
+    for _ in range(rounds):
+        nodes = policy.choose(rows)
+        policy.record(rows, nodes, seconds(rows, nodes), acceptance(nodes) if nodes else 1.0)
+        chosen.append(nodes)
+    return chosen
+
+
+def growing_acceptance(nodes: int) -> float:
+    """A good drafter: more nodes, more accepted tokens (diminishing)."""
+    return 1.0 + 0.5 * math.log2(nodes + 1)
+
+
+def batch_bound_seconds(rows: int, nodes: int) -> float:
+    """A device that is launch-bound below 256 verified tokens and compute-bound above."""
+    return 0.01 * max(1.0, rows * (nodes + 1) / 256)
+
+
+def test_ladders_and_buckets():
+    assert LADDER == (256, 128, 64, 32, 16, 8, 4, 0)
+    assert node_ladder(15, chain=True) == (15, 0)
+    assert node_ladder(0, chain=False) == (0,) and node_ladder(0, chain=True) == (0,)
+    assert node_ladder(5, chain=False) == (5, 0)
+    assert node_ladder(64, chain=False, min_tree_nodes=16) == (64, 32, 16, 0)
+    assert [rows_bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    with pytest.raises(ValueError):
+        rows_bucket(0)
+
+
+def test_config_is_validated():
+    for bad in (dict(smoothing=0.0), dict(smoothing=1.5), dict(explore_rounds=0), dict(probe_interval=0),
+                dict(probe_interval=100, max_probe_interval=50),
+                dict(min_tree_nodes=0), dict(explore_rounds=1.5)):
+        with pytest.raises(ConfigError):
+            SpecPolicyConfig(**bad)
+    with pytest.raises(ValueError):
+        SpecPolicy((4, 4, 0))
+
+
+def test_explores_every_option_first():
+    policy = SpecPolicy(LADDER, SpecPolicyConfig(explore_rounds=2))
+    first = drive(policy, 2 * len(LADDER), 1, lambda n: 1.5, lambda rows, nodes: 0.01)  # all close
+    assert sorted(first) == sorted(LADDER * 2)
+    assert first[:len(LADDER)] == list(LADDER)  # round robin, largest first
+
+
+def test_clearly_worse_options_are_not_explored_twice():
+    """At 4 rows the 256-node tree and plain rounds give under half the best tokens/s after
+    one round each: exploration does not repeat them."""
+    policy = SpecPolicy(LADDER, SpecPolicyConfig(explore_rounds=2))
+    first = drive(policy, 2 * len(LADDER), 4, growing_acceptance, batch_bound_seconds)
+    assert first[:len(LADDER)] == list(LADDER)
+    assert first.count(256) == 1 and first.count(0) == 1 and first.count(64) >= 2
+
+
+def test_untimed_rounds_do_not_count_as_explored():
+    """A round whose time is not representative (a CUDA-graph capture) is measured again."""
+    policy = SpecPolicy((8, 0), SpecPolicyConfig(explore_rounds=1))
+    assert policy.choose(1) == 8
+    policy.record(1, 8, None, 3.0)
+    assert policy.choose(1) == 8
+    policy.record(1, 8, 0.01, 3.0)
+    assert policy.choose(1) == 0
+
+
+def test_prefers_plain_when_drafts_are_rejected():
+    """Acceptance ~1 and speculative rounds cost more: plain rounds, except the rare probe."""
+    policy = SpecPolicy(LADDER, SpecPolicyConfig(probe_interval=50))
+    chosen = drive(policy, 400, 8, lambda n: 1.0, batch_bound_seconds)
+    assert policy.best(8) == 0
+    tail = chosen[-200:]
+    assert tail.count(0) >= 200 - 200 // 50 and set(tail) <= {0, 4}  # probes try the neighbour
+
+
+def test_prefers_the_big_tree_when_acceptance_is_high_and_cost_flat():
+    policy = SpecPolicy(LADDER)
+    chosen = drive(policy, 300, 2, growing_acceptance, lambda rows, nodes: 0.01)
+    assert policy.best(2) == 256
+    assert chosen[-100:].count(256) >= 98
+
+
+def test_the_choice_adapts_to_the_batch_and_unseen_buckets_explore():
+    """Same drafter, busier device: batch 1 takes the big tree, batch 32 a small one; a bucket
+    never seen before explores all options itself before trusting estimates."""
+    policy = SpecPolicy(LADDER)
+    drive(policy, 100, 1, growing_acceptance, batch_bound_seconds)
+    assert policy.best(1) == 256
+    first = drive(policy, len(LADDER), 32, growing_acceptance, batch_bound_seconds)
+    assert first == list(LADDER)  # bucket 32: its own exploration
+    drive(policy, 100, 32, growing_acceptance, batch_bound_seconds)
+    expected = max(LADDER, key=lambda n: growing_acceptance(n) / batch_bound_seconds(32, n) if n else
+                   1.0 / batch_bound_seconds(32, 0))
+    assert policy.best(32) == expected and expected <= 16
+    assert policy.best(1) == 256  # the other bucket keeps its own choice
+    assert policy.best(30) == policy.best(32)  # 30 rows share bucket 32
+
+
+def test_reprobes_a_close_neighbour_every_interval():
+    """The neighbour (128) is within BACKOFF_BELOW of the best (256): no back-off."""
+    policy = SpecPolicy(LADDER, SpecPolicyConfig(probe_interval=10))
+    drive(policy, 100, 1, growing_acceptance, lambda rows, nodes: 0.01)  # converged on 256
+    chosen = drive(policy, 40, 1, growing_acceptance, lambda rows, nodes: 0.01)
+    probes = [i for i, n in enumerate(chosen) if n != 256]
+    assert len(probes) == 4 and all(b - a == 10 for a, b in zip(probes, probes[1:]))
+    assert {chosen[i] for i in probes} == {128}  # the only neighbour of the top option
+
+
+def test_probes_back_off_while_the_neighbour_stays_clearly_worse():
+    """A drafter that never matches and rounds that cost 1.6x a plain step: probe intervals
+    double up to max_probe_interval, so probes cost next to nothing in a long run."""
+    policy = SpecPolicy(LADDER, SpecPolicyConfig(probe_interval=50, max_probe_interval=400))
+    cost = lambda rows, nodes: 0.01 * (1.6 + nodes / 256) if nodes else 0.01  # noqa: E731
+    chosen = drive(policy, 4000, 1, lambda n: 1.0, cost)
+    probes = [i for i, n in enumerate(chosen) if n and i > 100]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 400 and gaps[0] <= 200
+    assert {chosen[i] for i in probes} == {4} and len(probes) <= 15
+
+
+def test_follows_drift_down_to_plain():
+    """The drafter stops matching (e.g. the conversation changed): the policy walks down the
+    ladder as each option's acceptance estimate is refreshed, and settles on plain rounds."""
+    policy = SpecPolicy(LADDER, SpecPolicyConfig(probe_interval=20))
+    cost = lambda rows, nodes: 0.01 * (1 + nodes / 4096)  # noqa: E731 - slightly dearer per node
+    drive(policy, 200, 1, growing_acceptance, cost)
+    assert policy.best(1) == 256
+    chosen = drive(policy, 400, 1, lambda n: 1.0, cost)
+    assert policy.best(1) == 0 and chosen[-50:].count(0) >= 50 - 3  # probes every 20+ rounds
+    drive(policy, 800, 1, growing_acceptance, cost)  # and back up, a ladder step per probe or two
+    assert policy.best(1) == 256
+
+
+def test_deterministic_given_the_same_measurements():
+    runs = []
+    for _ in range(2):
+        policy = SpecPolicy(LADDER, SpecPolicyConfig(probe_interval=7))
+        runs.append(drive(policy, 150, 3, growing_acceptance, batch_bound_seconds)
+                    + drive(policy, 150, 12, lambda n: 1.2, batch_bound_seconds))
+    assert runs[0] == runs[1]
+
+
+def test_plain_acceptance_is_exactly_one():
+    policy = SpecPolicy(LADDER)
+    policy.record(1, 0, 0.01, 5.0)  # ignored: a plain round commits exactly one token
+    assert policy.acceptance(0) == 1.0 and policy.acceptance(16) is None
+    with pytest.raises(ValueError):
+        policy.record(1, 7, 0.01, 1.0)  # not on the ladder
+
+
+def test_fixed_nodes_is_todays_behaviour():
+    fixed = FixedNodes(64)
+    assert fixed.ladder == (64,) and [fixed.choose(r) for r in (1, 8, 64)] == [64, 64, 64]
+    fixed.record(8, 64, 0.01, 3.0)
+    assert fixed.choose(8) == 64
+
+
+def test_a_stalled_round_barely_moves_the_estimate():
+    """One round 50x slower (another process took the CPU) does not flip the choice; a lasting
+    slowdown does, within a few rounds."""
+    policy = SpecPolicy((8, 0), SpecPolicyConfig(probe_interval=1000, max_probe_interval=1000))
+    cost = {8: 0.012, 0: 0.010}
+    drive(policy, 20, 1, lambda n: 1.0, lambda rows, n: cost[n])
+    assert policy.best(1) == 0
+    policy.record(1, 0, 0.5, None)
+    assert policy.best(1) == 0
+    cost[0] = 0.05  # plain rounds became slow for good
+    drive(policy, 10, 1, lambda n: 1.0, lambda rows, n: cost[n])
+    assert policy.best(1) == 8
