@@ -8,6 +8,8 @@
 #                 3. check the checkpoint size (< 40 MB) and measure tau and tokens/s in the engine
 #                    (flashtree bench on held-out ShareGPT and HumanEval prompts).
 #   PHASE=all     both in one go (when the whole run fits one call).
+#   PHASE=regen   only step 1, appending to $WORK/regenerated.jsonl (skips answered ids): more data
+#                 over several calls before PHASE=first (with REGEN_APPEND=1) and PHASE=resume.
 # A device call lasts at most 600 s, so each phase stops training DEADLINE_S seconds after the
 # script started, minus what it still has to do. Notes, inputs, files to carry: train_smollm2.md.
 #
@@ -21,10 +23,12 @@
 #   WORK         scratch folder (default benchmarks/out/smollm2-drafter)
 #   REGEN_S      wall-clock budget of the regeneration (default 200)
 #   REGEN_TEMPERATURE  sampling temperature of the regenerated answers (default 0: greedy)
+#   REGEN_APPEND 1: regenerate adds to the existing answers instead of starting over (PHASE=regen sets it)
 #   TRAIN_S      total training wall time over all phases (default 680): sets the cosine schedule
 #   DEADLINE_S   seconds after the start by which a phase must be done (default 570)
 #   LAYERS / BLOCK / ANCHORS / LR   drafter layers (3), block size (8), anchors per sequence (128), lr (6e-4)
 #   NEW_TOKENS   max new tokens per regenerated answer (default 256)
+#   MAX_CONTEXT  prompt + answer tokens while regenerating, and the training sequence length (768)
 #   BENCH_PROMPTS / BENCH_TOKENS / BENCH_METHODS   the tau measurement (16 / 128 / ar,dflash,ddtree:8..64)
 #   MAX_RUNNING  requests decoded together while regenerating (default 512)
 set -euo pipefail
@@ -44,6 +48,8 @@ HUMANEVAL=${HUMANEVAL:-$CARRY/humaneval_prompts.jsonl}
 WORK=${WORK:-benchmarks/out/smollm2-drafter}
 REGEN_S=${REGEN_S:-200}
 REGEN_TEMPERATURE=${REGEN_TEMPERATURE:-0}
+REGEN_APPEND=${REGEN_APPEND:-0}
+[[ "${PHASE:-all}" == regen ]] && REGEN_APPEND=1
 TRAIN_S=${TRAIN_S:-680}
 DEADLINE_S=${DEADLINE_S:-570}
 LAYERS=${LAYERS:-3}
@@ -51,6 +57,7 @@ BLOCK=${BLOCK:-8}
 ANCHORS=${ANCHORS:-128}
 LR=${LR:-6e-4}
 NEW_TOKENS=${NEW_TOKENS:-256}
+MAX_CONTEXT=${MAX_CONTEXT:-768}
 BENCH_PROMPTS=${BENCH_PROMPTS:-16}
 BENCH_TOKENS=${BENCH_TOKENS:-128}
 BENCH_METHODS=${BENCH_METHODS:-ar,dflash,ddtree:8,ddtree:16,ddtree:32,ddtree:64}
@@ -67,7 +74,8 @@ regenerate() {
   stamp "regenerate: $MODEL answers the prompts of $PROMPTS (budget ${REGEN_S}s, temperature $REGEN_TEMPERATURE)"
   $PY -m flashtree.cli regenerate --model "$MODEL" --prompts "$PROMPTS" --split all \
     --max-new-tokens "$NEW_TOKENS" --temperature "$REGEN_TEMPERATURE" --max-running "$MAX_RUNNING" \
-    --max-context 768 --device "$DEVICE" --time-budget-s "$REGEN_S" --output "$WORK/regenerated.jsonl" --no-progress
+    --max-context "$MAX_CONTEXT" --device "$DEVICE" --time-budget-s "$REGEN_S" --output "$WORK/regenerated.jsonl" \
+    --no-progress $( (( REGEN_APPEND )) && echo --append )
 }
 
 train() {  # $1: seconds to reserve after training in this phase; $2...: extra train-drafter flags
@@ -76,7 +84,7 @@ train() {  # $1: seconds to reserve after training in this phase; $2...: extra t
   stamp "train-drafter: $LAYERS layers, block $BLOCK, stop after ${stop}s of this run (total budget ${TRAIN_S}s)"
   $PY -m flashtree.cli train-drafter --model "$MODEL" --data "$WORK/regenerated.jsonl" --output "$WORK/drafter" \
     --layers "$LAYERS" --block-size "$BLOCK" --dtype bfloat16 --device "$DEVICE" --batch-size 16 \
-    --anchors-per-seq "$ANCHORS" --max-seq-len 768 --steps 100000 --time-budget-s "$TRAIN_S" --stop-after-s "$stop" \
+    --anchors-per-seq "$ANCHORS" --max-seq-len "$MAX_CONTEXT" --steps 100000 --time-budget-s "$TRAIN_S" --stop-after-s "$stop" \
     --lr "$LR" --warmup 100 --eval-every 1000 --eval-batches 8 --heldout-percent 2 --log-every 100 \
     --max-shard-mb 15 --no-progress "$@" | tee -a "$WORK/train_summary.json"
 }
@@ -99,10 +107,11 @@ checks_and_bench() {
 }
 
 case "$PHASE" in
+  regen) regenerate ;;
   first) regenerate; train 20 ;;
   resume) train "$BENCH_RESERVE_S" --resume "$WORK/drafter"; checks_and_bench ;;
   all) regenerate; train "$BENCH_RESERVE_S"; checks_and_bench ;;
-  *) echo "PHASE must be first, resume or all, got $PHASE"; exit 2 ;;
+  *) echo "PHASE must be regen, first, resume or all, got $PHASE"; exit 2 ;;
 esac
 stamp "done ($PHASE)"
 

@@ -127,6 +127,32 @@ def test_jsonl_formats_roles_and_prompt_export(tmp_path):
     assert [(c.conv_id, c.messages[-1]["content"]) for c in exported] == [("0", "hi"), ("x7", "q")]
 
 
+def test_all_turn_prompts_keep_history_and_their_conversation_split(tmp_path):
+    """--turns all: every user turn with the chat's earlier messages; ids <chat>#turn<k>, whose
+    split key is the chat's (parts and turns of one chat never straddle the split)."""
+    convs = [chat("abc_1", "q1", "a1", "q2", "a2", "q3", system="sys"), chat("zz", "only")]
+    prompts = data.first_turn_prompts(convs, turns="all")
+    assert [pid for pid, _ in prompts] == ["abc_1", "abc_1#turn1", "abc_1#turn2", "zz"]
+    assert [m["content"] for m in prompts[2][1]] == ["sys", "q1", "a1", "q2", "a2", "q3"]
+    assert [m["content"] for m in prompts[0][1]] == ["sys", "q1"]
+    assert data.first_turn_prompts(convs) == [prompts[0], prompts[3]]  # the default: first turns
+    assert {data.Conversation(pid, ()).split_key for pid, _ in prompts[:3]} == {"abc"}
+    with pytest.raises(data.ConfigError):
+        data.first_turn_prompts(convs, turns="last")
+    path = tmp_path / "chats.jsonl"
+    with path.open("w") as handle:
+        for i in range(60):
+            handle.write(json.dumps({"id": f"k{i}", "messages": [
+                {"role": "user", "content": f"p{i}"}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": f"again {i}"}]}) + "\n")
+    out = tmp_path / "prompts.jsonl"
+    assert data.export_prompts(out, source=str(path), split="train", heldout_percent=20,
+                               max_prompt_tokens=None, turns="all") == 2 * sum(
+        not data.is_heldout(f"k{i}", 20) for i in range(60))
+    exported = data.load_conversations(str(out))
+    assert all(not data.is_heldout(c.split_key, 20) for c in exported)
+
+
 def test_heldout_prompts_are_first_turns_of_heldout_chats(tmp_path):
     path = tmp_path / "chats.jsonl"
     with path.open("w") as handle:

@@ -204,6 +204,36 @@ def test_regenerate_writes_target_answers(pair, tmp_path):
         assert record["num_tokens"] == len(expected.token_ids)
 
 
+def test_regenerate_answers_every_turn_and_appends_across_runs(pair, tmp_path):
+    """Exported all-turn prompts are answered after their history; --append resumes: a second
+    run answers only the ids the first did not, and nothing is answered twice."""
+    from flashtree.train.data import export_prompts
+
+    chats = tmp_path / "chats.jsonl"
+    with chats.open("w") as handle:
+        for i in range(4):
+            handle.write(json.dumps({"id": f"c{i}", "messages": [
+                {"role": "user", "content": f"{i} {i}"}, {"role": "assistant", "content": "1 2 3"},
+                {"role": "user", "content": f"{i + 1}"}]}) + "\n")
+    prompts = tmp_path / "prompts.jsonl"
+    assert export_prompts(prompts, source=str(chats), split="all", max_prompt_tokens=None, turns="all",
+                          max_chars=100) == 8
+    llm = LLM(str(pair.target), max_running=4, max_context=128)
+    first = RegenerateConfig(prompts=str(prompts), output=str(tmp_path / "regen.jsonl"), split="all", limit=3,
+                             max_new_tokens=6, temperature=0.0, progress=False, append=True)
+    assert regenerate(llm, select_prompts(first), first).answered == 3
+    rest = dataclasses.replace(first, limit=None)
+    assert len(select_prompts(rest)) == 5
+    assert regenerate(llm, select_prompts(rest), rest).answered == 5
+    records = [json.loads(line) for line in (tmp_path / "regen.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted([f"c{i}" for i in range(4)] + [f"c{i}#turn1" for i in range(4)])
+    for record in records:
+        *history, answer = record["messages"]
+        assert len(history) == (3 if "#turn" in record["id"] else 1)
+        expected = llm.chat([history], SamplingParams(max_tokens=6))[0]
+        assert answer == {"role": "assistant", "content": expected.text}
+
+
 def test_cli_commands(pair, tmp_path, capsys):
     from flashtree.cli import main
 

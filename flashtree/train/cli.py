@@ -115,7 +115,12 @@ def _register_regenerate(subparsers) -> None:
                               description="Generate assistant turns with the target (training data for drafters).")
     add_model_args(p)
     p.add_argument("--prompts", default=d.prompts,
-                   help="'sharegpt' or a .jsonl of {messages} / {conversations} / {prompt} (first turns are used)")
+                   help="'sharegpt' or a .jsonl of {messages} / {conversations} / {prompt}: records ending with "
+                        "a user turn (export-prompts output) are answered as they are, chats by --turns")
+    p.add_argument("--turns", default=d.turns, choices=["first", "all"],
+                   help="for chats: answer the first user turn, or every user turn after its history")
+    p.add_argument("--append", action="store_true",
+                   help="add to an existing --output, skipping the ids it already holds (resume over several runs)")
     p.add_argument("--output", default=d.output)
     p.add_argument("--split", default=d.split, choices=["train", "heldout", "all"])
     p.add_argument("--limit", type=int, default=None, help="answer at most this many prompts")
@@ -134,7 +139,8 @@ def cmd_regenerate(args) -> None:
 
     cfg = RegenerateConfig(prompts=args.prompts, output=args.output, split=args.split, limit=args.limit,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, time_budget_s=args.time_budget_s, progress=not args.no_progress)
+                           seed=args.seed, time_budget_s=args.time_budget_s, turns=args.turns,
+                           append=args.append, progress=not args.no_progress)
     prompts = select_prompts(cfg)
     llm = llm_from_args(args, max_waiting=max(256, args.max_running))
     stats = regenerate(llm, prompts, cfg)
@@ -156,6 +162,9 @@ def _register_export(subparsers) -> None:
     p.add_argument("--model", default=None,
                    help="tokenizer source for the --max-prompt-tokens filter (default: no token filter)")
     p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--turns", default="first", choices=["first", "all"],
+                   help="first: each chat's opening user turn; all: every user turn, with the chat's "
+                        "earlier messages as history (several times the data; ids <chat id>#turn<k>)")
     p.set_defaults(func=cmd_export)
 
 
@@ -169,5 +178,5 @@ def cmd_export(args) -> None:
         tokenizer = load_checkpoint(args.model, random_weights=True).tokenizer
     count = export_prompts(args.output, source=args.data, split=args.split, limit=args.limit,
                            heldout_percent=args.heldout_percent, tokenizer=tokenizer,
-                           max_prompt_tokens=args.max_prompt_tokens)
+                           max_prompt_tokens=args.max_prompt_tokens, turns=args.turns)
     print(json.dumps({"output": args.output, "prompts": count}))

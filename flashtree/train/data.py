@@ -38,6 +38,8 @@ ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant"
                 "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
                 "system": "system"}
 _PART_SUFFIX = re.compile(r"_\d+$")
+_TURN_SUFFIX = re.compile(r"#turn\d+$")  # prompt ids of later user turns: "<conversation id>#turn<k>"
+TURN_CHOICES = ("first", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,9 @@ class Conversation:
 
     @property
     def split_key(self) -> str:
-        return _PART_SUFFIX.sub("", self.conv_id)
+        """The conversation's id without ShareGPT's ``_N`` part suffix and our ``#turnK`` suffix:
+        every part and every turn of one conversation falls on the same side of the split."""
+        return _PART_SUFFIX.sub("", _TURN_SUFFIX.sub("", self.conv_id))
 
 
 # ---------------------------------------------------------------------------- reading
@@ -190,6 +194,19 @@ def split_conversations(convs: Sequence[Conversation], heldout_percent: float = 
 
 
 # ---------------------------------------------------------------------------- prompts
+def user_turns(conv: Conversation) -> list[list[dict]]:
+    """For each user turn, the messages up to and including it (the original answers in between
+    kept as history); empty when the chat does not open with a user turn."""
+    if not first_turn(conv):
+        return []
+    return [[dict(m) for m in conv.messages[:i + 1]] for i, m in enumerate(conv.messages) if m["role"] == "user"]
+
+
+def turn_prompt_id(conv_id: str, turn: int) -> str:
+    """The prompt id of a conversation's ``turn``-th user turn (0: the conversation id itself)."""
+    return conv_id if turn == 0 else f"{conv_id}#turn{turn}"
+
+
 def first_turn(conv: Conversation) -> list[dict]:
     """The messages up to and including the opening user turn (a leading system message kept);
     empty when the chat does not open with a user turn."""
@@ -207,24 +224,30 @@ def looks_english(text: str, min_ascii: float = 0.95) -> bool:
 
 
 def first_turn_prompts(convs: Iterable[Conversation], limit: int | None = None, max_chars: int = 4000,
-                       english_only: bool = True, tokenizer=None, max_prompt_tokens: int | None = None
-                       ) -> list[tuple[str, list[dict]]]:
-    """(conversation id, first-turn messages) of usable prompts, in source order, deduplicated.
-    With a tokenizer, prompts over ``max_prompt_tokens`` template tokens are dropped."""
+                       english_only: bool = True, tokenizer=None, max_prompt_tokens: int | None = None,
+                       turns: str = "first") -> list[tuple[str, list[dict]]]:
+    """(prompt id, messages) of usable prompts, in source order, deduplicated: the opening user
+    turn of each chat, or with ``turns="all"`` every user turn with the chat's history before it
+    (ids from :func:`turn_prompt_id`). With a tokenizer, prompts over ``max_prompt_tokens``
+    template tokens are dropped."""
+    if turns not in TURN_CHOICES:
+        raise ConfigError(f"--turns {turns!r}; allowed: {', '.join(TURN_CHOICES)}")
     seen: set[str] = set()
     out: list[tuple[str, list[dict]]] = []
     for conv in convs:
-        messages = first_turn(conv)
-        text = messages[-1]["content"] if messages else ""
-        if not text or len(text) > max_chars or text in seen or (english_only and not looks_english(text)):
-            continue
-        if tokenizer is not None and max_prompt_tokens is not None and \
-                _prompt_tokens(tokenizer, messages) > max_prompt_tokens:
-            continue
-        seen.add(text)
-        out.append((conv.conv_id, messages))
-        if limit is not None and len(out) >= limit:
-            break
+        candidates = [first_turn(conv)] if turns == "first" else user_turns(conv)
+        for turn, messages in enumerate(candidates):
+            text = messages[-1]["content"] if messages else ""
+            key = json.dumps(messages, ensure_ascii=False) if turn else text
+            if not text or len(text) > max_chars or key in seen or (english_only and not looks_english(text)):
+                continue
+            if tokenizer is not None and max_prompt_tokens is not None and \
+                    _prompt_tokens(tokenizer, messages) > max_prompt_tokens:
+                continue
+            seen.add(key)
+            out.append((turn_prompt_id(conv.conv_id, turn), messages))
+            if limit is not None and len(out) >= limit:
+                return out
     return out
 
 
@@ -246,9 +269,10 @@ def heldout_prompts(n: int, source: str = SHAREGPT, heldout_percent: float = DEF
 
 def export_prompts(out_path: str | Path, source: str = SHAREGPT, split: str = "train", limit: int | None = None,
                    heldout_percent: float = DEFAULT_HELDOUT_PERCENT, tokenizer=None,
-                   max_prompt_tokens: int | None = 384, max_chars: int = 4000) -> int:
-    """Write first-turn prompts as JSONL ``{"id", "messages"}`` (small, portable: the GPU side
-    needs neither the dataset package nor the 125 MB file). Returns the number written."""
+                   max_prompt_tokens: int | None = 384, max_chars: int = 4000, turns: str = "first") -> int:
+    """Write prompts (first user turns, or every user turn with its history: ``turns``) as JSONL
+    ``{"id", "messages"}`` (small, portable: the GPU side needs neither the dataset package nor
+    the 125 MB file). Returns the number written."""
     if split not in ("train", "heldout", "all"):
         raise ConfigError(f"--split {split!r} is not a split; allowed: train, heldout, all")
     convs = load_conversations(source)
@@ -256,7 +280,7 @@ def export_prompts(out_path: str | Path, source: str = SHAREGPT, split: str = "t
         train, heldout = split_conversations(convs, heldout_percent)
         convs = train if split == "train" else heldout
     prompts = first_turn_prompts(convs, limit, max_chars=max_chars, tokenizer=tokenizer,
-                                 max_prompt_tokens=max_prompt_tokens)
+                                 max_prompt_tokens=max_prompt_tokens, turns=turns)
     if split == "heldout":  # the same rule as heldout_prompts: nothing that also opens a training chat
         seen = {m[-1]["content"] for _, m in first_turn_prompts(train, english_only=False, max_chars=10**9)}
         prompts = [(conv_id, m) for conv_id, m in prompts if m[-1]["content"] not in seen]

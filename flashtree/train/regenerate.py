@@ -1,11 +1,15 @@
 """``flashtree regenerate``: answer prompts with the TARGET itself and write the chats as JSONL.
 
 A drafter imitates its target best when trained on the target's own answers (the published
-DFlash drafters were trained this way). Prompts (first turns of ShareGPT or of a JSONL file)
-go through our engine, many at once (``max_running`` slots, continuous batching), greedy or
+DFlash drafters were trained this way). Prompts go through our engine: the records of a
+prompts file that end with a user turn (what ``flashtree export-prompts`` writes, first turns or
+every turn with its history) as they are, else the chats' first user turns (or every user turn:
+``--turns all``), many at once (``max_running`` slots, continuous batching), greedy or
 sampled. Each finished answer is written at once as
 ``{"id", "messages": [..., {"role": "assistant", "content"}], "finish_reason", "num_tokens"}``;
 ids are the source conversation ids, so the held-out split of the output equals the source's.
+``--append`` adds to an existing output and skips the ids it already holds, so a large set can
+be answered over several runs (e.g. device calls of limited length).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from typing import Sequence
 from flashtree.errors import ConfigError
 from flashtree.sampling import SamplingParams
 from flashtree.tokenizer import encode_chat
-from flashtree.train.data import (DEFAULT_HELDOUT_PERCENT, first_turn_prompts, load_conversations,
-                                  split_conversations)
+from flashtree.train.data import (DEFAULT_HELDOUT_PERCENT, TURN_CHOICES, Conversation, first_turn_prompts,
+                                  load_conversations, split_conversations)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +39,8 @@ class RegenerateConfig:
     seed: int = 0
     heldout_percent: float = DEFAULT_HELDOUT_PERCENT
     time_budget_s: float | None = None  # stop admitting prompts after this much time; finish the rest
+    turns: str = "first"  # chats (not prompt records): first user turn, or every user turn ("all")
+    append: bool = False  # add to an existing output, skipping the ids it already holds
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -46,6 +52,8 @@ class RegenerateConfig:
             raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ConfigError(f"--time-budget-s must be > 0, got {self.time_budget_s}")
+        if self.turns not in TURN_CHOICES:
+            raise ConfigError(f"--turns {self.turns!r}; allowed: {', '.join(TURN_CHOICES)}")
 
 
 @dataclasses.dataclass
@@ -61,12 +69,32 @@ class RegenerateStats:
 
 
 def select_prompts(cfg: RegenerateConfig) -> list[tuple[str, list[dict]]]:
-    """(id, first-turn messages) of the prompts to answer."""
+    """(id, messages ending with the user turn to answer) of the prompts to answer."""
     convs = load_conversations(cfg.prompts)
     if cfg.split != "all":
         train, heldout = split_conversations(convs, cfg.heldout_percent)
         convs = train if cfg.split == "train" else heldout
-    return first_turn_prompts(convs, cfg.limit)
+    if convs and all(_is_prompt_record(c) for c in convs):  # an exported prompts file: as it is
+        prompts = [(c.conv_id, [dict(m) for m in c.messages]) for c in convs]
+    else:
+        prompts = first_turn_prompts(convs, turns=cfg.turns)
+    if cfg.append:
+        done = answered_ids(cfg.output)
+        prompts = [(pid, messages) for pid, messages in prompts if pid not in done]
+    return prompts[:cfg.limit] if cfg.limit is not None else prompts
+
+
+def _is_prompt_record(conv: Conversation) -> bool:
+    return bool(conv.messages) and conv.messages[-1]["role"] == "user"
+
+
+def answered_ids(path: str | Path) -> set[str]:
+    """Ids already in a regenerate output (none when it does not exist yet)."""
+    path = Path(path)
+    if not path.is_file():
+        return set()
+    with path.open(encoding="utf-8") as handle:
+        return {json.loads(line)["id"] for line in handle if line.strip()}
 
 
 def regenerate(llm, prompts: Sequence[tuple[str, list[dict]]], cfg: RegenerateConfig) -> RegenerateStats:
@@ -88,7 +116,7 @@ def regenerate(llm, prompts: Sequence[tuple[str, list[dict]]], cfg: RegenerateCo
     bar = _progress(len(pending), cfg.progress)
     in_flight: dict[str, tuple[str, list[dict]]] = {}
     queue_size = min(engine.config.max_running, engine.config.max_waiting)  # keep every slot busy
-    with out_path.open("w", encoding="utf-8") as handle:
+    with out_path.open("a" if cfg.append else "w", encoding="utf-8") as handle:
         while pending or in_flight:
             admit = cfg.time_budget_s is None or time.perf_counter() - start < cfg.time_budget_s
             while admit and pending and len(engine.scheduler.waiting) < queue_size:
