@@ -38,6 +38,7 @@ class EngineConfig:
     max_context: int = 2048  # prompt + output tokens per request
     max_waiting: int = 256  # queued requests before the server answers 429
     prefill_chunk: int = 512  # prompt tokens per request per step
+    max_prefill_tokens: int = 2048  # padded prompt tokens per step, all requests together (>= 1 chunk runs)
     random_weights: bool = False
     seed: int = 0  # random-weight init
     profile_stages: bool = False  # synchronize the device around stages for exact stage times
@@ -48,7 +49,7 @@ class EngineConfig:
     spec_policy: SpecPolicyConfig = SpecPolicyConfig()  # knobs of the adaptive policy
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_context", "max_waiting", "prefill_chunk"):
+        for name in ("max_running", "max_context", "max_waiting", "prefill_chunk", "max_prefill_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

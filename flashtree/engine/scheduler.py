@@ -3,6 +3,9 @@
 Requests wait in FIFO order; one is admitted when a KV slot is free (every slot holds a full
 ``max_context``, so a free slot is the KV-space check). Admitted requests prefill one chunk per
 step while the running ones keep decoding, and join the running batch once their prompt is in.
+A step's prefill holds at most ``max_prefill_tokens`` padded prompt tokens (rows x the widest
+chunk; the oldest admitted requests first, at least one), so a burst of arrivals does not stall
+the running requests for more than one such batch.
 Finished or aborted requests leave between steps and free their slot at once.
 """
 
@@ -34,6 +37,7 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # prefilling or running, each with a slot
+        self.admitted: list[Request] = []  # prefilling requests, oldest admission first
         self.free_slots: list[int] = list(range(config.max_running))
 
     def add(self, req: Request) -> None:
@@ -53,11 +57,27 @@ class Scheduler:
             req.slot = self.free_slots.pop(0)
             req.status = Status.PREFILLING
             self.active.append(req)
+            self.admitted.append(req)
         self.active.sort(key=lambda r: r.slot)  # consecutive slots let attention read a view
+        self.admitted = [r for r in self.admitted if r.status is Status.PREFILLING]
+        prefill = self._prefill_batch()
         return ScheduledStep(
-            prefill=[r for r in self.active if r.status is Status.PREFILLING],
+            prefill=sorted(prefill, key=lambda r: r.slot),
             decode=[r for r in self.active if r.status is Status.RUNNING],
         )
+
+    def _prefill_batch(self) -> list[Request]:
+        """The oldest prefilling requests whose next chunks fit ``max_prefill_tokens`` when padded
+        to the widest of them (always at least one)."""
+        chosen: list[Request] = []
+        widest = 0
+        for req in self.admitted:
+            width = max(widest, min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled))
+            if chosen and (len(chosen) + 1) * width > self.config.max_prefill_tokens:
+                break
+            chosen.append(req)
+            widest = width
+        return chosen
 
     def release_finished(self) -> list[Request]:
         done = [r for r in self.active if r.finished]

@@ -33,6 +33,8 @@ def register(subparsers) -> None:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
     serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per request per step")
+    serve.add_argument("--max-prefill-tokens", type=int, default=2048,
+                       help="padded prompt tokens per step over all prefilling requests (at least one chunk runs)")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for torch (default: torch's choice; 1 helps on a busy shared CPU)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -46,7 +48,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
         model=args.model, spec=SpecConfig(method=method, draft=draft, budget=args.budget, block_size=args.block_size),
         device=args.device, dtype=args.dtype, max_running=args.max_running, max_context=args.max_context,
-        max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, random_weights=args.random_weights,
+        max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
+        max_prefill_tokens=args.max_prefill_tokens, random_weights=args.random_weights,
         quant_kernels=not args.no_quant_kernels, adaptive_spec=adaptive_spec_of(args))
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

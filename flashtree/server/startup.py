@@ -87,7 +87,7 @@ def describe(engine: LLMEngine) -> str:
     return (f"loaded {config.model} in {engine.load_seconds:.1f}s | method={engine.proposer.name} "
             f"draft={spec.draft} budget={spec.budget} adaptive={config.adaptive_spec} | device={engine.device} dtype={engine.dtype} | "
             f"max_running={config.max_running} max_context={config.max_context} "
-            f"prefill_chunk={config.prefill_chunk} max_waiting={config.max_waiting} | "
+            f"prefill_chunk={config.prefill_chunk} max_prefill_tokens={config.max_prefill_tokens} max_waiting={config.max_waiting} | "
             f"weights {weight_bytes(engine) / GIB:.3f} GiB, KV cache {kv / GIB:.3f} GiB")
 
 
