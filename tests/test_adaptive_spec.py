@@ -121,22 +121,36 @@ def drafter_context(llm: LLM, slot: int) -> tuple[int, torch.Tensor]:
     return length, cache.storage[:, :, slot, :, :length].clone()
 
 
+@pytest.mark.parametrize("lag_capacity", [64, 2])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_plain_rounds_keep_the_drafter_in_sync(pair, method):
+def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, monkeypatch):
     """After a mix of plain and drafted rounds, the drafter holds the context K/V of every
-    committed token: the same as a drafter that prefilled the whole committed text."""
+    committed token once it catches up: the same as a drafter that prefilled the whole committed
+    text. Plain rounds defer the projection: the drafter lags by the trailing plain rounds (or
+    by fewer, when the lag capacity forced a catch-up)."""
+    import flashtree.spec.dflash_proposer as proposer_module
+
+    monkeypatch.setattr(proposer_module, "LAG_CAPACITY", lag_capacity)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)
+    monkeypatch.setattr(llm.engine.proposer, "lag_capacity", lag_capacity)
     ladder = llm.engine.policy.ladder
-    llm.engine.policy = ScriptedPolicy(ladder, [0, 0, ladder[0], 0, ladder[-2], ladder[0], 0])
+    llm.engine.policy = ScriptedPolicy(ladder, [0, 0, ladder[0], 0, ladder[-2], ladder[0], 0, 0, 0])
     reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=100, ignore_eos=True)) for p in PROMPTS[:3]]
-    for _ in range(12):
+    for _ in range(10):  # a prefill step, then 9 rounds: the script once, ending in 3 plain rounds
         llm.engine.step()
     reference = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET,
                     **{**ENGINE, "prefill_chunk": 128})
+    lags = []
     for req in reqs:
         assert not req.finished and 0 in req.stats.tree_sizes and max(req.stats.tree_sizes) > 0
         committed = req.prompt_ids + req.output_ids[:-1]  # the bonus token is not committed yet
         assert int(llm.engine.cache.lengths[req.slot]) == len(committed)
+        trailing_plain = len(req.stats.tree_sizes) - len(rstrip_zeros(req.stats.tree_sizes))
+        assert req.drafter_lag == ((trailing_plain - 1) % lag_capacity + 1 if trailing_plain else 0)
+        lags.append(req.drafter_lag)
+        drafter_cache = llm.engine.proposer.runner.cache
+        assert int(drafter_cache.lengths[req.slot]) == len(committed) - req.drafter_lag
+        llm.engine.proposer.catch_up([req.slot], width=max(req.drafter_lag, 1))
         length, context = drafter_context(llm, req.slot)
         twin = reference.engine.add_request(committed, SamplingParams(max_tokens=2, ignore_eos=True))
         reference.engine.step()  # one prefill chunk holds the whole text
@@ -144,6 +158,13 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method):
         reference.engine.run_until_done([twin])
         assert length == ref_length == len(committed)
         torch.testing.assert_close(context, ref_context, atol=1e-4, rtol=1e-4)
+    assert max(lags) >= min(2, lag_capacity - 1)  # the check above ran on a drafter that had deferred tokens
+
+
+def rstrip_zeros(sizes: list[int]) -> list[int]:
+    while sizes and sizes[-1] == 0:
+        sizes = sizes[:-1]
+    return sizes
 
 
 # ---------------------------------------------------------------------------- policy outcomes

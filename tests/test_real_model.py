@@ -63,3 +63,14 @@ def test_shipped_drafter_is_lossless_and_accepts(smollm2, method, budget):
     greedy = spec.chat(CHATS, SamplingParams(max_tokens=32, ignore_eos=True))
     lengths = [n for o in greedy for n in o.acceptance_lengths]
     assert sum(lengths) / len(lengths) > 1.2
+
+
+@pytest.mark.slow
+def test_default_adaptive_ddtree_is_lossless(smollm2):
+    """What `flashtree generate` runs with no flags: DDTree with the shipped drafter and adaptive
+    speculation (plain rounds, deferred drafter context, catch-ups, drafted rounds)."""
+    llm = LLM("smollm2", spec="ddtree", max_running=4, max_context=512)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    got = llm.chat(CHATS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in smollm2.chat(CHATS, params)]
+    assert len(llm.stats().rounds_by_nodes) >= 2  # the policy tried plain and drafted rounds

@@ -121,12 +121,28 @@ class LLMEngine:
         acceptance go back to the policy."""
         nodes = fit_to_budgets(self.policy.choose(len(rows)), rows, self.policy.ladder)
         t0 = time.perf_counter()
+        self._catch_up_drafter(rows, nodes)  # part of the round's cost
         result = self.runner.round(rows, nodes)
         seconds = None if result.captured_graph else time.perf_counter() - t0
         self.policy.record(len(rows), nodes, seconds, mean_acceptance(rows, result, nodes))
         self.rounds_by_nodes[nodes] += 1
         self.last_round_nodes = nodes
         return result
+
+    def _catch_up_drafter(self, rows: Sequence[Request], nodes: int) -> None:
+        """Before a drafted round, or when a row's lag is full, the drafter projects the context
+        features it deferred during plain rounds; then counts this round's deferrals."""
+        capacity = getattr(self.proposer, "lag_capacity", None)
+        if capacity is None:
+            return
+        behind = [r for r in rows if r.drafter_lag and (nodes > 0 or r.drafter_lag >= capacity)]
+        if behind:
+            self.proposer.catch_up([r.slot for r in behind], width=max(r.drafter_lag for r in behind))
+            for req in behind:
+                req.drafter_lag = 0
+        if nodes == 0:
+            for req in rows:
+                req.drafter_lag += 1
 
     def run_until_done(self, requests: list[Request]) -> None:
         while any(not r.finished for r in requests):

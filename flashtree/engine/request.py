@@ -51,6 +51,7 @@ class Request:
     status: Status = Status.WAITING
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
+    drafter_lag: int = 0  # committed tokens whose context features the drafter has deferred (plain rounds)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort"

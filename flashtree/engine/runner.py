@@ -214,7 +214,9 @@ class ModelRunner:
             self.cache.commit_prefix(rows.slots, rows.starts, walk.accept_lengths)
         else:
             self.cache.commit(rows.slots, rows.starts, path, walk.accept_lengths)
-        if out.hidden is not None:  # also after a plain round: the drafter sees every committed token
+        if out.hidden is not None and nodes == 0 and hasattr(self.proposer, "defer"):
+            self.proposer.defer(rows.slots, out.hidden[:, :1])  # projected at the next drafted round
+        elif out.hidden is not None:  # the drafter sees every committed token
             features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
             self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
         packed = self._pack(walk, tree.valid)

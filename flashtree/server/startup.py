@@ -59,7 +59,7 @@ def estimated_kv_spec(config: EngineConfig) -> KVCacheSpec:
     spec = config.spec
     draft_scratch = 0 if spec.method == "none" else max((spec.budget or 0) + 1,
                                                          spec.block_size or DEFAULT_DRAFT_SCRATCH)
-    return KVCacheSpec(model.num_hidden_layers, config.max_running, config.max_context,
+    return KVCacheSpec(model.num_hidden_layers, config.max_running + 1, config.max_context,  # + the pad slot
                        max(draft_scratch, config.prefill_chunk), model.num_key_value_heads, model.head_dim)
 
 

@@ -11,7 +11,13 @@ Glossary
   each round verifies ``nodes <= max_nodes`` (the speculation policy's choice) and each row
   may ask for fewer (``rows.budgets``).
 - context length: committed tokens of a slot whose context K/V the drafter holds; it equals the
-  target's committed length, because the engine observes every committed token in order.
+  target's committed length after every drafted round, because the engine observes every
+  committed token in order.
+- lag: after plain rounds (0 nodes) the drafter does not project the committed tokens' features
+  at once; it keeps them (``defer``, up to ``LAG_CAPACITY`` per slot) and projects them all in
+  one pass (``catch_up``) before the slot's next drafted round, or when the lag is full. A
+  server that settles on plain rounds (a drafter that rarely matches) then pays one batched
+  projection per ``LAG_CAPACITY`` tokens instead of a drafter pass per token.
 """
 
 from __future__ import annotations
@@ -42,11 +48,34 @@ def default_budget(device: torch.device) -> int:
     return 64 if torch.device(device).type == "cuda" else 4
 
 
+LAG_CAPACITY = 64  # committed tokens a slot's drafter context may lag behind (see "lag")
+
+
 class DrafterRunner:
-    """The drafter, its context cache, and the two things a round does with them."""
+    """The drafter, its context cache, and the things a round does with them."""
 
     def __init__(self, drafter: DFlashDrafter, cache: KVCache):
         self.drafter, self.cache = drafter, cache
+        slots, width = cache.spec.max_slots, drafter.fc.in_features
+        weight = drafter.fc.weight
+        self.lagging = torch.zeros(slots, LAG_CAPACITY, width, dtype=weight.dtype, device=weight.device)  # [S, W, F]
+        self.lag = torch.zeros(slots, dtype=torch.long, device=weight.device)  # [S] deferred tokens per slot
+
+    def defer(self, slots: torch.Tensor, features: torch.Tensor) -> None:
+        """Keep the context features ``[B, 1, F]`` of each row's one newly committed token (a
+        plain round) for a later :meth:`catch_up`. Capturable; the host keeps every real slot's
+        lag under LAG_CAPACITY (the clamp only keeps the pad slot's writes in bounds)."""
+        at = self.lag[slots].clamp(max=LAG_CAPACITY - 1)  # [B]
+        self.lagging[slots, at] = features[:, 0].to(self.lagging.dtype)
+        self.lag[slots] = (self.lag[slots] + 1).clamp(max=LAG_CAPACITY)
+
+    def catch_up(self, slots: Sequence[int], width: int = LAG_CAPACITY) -> None:
+        """Project the deferred features of ``slots`` (at most ``width`` each: pass the largest lag,
+        so nothing is written past the committed tokens) into the drafter's context, in one pass."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.lag.device)  # [B]
+        self.drafter.observe(self.cache, index, self.lagging[index, :width], self.lag[index],
+                             self.cache.lengths[index])
+        self.lag[index] = 0
 
     def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
                 starts: torch.Tensor) -> None:
@@ -76,7 +105,9 @@ class DrafterRunner:
 
     def release(self, slots: Sequence[int]) -> None:
         if len(slots):
-            self.cache.free(torch.tensor(list(slots), dtype=torch.long, device=self.cache.lengths.device))
+            index = torch.tensor(list(slots), dtype=torch.long, device=self.cache.lengths.device)
+            self.cache.free(index)
+            self.lag[index] = 0
 
 
 class _DrafterProposer:
@@ -91,8 +122,16 @@ class _DrafterProposer:
         self.max_depth = config.block_size - 1
         self.max_nodes = max_nodes
 
+    lag_capacity = LAG_CAPACITY
+
     def observe(self, slots, features, counts, starts) -> None:
         self.runner.observe(slots, features, counts, starts)
+
+    def defer(self, slots: torch.Tensor, features: torch.Tensor) -> None:
+        self.runner.defer(slots, features)
+
+    def catch_up(self, slots: Sequence[int], width: int = LAG_CAPACITY) -> None:
+        self.runner.catch_up(slots, width)
 
     def release(self, slots: Sequence[int]) -> None:
         self.runner.release(slots)
@@ -132,7 +171,8 @@ def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     spec = config.spec
     drafter = load_drafter(spec.draft, target, tokenizer, block_size_override=spec.block_size,
                            random_weights=config.random_weights, seed=config.seed + 1)
-    cache = drafter.new_cache(config.max_running + 1, config.max_context, scratch=config.prefill_chunk)  # + pad slot
+    cache = drafter.new_cache(config.max_running + 1, config.max_context,  # + the pad slot
+                              scratch=max(config.prefill_chunk, LAG_CAPACITY))  # a catch-up pads to the largest lag
     runner = DrafterRunner(drafter, cache)
     if spec.method == "dflash":
         return DFlashProposer(runner)
