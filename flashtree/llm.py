@@ -77,8 +77,7 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", *, spec: str = "none", draft: str | None = None,
                  budget: int | None = None, block_size: int | None = None, **engine_kwargs):
-        if spec in ("dflash", "ddtree") and draft is None:  # the shipped drafter of the embedded default
-            spec, draft = default_spec(model, spec, draft)
+        spec, draft = default_spec(model, spec, draft)  # dflash/ddtree on smollm2: the shipped drafter
         spec_config = SpecConfig(method=spec, draft=draft, budget=budget, block_size=block_size)
         self.engine = LLMEngine(EngineConfig(model=model, spec=spec_config, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer

@@ -131,14 +131,14 @@ def test_all_turn_prompts_keep_history_and_their_conversation_split(tmp_path):
     """--turns all: every user turn with the chat's earlier messages; ids <chat>#turn<k>, whose
     split key is the chat's (parts and turns of one chat never straddle the split)."""
     convs = [chat("abc_1", "q1", "a1", "q2", "a2", "q3", system="sys"), chat("zz", "only")]
-    prompts = data.first_turn_prompts(convs, turns="all")
+    prompts = data.chat_prompts(convs, turns="all")
     assert [pid for pid, _ in prompts] == ["abc_1", "abc_1#turn1", "abc_1#turn2", "zz"]
     assert [m["content"] for m in prompts[2][1]] == ["sys", "q1", "a1", "q2", "a2", "q3"]
     assert [m["content"] for m in prompts[0][1]] == ["sys", "q1"]
-    assert data.first_turn_prompts(convs) == [prompts[0], prompts[3]]  # the default: first turns
+    assert data.chat_prompts(convs) == [prompts[0], prompts[3]]  # the default: first turns
     assert {data.Conversation(pid, ()).split_key for pid, _ in prompts[:3]} == {"abc"}
     with pytest.raises(data.ConfigError):
-        data.first_turn_prompts(convs, turns="last")
+        data.chat_prompts(convs, turns="last")
     path = tmp_path / "chats.jsonl"
     with path.open("w") as handle:
         for i in range(60):

@@ -163,14 +163,12 @@ class ModelRunner:
         at position 0, greedy, budget 0), so they write identical values to the same pad-slot
         entries and their outputs are dropped."""
         params = [r.params for r in rows]
-        ints = torch.tensor([
-            [r.slot for r in rows] + [self.pad_slot] * pads, [r.output_ids[-1] for r in rows] + [0] * pads,
-            [r.committed_length for r in rows] + [0] * pads,
-            [nodes if r.budget is None else min(r.budget, nodes) for r in rows] + [0] * pads,
-            [len(r.output_ids) for r in rows] + [0] * pads, [p.top_k for p in params] + [0] * pads,
-            [seed_value(p) for p in params] + [0] * pads], dtype=torch.long)  # [7, B + pads]
-        floats = torch.tensor([[p.temperature for p in params] + [0.0] * pads,
-                               [p.top_p for p in params] + [1.0] * pads])  # [2, B + pads]
+        per_row = [(r.slot, r.output_ids[-1], r.committed_length, nodes if r.budget is None else min(r.budget, nodes),
+                    len(r.output_ids), p.top_k, seed_value(p)) for r, p in zip(rows, params)]
+        per_row += [(self.pad_slot, 0, 0, 0, 0, 0, 0)] * pads
+        ints = torch.tensor(per_row, dtype=torch.long).T.contiguous()  # [7, B + pads]
+        temperature_top_p = [(p.temperature, p.top_p) for p in params] + [(0.0, 1.0)] * pads
+        floats = torch.tensor(temperature_top_p).T.contiguous()  # [2, B + pads]
         if self.device.type == "cuda":
             ints, floats = ints.pin_memory(), floats.pin_memory()
         ints = ints.to(self.device, non_blocking=True)

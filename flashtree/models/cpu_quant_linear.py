@@ -57,7 +57,6 @@ MAX_ROWS = 8  # products with at most this many rows use the block kernel
 CHECKED_ROWS = 64  # rows per weight compared with the fp32 weight at load
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "f16c", "fma")
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mf16c", "-mfma")
-_ROTARY_PERMUTED_ARCHITECTURES = ("llama",)  # as in gguf_convert.py
 
 # type name -> (bytes per 32-weight block, kernel type code)
 BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
@@ -339,7 +338,7 @@ def gguf_blocks(reader, architecture: str, heads: int, kv_heads: int) -> dict[st
     """Every Q4_0 / Q4_1 / Q8_0 matrix of an open GGUF file: GGUF name -> (type name, raw blocks
     ``uint8 [rows, K / 32 * block bytes]``), the q/k rows un-permuted like the converter does
     (whole blocks move with their rows)."""
-    from flashtree.models.gguf_convert import unpermute_rotary_rows
+    from flashtree.models.gguf_convert import unpermute_for_hf
 
     found = {}
     for tensor in reader.tensors:
@@ -348,11 +347,7 @@ def gguf_blocks(reader, architecture: str, heads: int, kv_heads: int) -> dict[st
             continue
         rows = int(tensor.shape[1])  # GGUF lists the fastest dimension first
         raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
-        if architecture in _ROTARY_PERMUTED_ARCHITECTURES:
-            if ".attn_q." in tensor.name:
-                raw = unpermute_rotary_rows(raw, heads)
-            elif ".attn_k." in tensor.name:
-                raw = unpermute_rotary_rows(raw, kv_heads)
+        raw = unpermute_for_hf(tensor.name, raw, architecture, heads, kv_heads)
         found[tensor.name] = (type_name, np.array(raw, order="C"))  # a copy: the reader's memmap is read-only
     return found
 

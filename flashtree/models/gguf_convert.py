@@ -160,9 +160,8 @@ def read_gguf(reader: gguf.GGUFReader, gguf_path: Path) -> GGUFModel:
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS_TENSOR:
             continue  # folded into config["rope_scaling"]
-        array = dequantize_tensor(tensor)
-        if arch in _ROTARY_PERMUTED_ARCHITECTURES:
-            array = _unpermute_if_rotary(tensor.name, array, config)
+        array = unpermute_for_hf(tensor.name, dequantize_tensor(tensor), arch,
+                                 config["num_attention_heads"], config["num_key_value_heads"])
         weights[hf_tensor_name(tensor.name, gguf_path)] = torch.from_numpy(array)
     return GGUFModel(config=config, weights=weights)
 
@@ -219,11 +218,17 @@ def unpermute_rotary_rows(array: np.ndarray, n_head: int) -> np.ndarray:
     return np.ascontiguousarray(heads.swapaxes(1, 2)).reshape(array.shape)
 
 
-def _unpermute_if_rotary(gguf_name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def unpermute_for_hf(gguf_name: str, array: np.ndarray, architecture: str, heads: int, kv_heads: int
+                     ) -> np.ndarray:
+    """``array`` (rows first: dequantized values, or raw quantized blocks that move with their
+    rows) in Hugging Face's row order: q/k projections of the architectures llama.cpp permutes
+    are un-permuted, everything else is returned as it is."""
+    if architecture not in _ROTARY_PERMUTED_ARCHITECTURES:
+        return array
     if ".attn_q." in gguf_name:
-        return unpermute_rotary_rows(array, config["num_attention_heads"])
+        return unpermute_rotary_rows(array, heads)
     if ".attn_k." in gguf_name:
-        return unpermute_rotary_rows(array, config["num_key_value_heads"])
+        return unpermute_rotary_rows(array, kv_heads)
     return array
 
 

@@ -119,19 +119,21 @@ def _expand_levels(
     Depth d's candidates are the [B, K] matrix ``kept (d-1) x top-K of depth d``. Its best B
     are found without a top-k over all B*K entries: a top-k over the short prefilter list
     (see :func:`_prefilter_pairs`) gives the B-th best weight (the threshold) exactly, and one
-    pass over the matrix keeps what beats it plus the lexicographically first ties.
+    pass over the matrix keeps what beats it plus the lexicographically first ties. Above
+    ``PREFILTER_MAX_ROW_NODES`` rows x budget, one int64-key top-k over the whole matrix does it.
     """
     num_rows, depth, k = top_logp.shape
     level = _first_level(top_logp[:, 0], top_tokens[:, 0], max_budget)
     levels = [level]
-    sorted_w = _sorted_desc(level.log_weights, top_logp[:, 0])  # [R, B]
-    pair_row, pair_rank = _prefilter_pairs(max_budget, k, top_logp.device)  # [M] x2
-    pair_logp = top_logp[:, :, pair_rank]  # [R, L, M]
     by_key = num_rows * max_budget > PREFILTER_MAX_ROW_NODES
+    if not by_key:
+        sorted_w = _sorted_desc(level.log_weights, top_logp[:, 0])  # [R, B]
+        pair_row, pair_rank = _prefilter_pairs(max_budget, k, top_logp.device)  # [M] x2
+        pair_logp = top_logp[:, :, pair_rank]  # [R, L, M]
     for d in range(1, depth):
         candidates = level.log_weights[:, :, None] + top_logp[:, d, None, :]  # [R, B, K]
         if by_key:
-            flat, best_values = _best_flat_by_key(candidates.reshape(num_rows, -1), max_budget)
+            flat = _best_flat_by_key(candidates.reshape(num_rows, -1), max_budget)  # [R, B]
         else:  # the B best of the prefilter list hold the B best weights of the whole matrix
             best_values = torch.topk(sorted_w[:, pair_row] + pair_logp[:, d], max_budget, dim=1).values  # [R, B]
             flat = _best_flat(candidates.reshape(num_rows, -1), best_values, max_budget)  # [R, B]
@@ -141,7 +143,8 @@ def _expand_levels(
             top_tokens[:, d, :].gather(1, flat % k),
         )
         levels.append(level)
-        sorted_w = _sorted_desc(level.log_weights, best_values)
+        if not by_key:
+            sorted_w = _sorted_desc(level.log_weights, best_values)
     return levels
 
 
@@ -151,15 +154,15 @@ def _expand_levels(
 PREFILTER_MAX_ROW_NODES = 1024
 
 
-def _best_flat_by_key(weights: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat indices of the ``count`` best weights in ascending order [R, count], their weights in
-    descending order [R, count]) by one top-k on an int64 key: the weight's order-preserving
-    float32 bits above the reversed index, so ties go to the lower index (as in _best_flat)."""
+def _best_flat_by_key(weights: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of the ``count`` best weights, ascending [R, count], by one top-k on an int64
+    key: the weight's order-preserving float32 bits above the reversed index, so ties go to the
+    lower index (as in _best_flat)."""
     bits = weights.float().view(torch.int32).long()  # [R, M] sign-extended
     order_bits = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # negative floats count downwards
     later_first = torch.arange(weights.shape[1], 0, -1, device=weights.device)  # [M]
-    picked = torch.topk((order_bits << 32) | later_first, count, dim=1).indices  # [R, count], best first
-    return picked.sort(dim=1).values, weights.gather(1, picked)
+    picked = torch.topk((order_bits << 32) | later_first, count, dim=1, sorted=False).indices  # [R, count]
+    return picked.sort(dim=1).values
 
 
 def _first_level(logp: torch.Tensor, tokens: torch.Tensor, max_budget: int) -> _Level:

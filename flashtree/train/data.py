@@ -223,9 +223,9 @@ def looks_english(text: str, min_ascii: float = 0.95) -> bool:
     return bool(text) and sum(c.isascii() for c in text) / len(text) >= min_ascii
 
 
-def first_turn_prompts(convs: Iterable[Conversation], limit: int | None = None, max_chars: int = 4000,
-                       english_only: bool = True, tokenizer=None, max_prompt_tokens: int | None = None,
-                       turns: str = "first") -> list[tuple[str, list[dict]]]:
+def chat_prompts(convs: Iterable[Conversation], limit: int | None = None, max_chars: int = 4000,
+                 english_only: bool = True, tokenizer=None, max_prompt_tokens: int | None = None,
+                 turns: str = "first") -> list[tuple[str, list[dict]]]:
     """(prompt id, messages) of usable prompts, in source order, deduplicated: the opening user
     turn of each chat, or with ``turns="all"`` every user turn with the chat's history before it
     (ids from :func:`turn_prompt_id`). With a tokenizer, prompts over ``max_prompt_tokens``
@@ -262,9 +262,15 @@ def heldout_prompts(n: int, source: str = SHAREGPT, heldout_percent: float = DEF
     benchmark set): never seen in training with the same ``heldout_percent`` (a prompt that
     also opens a training conversation is left out)."""
     train, heldout = split_conversations(load_conversations(source), heldout_percent)
-    seen = {messages[-1]["content"] for _, messages in first_turn_prompts(train, english_only=False, max_chars=10**9)}
-    prompts = (messages[-1]["content"] for _, messages in first_turn_prompts(heldout, max_chars=max_chars))
+    seen = _opening_texts(train)
+    prompts = (messages[-1]["content"] for _, messages in chat_prompts(heldout, max_chars=max_chars))
     return [p for p in prompts if p not in seen][:n]
+
+
+def _opening_texts(convs: Sequence[Conversation]) -> set[str]:
+    """Every opening user text of ``convs`` (any language or length): a held-out prompt equal to
+    one of these would also be trained on."""
+    return {messages[-1]["content"] for _, messages in chat_prompts(convs, english_only=False, max_chars=10**9)}
 
 
 def export_prompts(out_path: str | Path, source: str = SHAREGPT, split: str = "train", limit: int | None = None,
@@ -279,10 +285,10 @@ def export_prompts(out_path: str | Path, source: str = SHAREGPT, split: str = "t
     if split != "all":
         train, heldout = split_conversations(convs, heldout_percent)
         convs = train if split == "train" else heldout
-    prompts = first_turn_prompts(convs, limit, max_chars=max_chars, tokenizer=tokenizer,
+    prompts = chat_prompts(convs, limit, max_chars=max_chars, tokenizer=tokenizer,
                                  max_prompt_tokens=max_prompt_tokens, turns=turns)
     if split == "heldout":  # the same rule as heldout_prompts: nothing that also opens a training chat
-        seen = {m[-1]["content"] for _, m in first_turn_prompts(train, english_only=False, max_chars=10**9)}
+        seen = _opening_texts(train)
         prompts = [(conv_id, m) for conv_id, m in prompts if m[-1]["content"] not in seen]
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from typing import Sequence
 from flashtree.errors import ConfigError
 from flashtree.sampling import SamplingParams
 from flashtree.tokenizer import encode_chat
-from flashtree.train.data import (DEFAULT_HELDOUT_PERCENT, TURN_CHOICES, Conversation, first_turn_prompts,
+from flashtree.train.data import (DEFAULT_HELDOUT_PERCENT, TURN_CHOICES, Conversation, chat_prompts,
                                   load_conversations, split_conversations)
 
 
@@ -77,7 +77,7 @@ def select_prompts(cfg: RegenerateConfig) -> list[tuple[str, list[dict]]]:
     if convs and all(_is_prompt_record(c) for c in convs):  # an exported prompts file: as it is
         prompts = [(c.conv_id, [dict(m) for m in c.messages]) for c in convs]
     else:
-        prompts = first_turn_prompts(convs, turns=cfg.turns)
+        prompts = chat_prompts(convs, turns=cfg.turns)
     if cfg.append:
         done = answered_ids(cfg.output)
         prompts = [(pid, messages) for pid, messages in prompts if pid not in done]
