@@ -1,0 +1,116 @@
+"""CPU, SmolLM2 + the shipped drafter, fp32, batch 1: what a DDTree engine costs beyond plain
+decoding when its rounds are plain (the adaptive policy's fallback), and what one draft costs.
+
+Systems, interleaved over --repeats (the machine is shared: compare within a run):
+- plain: the plain engine;
+- deferred: a DDTree engine pinned to plain rounds (the drafter's context projection deferred,
+  flashtree's behaviour);
+- every round: the same engine with deferral hidden from the runner, so the drafter projects
+  each committed token at once (the behaviour before deferral).
+All three must give the same tokens. Also times one ``draft_logits`` call (budget-4 depth).
+
+    python benchmarks/cpu_plain_round_upkeep.py [--repeats 3] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flashtree import LLM, SamplingParams
+from flashtree.bench.environment import cpu_name
+
+RESULTS = Path(__file__).resolve().parent / "results" / "cpu_plain_round_upkeep.json"
+CHAT = [[{"role": "user", "content": "Explain how a hash map works and when to use one."}]]
+
+
+class PlainRounds:
+    """The policy interface, always choosing plain rounds."""
+
+    ladder = (4, 0)
+
+    def choose(self, rows: int) -> int:
+        return 0
+
+    def record(self, *measurements) -> None:
+        pass
+
+
+class WithoutDefer:
+    """The proposer with ``defer`` hidden: the runner then projects every committed token."""
+
+    def __init__(self, proposer):
+        self.__dict__["proposer"] = proposer
+
+    def __getattr__(self, name):
+        if name == "defer":
+            raise AttributeError(name)
+        return getattr(self.proposer, name)
+
+
+def engines() -> dict[str, LLM]:
+    plain = LLM("smollm2", max_running=2, max_context=512)
+    deferred = LLM("smollm2", spec="ddtree", budget=4, max_running=2, max_context=512)
+    deferred.engine.policy = PlainRounds()
+    eager = LLM("smollm2", spec="ddtree", budget=4, max_running=2, max_context=512)
+    eager.engine.policy = PlainRounds()
+    eager.engine.proposer.lag_capacity = None  # no catch-up bookkeeping in the engine
+    eager.engine.runner.proposer = WithoutDefer(eager.engine.proposer)
+    return {"plain": plain, "ddtree engine, plain rounds, deferred": deferred,
+            "ddtree engine, plain rounds, projected every round": eager}
+
+
+def draft_ms(llm: LLM, reps: int = 20) -> float:
+    """Wall ms of one draft_logits call at the default CPU budget's depth, after a short chat."""
+    runner = llm.engine.proposer.runner
+    seen = []
+    real = runner.draft_logits
+    runner.draft_logits = lambda rows, depth=None: seen.append((rows, depth)) or real(rows, depth)
+    llm.chat(CHAT, SamplingParams(max_tokens=32, ignore_eos=True))
+    runner.draft_logits = real
+    rows, depth = seen[-1]
+    for _ in range(3):
+        real(rows, depth)
+    start = time.perf_counter()
+    for _ in range(reps):
+        real(rows, depth)
+    return 1000 * (time.perf_counter() - start) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    systems = engines()
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    rates: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(args.repeats):
+        tokens = []
+        for name, llm in systems.items():
+            start = time.perf_counter()
+            out = llm.chat(CHAT, params)[0]
+            rates[name].append(len(out.token_ids) / (time.perf_counter() - start))
+            tokens.append(out.token_ids)
+        assert all(t == tokens[0] for t in tokens), "a system's tokens differ from plain decoding"
+    drafter = LLM("smollm2", spec="ddtree", budget=4, adaptive_spec=False, max_running=2, max_context=512)
+    result = {
+        "machine": f"{cpu_name()}, {args.threads} threads, torch {torch.__version__}",
+        "command": "python benchmarks/cpu_plain_round_upkeep.py " + f"--repeats {args.repeats} --new-tokens {args.new_tokens}",
+        "tokens_per_s_median": {name: round(statistics.median(v), 1) for name, v in rates.items()},
+        "tokens_per_s_all": {name: [round(x, 1) for x in v] for name, v in rates.items()},
+        "draft_logits_ms_depth4": round(draft_ms(drafter), 2),
+    }
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
