@@ -4,6 +4,9 @@
 
 Floor = weight bytes / measured device copy bandwidth (bytes read + written per second).
 Each row: B requests with a ``--context``-token prompt, then ``--steps`` timed engine steps.
+``--kernels fused,torch`` times the fused Triton kernels (models/gpu_kernels.py) and the plain
+torch ops side by side. ``--shape tiny`` runs a 2-layer toy model with the same vocabulary: its
+step is almost all host time (scheduling, input copies, graph launch, the one sync).
 """
 
 import argparse
@@ -16,6 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen3_8b_shape import QWEN3_8B, write_config  # noqa: E402
+
+TINY = dict(QWEN3_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64)
 
 from flashtree import SamplingParams  # noqa: E402
 from flashtree.config import EngineConfig  # noqa: E402
@@ -64,19 +70,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--modes", default="graphs,eager", help="graphs and/or eager")
+    parser.add_argument("--kernels", default="fused", help="fused and/or torch (the small per-layer ops)")
+    parser.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "tiny"])
     args = parser.parse_args()
-    model_dir = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
+    shape = QWEN3_8B if args.shape == "qwen3-8b" else TINY
+    model_dir = write_config(f"/tmp/flashtree-{args.shape}", shape)
     bandwidth = copy_bandwidth()
     rows = []
-    for graphs in [m == "graphs" for m in args.modes.split(",")]:
+    variants = [(m == "graphs", k == "fused") for k in args.kernels.split(",") for m in args.modes.split(",")]
+    for graphs, fused in variants:
         config = EngineConfig(model=str(model_dir), random_weights=True, max_running=32, max_context=2048,
-                              cuda_graphs=graphs, device="cuda")
+                              cuda_graphs=graphs, device="cuda", gpu_kernels=fused)
         engine = LLMEngine(config)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         floor_ms = weight_bytes / bandwidth * 1000
         for batch in [int(b) for b in args.batches.split(",")]:
             ms = time_steps(engine, batch, args.context, args.steps)
-            rows.append({"cuda_graphs": graphs, "batch": batch, "context": args.context, "ms_per_step": ms,
+            rows.append({"shape": args.shape, "cuda_graphs": graphs, "fused_kernels": engine.model.fused_kernels,
+                         "batch": batch, "context": args.context, "ms_per_step": ms,
                          "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms,
                          "tokens_per_s": batch * 1000 / ms})
             print(json.dumps(rows[-1]), flush=True)
@@ -86,9 +97,10 @@ def main() -> None:
               "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'graphs':>6} {'batch':>5} {'ms/step':>8} {'floor':>6} {'% floor':>7} {'tok/s':>8}")
+    print(f"{'graphs':>6} {'fused':>5} {'batch':>5} {'ms/step':>8} {'floor':>6} {'% floor':>7} {'tok/s':>8}")
     for r in rows:
-        print(f"{r['cuda_graphs']!s:>6} {r['batch']:>5} {r['ms_per_step']:8.2f} {r['floor_ms']:6.2f} "
+        print(f"{r['cuda_graphs']!s:>6} {r['fused_kernels']!s:>5} {r['batch']:>5} {r['ms_per_step']:8.2f} "
+              f"{r['floor_ms']:6.2f} "
               f"{100 * r['fraction_of_floor']:6.1f}% {r['tokens_per_s']:8.1f}")
 
 

@@ -127,7 +127,8 @@ def main():
                           budget=int(budget) if budget else None)
         for profile in (False, True):
             engine = LLMEngine(EngineConfig(model=str(target), spec=spec, random_weights=True, device="cuda",
-                                            max_running=max(batches), max_context=2048, profile_stages=profile))
+                                            max_running=max(batches), max_context=2048, profile_stages=profile,
+                                            adaptive_spec=False))  # every round at the method's size
             for batch in batches:
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
                 row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages}

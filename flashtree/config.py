@@ -45,6 +45,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
     trace_trees: str | None = None  # JSON-lines file: per round, each request's tree and accepted path
     quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 8 rows straight from the GGUF blocks
+    gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (models/gpu_kernels.py)
+    triton_attention: bool = False  # with gpu_kernels: Triton tree attention instead of SDPA (one graph per
+    # batch shape for every context length; slower than cuDNN on the H200 so far)
     adaptive_spec: bool = True  # pick each round's node count (0 = plain) for throughput; False: always max
     spec_policy: SpecPolicyConfig = SpecPolicyConfig()  # knobs of the adaptive policy
 

@@ -43,6 +43,7 @@ class BenchSetup:
     profile_stages: bool = False  # exact per-stage times: synchronizes and turns CUDA graphs off (slower)
     adaptive_spec: bool = False  # let speculative methods adapt their draft size (off: each method as named)
     quant_kernels: bool = True  # CPU fp32 GGUF models: decode-sized products from the GGUF blocks
+    gpu_kernels: bool = True  # CUDA: fused Triton kernels for the small per-layer ops
 
     def engine_config(self, method: BenchMethod) -> EngineConfig:
         device = resolve_device(self.device)
@@ -50,6 +51,7 @@ class BenchSetup:
                             device=str(device), dtype=self.dtype, max_running=self.batch_size,
                             max_context=self.max_context, random_weights=self.random_weights,
                             profile_stages=self.profile_stages, quant_kernels=self.quant_kernels,
+                            gpu_kernels=self.gpu_kernels,
                             adaptive_spec=self.adaptive_spec)
 
     def sampling(self, prompt_index: int, max_tokens: int | None = None) -> SamplingParams:

@@ -27,19 +27,20 @@ class GraphCache:
     """``run(key, fn, inputs)`` replays ``fn(*inputs)`` captured for ``key``; ``fn`` must be a pure
     device computation whose shapes depend only on ``key`` and the inputs' shapes."""
 
-    def __init__(self, max_graphs: int = 128):
+    def __init__(self, max_graphs: int = 512):
         self.max_graphs = max_graphs
-        self.graphs: dict[Hashable, _Captured] = {}
+        self.graphs: dict[Hashable, _Captured] = {}  # least recently used first
         self.pool = None
         self.captures = 0  # graphs captured so far (a capturing call is much slower than a replay)
 
     def run(self, key: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]):
-        captured = self.graphs.get(key)
+        captured = self.graphs.pop(key, None)
         if captured is None:
-            if len(self.graphs) >= self.max_graphs:
-                return fn(*inputs)
-            captured = self.graphs[key] = self._capture(fn, inputs)
+            if len(self.graphs) >= self.max_graphs:  # evict the least recently used graph; running a
+                self.graphs.pop(next(iter(self.graphs)))  # miss eagerly instead costs ~10x a replay
+            captured = self._capture(fn, inputs)
             self.captures += 1
+        self.graphs[key] = captured  # now the most recently used
         for static, live in zip(captured.inputs, inputs):
             static.copy_(live)
         captured.graph.replay()

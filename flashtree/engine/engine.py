@@ -43,6 +43,7 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     checkpoint = load_checkpoint(config.model, random_weights=config.random_weights)
     model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=config.seed)
     maybe_attach_quantized(model, checkpoint, enabled=config.quant_kernels)  # CPU fp32 GGUF models
+    model.use_gpu_kernels(config.gpu_kernels, attention=config.triton_attention)  # CUDA with Triton only
     return LoadedTarget(model, checkpoint.tokenizer)
 
 

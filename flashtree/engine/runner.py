@@ -133,12 +133,14 @@ class ModelRunner:
         shape = RoundShape(kv_len=max(r.committed_length for r in rows) + nodes + 1,
                            slot_range=slot_range_of(slots_list), any_sampled=sampled, any_filtered=filtered,
                            nodes=nodes)
+        if self.model.fused_attention:  # the kernel reads lengths and slots on the device: one graph for all
+            shape = shape._replace(kv_len=self.cache.spec.capacity, slot_range=None)
         t0 = self.timer.mark()
         captures = self.graphs.captures if self.graphs is not None else 0
         if self.graphs is None:
             packed = self._round_device(shape, *inputs, timer=self.timer)
         else:
-            shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))
+            shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))  # (capacity stays capacity)
             key = (len(slots_list), shape)
             packed = self.graphs.run(key, lambda *t: self._round_device(shape, *t), inputs)
         result = self._to_host(packed, len(rows))  # the one sync

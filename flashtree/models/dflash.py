@@ -30,13 +30,14 @@ from torch import nn
 
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.kv_cache import KVCache, KVCacheSpec
-from flashtree.models.attention import masked_attention
+from flashtree.models import gpu_kernels
+from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.build import copy_weights, init_random_weights
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
 from flashtree.models.rope import RotaryTable, apply_rotary
-from flashtree.models.transformer import MLP, CausalLM, RMSNorm
+from flashtree.models.transformer import MLP, CausalLM, RMSNorm, attention_kernel_fits, fuse_rows
 
 DRAFT_FORMS = ("a DFlash drafter directory (config.json + model.safetensors) or a Hugging Face hub id "
                "such as z-lab/Qwen3-8B-DFlash-b16")
@@ -66,6 +67,31 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)  # z-lab: bias follows attention_bias
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # inference only (DFlashDrafter.fuse / use_gpu_kernels); training uses the modules above
+        self.qkv_weight: torch.Tensor | None = None  # [(H + 2 KVH) * D, hidden]
+        self.qkv_bias: torch.Tensor | None = None
+        self.qk_norm_weight: torch.Tensor | None = None  # [2, D]: q_norm then k_norm
+        self.fused_kernels = False
+        self.fused_attention = False
+        self.window = cfg.window(layer_index)  # sliding window (the Triton attention applies it itself)
+
+    def fuse(self) -> None:
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = fuse_rows(*projections)
+        if self.q_proj.bias is not None:
+            self.qkv_bias = fuse_rows(*projections, attr="bias")
+        self.qk_norm_weight = torch.stack([self.q_norm.weight.detach(), self.k_norm.weight.detach()])
+
+    def _fused_write(self, x: torch.Tensor, with_queries: bool, positions: torch.Tensor, cache: KVCache,
+                     write_index: tuple[torch.Tensor, torch.Tensor], rope_tables) -> torch.Tensor:
+        """Fused kernels: project (q,) k, v from ``x [B, N, hidden]``, norm and rotate, write K/V
+        into the cache at ``write_index``; returns q ``[B, H, N, D]`` (empty without queries)."""
+        skip = 0 if with_queries else self.heads * self.head_dim  # context tokens need no query
+        bias = None if self.qkv_bias is None else self.qkv_bias[skip:]
+        qkv = F.linear(x, self.qkv_weight[skip:], bias)  # [B, N, (H? + 2 KVH) * D]
+        return gpu_kernels.qkv_norm_rope_write(
+            qkv, self.heads if with_queries else 0, self.kv_heads, self.qk_norm_weight, self.q_norm.eps,
+            *rope_tables, positions, cache.k[self.layer_index], cache.v[self.layer_index], write_index)
 
     def key_value(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, N, hidden] -> K (normed, rotated) and V, each [B, KVH, N, D]."""
@@ -78,12 +104,20 @@ class DrafterAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """Block attention: x [B, b, hidden]; block K/V go to the scratch entries of ``cache``."""
         b, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim))
-        q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, b, D]
-        k, v = self.key_value(x, rope)  # [B, KVH, b, D] x2
-        cache.write(self.layer_index, batch.slots, batch.cache_lengths, k, v)
-        keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
-        out = masked_attention(q, keys, values, mask)  # [B, H, b, D]
+        if self.fused_kernels:  # rope: the [P, D] cos/sin tables
+            write_index = cache.write_index(batch.slots, batch.cache_lengths, n)
+            q = self._fused_write(x, True, batch.positions, cache, write_index, rope)  # [B, H, b, D]
+        else:
+            q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim))
+            q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, b, D]
+            k, v = self.key_value(x, rope)  # [B, KVH, b, D] x2
+            cache.write(self.layer_index, batch.slots, batch.cache_lengths, k, v)
+        if self.fused_attention:  # mask is None: the kernel reads lengths and new_mask itself
+            out = gpu_kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index], batch.slots,
+                                             batch.cache_lengths, batch.new_mask, window=self.window)
+        else:
+            keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
+            out = masked_attention(q, keys, values, mask)  # [B, H, b, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
 
@@ -97,9 +131,18 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, batch, cache, rope, mask):
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache, rope, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache,
+                rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, fused: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ``x + residual`` (``x`` alone first); returns (MLP output, residual), as the
+        target's DecoderLayer does."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual, fused)
+        h = self.self_attn(h, batch, cache, rope, mask)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, fused)
+        return self.mlp(h), residual
 
 
 class DFlashDrafter(nn.Module):
@@ -114,6 +157,27 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.target = TargetParts(embed=target.embed, head=target.head)
         self.rope: RotaryTable | None = None
+        self.fused_kernels = False  # Triton kernels for the small per-layer ops (use_gpu_kernels)
+
+    def fuse(self) -> None:
+        """Fuse q/k/v and gate/up projections for inference (training keeps them apart)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def use_gpu_kernels(self, enabled: bool = True, attention: bool = False) -> bool:
+        """Fuse the projections and switch the Triton kernels on where they can run; returns
+        whether they are on (as :meth:`CausalLM.use_gpu_kernels`)."""
+        head_dim = self.config.head_dim
+        on = enabled and gpu_kernels.usable_on(self.fc.weight) and head_dim & (head_dim - 1) == 0
+        if on:
+            self.fuse()
+        self.fused_kernels = on
+        self.fused_attention = on and attention and attention_kernel_fits(self.config)
+        for layer in self.layers:
+            layer.self_attn.fused_kernels = layer.mlp.fused_kernels = on
+            layer.self_attn.fused_attention = self.fused_attention
+        return on
 
     # ------------------------------------------------------------------ state
     def setup_rope(self, max_positions: int) -> None:
@@ -145,10 +209,16 @@ class DFlashDrafter(nn.Module):
         width = features.shape[1]
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [B, P, hidden]
         positions = starts[:, None] + torch.arange(width, device=starts.device)  # [B, P]
-        rope = self.rope.lookup(positions)  # cos, sin [B, 1, P, head_dim]
-        for index, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(context, rope)  # [B, KVH, P, D] x2
-            cache.write(index, slots, starts, k, v)
+        if self.fused_kernels:
+            write_index = cache.write_index(slots, starts, width)
+            for layer in self.layers:
+                layer.self_attn._fused_write(context, False, positions, cache, write_index,
+                                             (self.rope.cos, self.rope.sin))
+        else:
+            rope = self.rope.lookup(positions)  # cos, sin [B, 1, P, head_dim]
+            for index, layer in enumerate(self.layers):
+                k, v = layer.self_attn.key_value(context, rope)  # [B, KVH, P, D] x2
+                cache.write(index, slots, starts, k, v)
         # Set, not incremented: the context length is starts + counts however often this runs
         # (a CUDA-graph capture runs a round once more as warm-up).
         cache.lengths[slots] = starts + counts
@@ -172,11 +242,14 @@ class DFlashDrafter(nn.Module):
             input_ids=block_ids, positions=starts[:, None] + offsets, slots=slots, cache_lengths=starts,
             new_mask=torch.ones(num_rows, block, block, dtype=torch.bool, device=bonus.device),
             kv_len=kv_len, slot_range=slot_range)
-        masks = self._layer_masks(batch)
-        rope = self.rope.lookup(batch.positions)
+        masks = {} if self.fused_attention else self._layer_masks(batch)
+        # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, b, head_dim]
+        rope = (self.rope.cos, self.rope.sin) if self.fused_kernels else self.rope.lookup(batch.positions)
         x = self.target.embed(block_ids).to(self.fc.weight.dtype)  # [B, b, hidden]
+        residual = None
         for index, layer in enumerate(self.layers):
-            x = layer(x, batch, cache, rope, masks[cfg.window(index)])
+            x, residual = layer(x, residual, batch, cache, rope, masks.get(cfg.window(index)), self.fused_kernels)
+        x = residual + x  # [B, b, hidden]
         depth = block - 1 if depth is None else depth
         if not 1 <= depth <= block - 1:
             raise ValueError(f"depth must be in [1, {block - 1}], got {depth}")
@@ -191,7 +264,7 @@ class DFlashDrafter(nn.Module):
         for window in {self.config.window(i) for i in range(self.config.num_hidden_layers)} - {None}:
             recent = key[None, :] >= (batch.cache_lengths[:, None] - window)  # [B, K]
             masks[window] = full & recent[:, None, None, :]
-        return masks
+        return {window: attention_bias(mask, self.fc.weight.dtype) for window, mask in masks.items()}
 
 
 # ---------------------------------------------------------------------------- loading

@@ -15,11 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree.kv_cache import KVCache
-from flashtree.models.attention import masked_attention
+from flashtree.models import gpu_kernels
+from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
 from flashtree.models.cpu_quant_linear import QuantizedLinear, linear
 from flashtree.models.rope import RotaryTable, apply_rotary
+
+
+def attention_kernel_fits(cfg) -> bool:
+    """The Triton attention kernel handles this head layout (head_dim a power of two >= 16)."""
+    head_dim = cfg.head_dim
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +37,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); one kernel when ``fused``."""
+        if fused:
+            return gpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        total = residual + x
+        return self(total), total
 
 
 def fuse_rows(*linears: nn.Linear, attr: str = "weight") -> torch.Tensor:
@@ -55,6 +69,7 @@ class MLP(nn.Module):
         # GGUF blocks for products with few rows (cpu_quant_linear.attach_quantized), else None
         self.gate_up_quant: QuantizedLinear | None = None
         self.down_quant: QuantizedLinear | None = None
+        self.fused_kernels = False  # Triton silu * up (see gpu_kernels); set by CausalLM.use_gpu_kernels
 
     def fuse(self) -> None:
         """Concatenate gate and up so one matmul computes both (fewer launches per layer)."""
@@ -63,8 +78,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, self.gate_up, None, self.gate_up_quant).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight, None, self.down_quant)
+        gate_up = linear(x, self.gate_up, None, self.gate_up_quant)
+        if self.fused_kernels:
+            act = gpu_kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return linear(act, self.down_proj.weight, None, self.down_quant)
 
 
 class Attention(nn.Module):
@@ -86,6 +106,9 @@ class Attention(nn.Module):
         self.qkv_bias: torch.Tensor | None = None
         self.qkv_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
         self.o_quant: QuantizedLinear | None = None
+        self.qk_norm_weight: torch.Tensor | None = None  # [2, D]: q_norm then k_norm (fused kernel)
+        self.fused_kernels = False  # Triton q/k norm + rotary + KV write (see gpu_kernels)
+        self.fused_attention = False  # Triton attention read from the cache by slot and length
 
     def fuse(self) -> None:
         """Concatenate q/k/v projections so one matmul computes all three."""
@@ -93,6 +116,8 @@ class Attention(nn.Module):
         self.qkv_weight = fuse_rows(*projections)
         if self.q_proj.bias is not None:
             self.qkv_bias = fuse_rows(*projections, attr="bias")
+        if self.q_norm is not None:
+            self.qk_norm_weight = torch.stack([self.q_norm.weight.detach(), self.k_norm.weight.detach()])
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_weight is None:
@@ -103,6 +128,29 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                 write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``rope``: cos, sin ``[B, 1, N, D]`` at the tokens' positions; with fused kernels, the
+        whole ``[P, D]`` tables (the kernel looks positions up itself)."""
+        b, n, _ = x.shape
+        if self.fused_kernels:
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_quant)  # [B, N, (H + 2 KVH) * D]
+            q = gpu_kernels.qkv_norm_rope_write(
+                qkv, self.heads, self.kv_heads, self.qk_norm_weight, self.q_norm.eps if self.q_norm else 0.0,
+                *rope, batch.positions, cache.k[self.layer_index], cache.v[self.layer_index],
+                write_index)  # [B, H, N, D]
+        else:
+            q = self._rotate_and_write(x, cache, rope, write_index)
+        if self.fused_attention:  # mask is None: the kernel reads lengths and new_mask itself
+            out = gpu_kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index], batch.slots,
+                                             batch.cache_lengths, batch.new_mask)  # [B, H, N, D]
+        else:
+            keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
+            out = masked_attention(q, keys, values, mask)  # [B, H, N, D]
+        return linear(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim), self.o_proj.weight, None,
+                      self.o_quant)
+
+    def _rotate_and_write(self, x: torch.Tensor, cache: KVCache, rope: tuple[torch.Tensor, torch.Tensor],
+                          write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The torch-ops path: project, q/k norm, rotary, write K/V; returns q ``[B, H, N, D]``."""
         b, n, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.view(b, n, self.heads, self.head_dim)
@@ -114,10 +162,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, N, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KVH, N, D]
         cache.write_at(self.layer_index, write_index, k.transpose(1, 2), v)
-        keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
-        out = masked_attention(q, keys, values, mask)  # [B, H, N, D]
-        return linear(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim), self.o_proj.weight, None,
-                      self.o_quant)
+        return q
 
 
 class DecoderLayer(nn.Module):
@@ -128,9 +173,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, batch, cache, rope, mask, write_index):
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache, rope, mask, write_index)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache,
+                rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                write_index: tuple[torch.Tensor, torch.Tensor], fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is ``x + residual`` (``x`` alone for the first layer): the previous
+        layer's MLP output is added here, inside the fused norm. Returns (MLP output, residual),
+        whose sum is this layer's output."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual, fused)
+        h = self.self_attn(h, batch, cache, rope, mask, write_index)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, fused)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -156,12 +211,30 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
         self.lm_head_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
+        self.fused_kernels = False  # Triton kernels for the small per-layer ops (use_gpu_kernels)
+        self.fused_attention = False  # Triton attention (kv_len and slot_range then do not matter)
 
     def fuse(self) -> None:
         """Fuse per-layer projections for inference (call after the weights are loaded)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def use_gpu_kernels(self, enabled: bool = True, attention: bool = False) -> bool:
+        """Switch the fused Triton kernels (:mod:`gpu_kernels`) on where they can run (CUDA with
+        Triton; a power-of-two head_dim); returns whether they are on. ``attention`` also swaps
+        SDPA for the Triton tree attention (slower on the H200 so far: benchmarks/README.md)."""
+        head_dim = self.config.head_dim
+        fused_projections = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up is not None
+                                for layer in self.model.layers)  # fuse() ran
+        on = (enabled and gpu_kernels.usable_on(self.lm_head.weight) and head_dim & (head_dim - 1) == 0
+              and fused_projections)
+        self.fused_kernels = on
+        self.fused_attention = on and attention and attention_kernel_fits(self.config)
+        for layer in self.model.layers:
+            layer.self_attn.fused_kernels = layer.mlp.fused_kernels = on
+            layer.self_attn.fused_attention = self.fused_attention
+        return on
 
     def setup_rope(self, max_positions: int) -> None:
         p = self.lm_head.weight
@@ -177,16 +250,19 @@ class CausalLM(nn.Module):
             self.setup_rope(self.config.max_position_embeddings)
         self.rope.ensure(int(batch.kv_len) + 1)
         x = self.model.embed_tokens(batch.input_ids)  # [B, N, hidden]
-        rope = self.rope.lookup(batch.positions)
-        mask = attention_mask(batch)  # [B, 1, N, kv_len]
+        # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, N, head_dim]
+        rope = (self.rope.cos, self.rope.sin) if self.fused_kernels else self.rope.lookup(batch.positions)
+        mask = None if self.fused_attention else attention_bias(attention_mask(batch), x.dtype)  # [B, 1, N, kv_len]
         write_index = cache.write_index(batch.slots, batch.cache_lengths, batch.num_new)
         captured = {}
         wanted = set(capture_layers)
         last = len(self.model.layers) - 1
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, batch, cache, rope, mask, write_index)
+            x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.fused_kernels)
             if i in wanted:  # HF hidden_states[i + 1]; the last one is taken after the final norm
-                captured[i] = self.model.norm(x) if i == last else x
+                captured[i] = self.model.norm(residual + x) if i == last else residual + x
+        x = residual + x  # [B, N, hidden], the last layer's output
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]

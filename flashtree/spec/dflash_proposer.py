@@ -101,8 +101,8 @@ class DrafterRunner:
         Under CUDA-graph capture nothing may sync and the graph must fit every replay: attend
         over the whole cache capacity and gather the slots.
         """
-        if rows.slots.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.cache.spec.capacity, None
+        if self.drafter.fused_attention or (rows.slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self.cache.spec.capacity, None  # (the Triton attention reads lengths itself)
         host = torch.cat([rows.slots, rows.starts.max()[None]]).tolist()
         slots, longest = host[:-1], host[-1]
         return longest + self.drafter.config.block_size, slot_range_of(slots)
@@ -175,6 +175,7 @@ def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     spec = config.spec
     drafter = load_drafter(spec.draft, target, tokenizer, block_size_override=spec.block_size,
                            random_weights=config.random_weights, seed=config.seed + 1)
+    drafter.use_gpu_kernels(config.gpu_kernels, attention=config.triton_attention)  # CUDA with Triton only
     cache = drafter.new_cache(config.max_running + 1, config.max_context,  # + the pad slot
                               scratch=max(config.prefill_chunk, LAG_CAPACITY))  # a catch-up pads to the largest lag
     runner = DrafterRunner(drafter, cache)

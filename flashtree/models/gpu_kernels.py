@@ -1,0 +1,156 @@
+"""Fused Triton kernels for the decoder's small per-layer ops on CUDA.
+
+A decode step at batch 1 is a few large matmuls and, between them, dozens of tiny element-wise
+kernels per layer (norms, rotary, residual adds, KV-cache writes); on an H200 those tiny kernels
+cost about a third of the step (benchmarks/README.md). Three kernels replace them:
+
+- :func:`add_rms_norm`: residual add + RMSNorm in one pass (returns both the sum and its norm);
+- :func:`qkv_norm_rope_write`: from the fused qkv projection, per head: optional q/k RMSNorm,
+  rotary at the token's position, and the K/V written straight into the KV cache; returns q in
+  the ``[B, H, N, D]`` layout attention wants;
+- :func:`silu_mul`: ``silu(gate) * up`` from the fused gate-up projection;
+- :func:`tree_attention`: attention of each row's new tokens over its committed context and the
+  new tokens its ``new_mask`` allows (a chain, a tree, a block), read straight from the KV cache
+  by slot and length. Lengths are device tensors, so one CUDA graph serves every context length
+  and slot layout (the SDPA path needs the longest context and a slot range in the graph key).
+  Long contexts at small batch are split across programs and merged (flash-decoding).
+
+Arithmetic is float32 inside each kernel with one rounding to the storage dtype at the end (the
+unfused path rounds after every op), except that a q/k norm's result is rounded to the storage
+dtype before rotary, as the reference models do. Every kernel treats tokens independently, so a
+token's result does not depend on how many others share the batch.
+
+Triton is optional: :func:`available` is False without it (the CPU wheel of torch does not bring
+it) and the models keep their plain torch ops. ``TRITON_INTERPRET=1`` runs these kernels on CPU
+tensors (tests use it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+def available() -> bool:
+    """Triton is installed (kernels can run on CUDA tensors, or anywhere when interpreting)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def usable_on(tensor: torch.Tensor) -> bool:
+    """These kernels can run on ``tensor``'s device."""
+    return available() and (tensor.is_cuda or interpreting())
+
+
+@functools.cache
+def _kernels():
+    from flashtree.models import triton_kernels
+
+    return triton_kernels
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual ``[..., width]`` -> (rms_norm(x + residual) * weight, x + residual)."""
+    width = x.shape[-1]
+    x, residual = x.contiguous(), residual.contiguous()
+    total = torch.empty_like(x)
+    normed = torch.empty_like(x)
+    _kernels()._add_rms_norm_kernel[(x.numel() // width,)](x, residual, weight, total, normed, width, eps,
+                                                BLOCK=_next_power_of_2(width))
+    return normed, total
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up ``[..., 2 * width]`` (gate first) -> ``silu(gate) * up`` ``[..., width]``."""
+    width = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    block = 1024
+    _kernels()._silu_mul_kernel[(gate_up.numel() // (2 * width), -(-width // block))](gate_up, out, width, BLOCK=block)
+    return out
+
+
+def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: torch.Tensor | None, eps: float,
+                        cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate q and k, write k and v into the cache; returns q ``[B, H, N, D]``.
+
+    qkv: ``[B, N, (H + 2 KVH) * D]`` (q heads, then k heads, then v heads); qk_norm: ``[2, D]``, the
+    q-norm then the k-norm weight, or None (no q/k norm); cos_table/sin_table: ``[P, D]`` (halves
+    repeated, as :class:`~flashtree.models.rope.RotaryTable` stores them); positions: ``[B, N]`` rotary positions;
+    k_cache/v_cache: one layer's ``[slots, KVH, capacity, D]`` views; write_index: (slot, entry)
+    ``[B, N]`` each, where each token's K/V go.
+    """
+    b, n, _ = qkv.shape
+    head_dim = qkv.shape[-1] // (heads + 2 * kv_heads)
+    if head_dim % 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"qkv_norm_rope_write needs a power-of-two head_dim, got {head_dim}")
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must be views with the same strides and a contiguous last dim")
+    qkv = qkv.contiguous()
+    q = qkv.new_empty(b, heads, n, head_dim)
+    slots, entries = (t.contiguous() for t in write_index)
+    _kernels()._qkv_norm_rope_write_kernel[(b * n, heads + kv_heads)](
+        qkv, qkv if qk_norm is None else qk_norm.contiguous(), cos_table, sin_table,
+        positions.contiguous(), slots, entries, q, k_cache, v_cache,
+        n, heads, kv_heads, eps, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HALF=head_dim // 2, QK_NORM=qk_norm is not None)
+    return q
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def _key_splits(programs: int, capacity: int, device: torch.device) -> int:
+    """Key splits per (row, kv head, query tile): enough programs for about two waves on the
+    device, at most one split per 256 cache entries, a power of two up to 16."""
+    want = max(1, min(2 * _multiprocessors(device) // max(programs, 1), capacity // 256, 16))
+    return 1 << (want.bit_length() - 1)
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
+                   splits: int | None = None) -> torch.Tensor:
+    """Attention of N new tokens per row over the KV cache; returns ``[B, H, N, D]``.
+
+    q: ``[B, H, N, D]``; k_cache/v_cache: one layer's ``[slots, KVH, capacity, D]`` views holding,
+    for row b at slot ``slots[b]``, the committed entries ``0 .. lengths[b]-1`` followed by the N
+    new tokens' entries. Query i of row b sees every committed entry (only the last ``window``
+    ones with a sliding window) and new token t where ``new_mask[b, i, t]``. ``splits`` overrides
+    the number of key splits (tests).
+    """
+    b, heads, n, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if head_dim < 16 or head_dim & (head_dim - 1) or heads % kv_heads:
+        raise ValueError(f"tree_attention needs a power-of-two head_dim >= 16 and heads divisible by kv heads, "
+                         f"got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads}")
+    group = heads // kv_heads
+    block_m = min(64, max(16, _next_power_of_2(n * group)))
+    m_tiles = -(-n * group // block_m)
+    splits = splits or _key_splits(b * kv_heads * m_tiles, k_cache.shape[2], q.device)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    part = out if splits == 1 else torch.empty(b, heads, n, splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = out if splits == 1 else torch.empty(b, heads, n, splits, dtype=torch.float32, device=q.device)
+    _kernels()._tree_attention_kernel[(b * kv_heads, m_tiles, splits)](
+        q, k_cache, v_cache, slots.contiguous(), lengths.contiguous(), new_mask.contiguous().view(torch.uint8),
+        part, lse, n, heads, kv_heads, window or 0, head_dim ** -0.5 * 1.4426950408889634,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, INTERPRET=interpreting())
+    if splits > 1:
+        _kernels()._combine_splits_kernel[(b * heads * n,)](part, lse, out, SPLITS=splits, HEAD_DIM=head_dim)
+    return out

@@ -1,0 +1,177 @@
+"""The Triton kernels behind :mod:`flashtree.models.gpu_kernels` (imported only when used, so
+CPU-only runs never import Triton). Every program handles one token (and one head, or one
+column block); arithmetic is float32 with one rounding to the output dtype."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, sum_ptr, normed_ptr, width, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < width
+    x = tl.load(x_ptr + row * width + cols, mask=inside, other=0.0).to(tl.float32)
+    r = tl.load(residual_ptr + row * width + cols, mask=inside, other=0.0).to(tl.float32)
+    total = (x + r).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * width + cols, total, mask=inside)
+    s = total.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / width + eps)
+    w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + row * width + cols, (s * inv_rms * w).to(normed_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=inside, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _qkv_norm_rope_write_kernel(
+        qkv_ptr, qk_norm_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, cache_pos_ptr,
+        q_out_ptr, k_cache_ptr, v_cache_ptr,
+        new_tokens, heads, kv_heads, eps,
+        cache_slot_stride, cache_head_stride, cache_pos_stride,
+        HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)  # flat index b * N + n
+    head = tl.program_id(1)  # 0..H-1: a query head; H..H+KVH-1: a key/value head
+    half = tl.arange(0, HALF)
+    width = (heads + 2 * kv_heads) * 2 * HALF
+    base = qkv_ptr + token * width + head * 2 * HALF
+    lo = tl.load(base + half).to(tl.float32)
+    hi = tl.load(base + HALF + half).to(tl.float32)
+    if QK_NORM:
+        norm_ptr = qk_norm_ptr + (head >= heads).to(tl.int64) * 2 * HALF  # row 0: q's weight, row 1: k's
+        inv_rms = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / (2 * HALF) + eps)
+        lo = (lo * inv_rms * tl.load(norm_ptr + half).to(tl.float32))
+        hi = (hi * inv_rms * tl.load(norm_ptr + HALF + half).to(tl.float32))
+        lo = lo.to(q_out_ptr.dtype.element_ty).to(tl.float32)  # the reference rounds the normed q/k
+        hi = hi.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    position = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + position * 2 * HALF + half).to(tl.float32)
+    sin = tl.load(sin_ptr + position * 2 * HALF + half).to(tl.float32)
+    rot_lo = lo * cos - hi * sin
+    rot_hi = hi * cos + lo * sin
+    if head < heads:
+        b = token // new_tokens
+        n = token % new_tokens
+        out = q_out_ptr + ((b * heads + head) * new_tokens + n) * 2 * HALF
+        tl.store(out + half, rot_lo.to(q_out_ptr.dtype.element_ty))
+        tl.store(out + HALF + half, rot_hi.to(q_out_ptr.dtype.element_ty))
+    else:
+        kv_head = head - heads
+        entry = (tl.load(slots_ptr + token) * cache_slot_stride + kv_head * cache_head_stride
+                 + tl.load(cache_pos_ptr + token) * cache_pos_stride)
+        tl.store(k_cache_ptr + entry + half, rot_lo.to(k_cache_ptr.dtype.element_ty))
+        tl.store(k_cache_ptr + entry + HALF + half, rot_hi.to(k_cache_ptr.dtype.element_ty))
+        v_base = qkv_ptr + token * width + (heads + kv_heads + kv_head) * 2 * HALF
+        tl.store(v_cache_ptr + entry + half, tl.load(v_base + half))
+        tl.store(v_cache_ptr + entry + HALF + half, tl.load(v_base + HALF + half))
+
+
+@triton.jit
+def _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b, new_tokens, base, d,
+                 k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2, cache_pos_stride,
+                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax update with the keys ``key0 .. key0 + BLOCK_N - 1`` (those before ``stop``)."""
+    j = key0 + tl.arange(0, BLOCK_N)  # [N]
+    in_range = j < stop
+    kv_off = base + j.to(tl.int64)[:, None] * cache_pos_stride + d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2  # [M, N], base-2 logits
+    new = j - committed  # index among the new tokens (negative: committed context)
+    tree = tl.load(new_mask_ptr + (b * new_tokens + token)[:, None].to(tl.int64) * new_tokens + new[None, :],
+                   mask=valid_q[:, None] & (new[None, :] >= 0) & in_range[None, :], other=0)
+    visible = in_range[None, :] & tl.where(new[None, :] < 0, j[None, :] >= oldest, tree != 0)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lengths_ptr, new_mask_ptr, out_ptr, lse_ptr,
+        new_tokens, heads, kv_heads, window, scale_log2,
+        cache_slot_stride, cache_head_stride, cache_pos_stride,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One (row, kv head, tile of query (token, head) pairs, key split): online softmax over the
+    split's keys. Queries of the GROUP heads sharing a kv head are packed as r = token * GROUP + g."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // kv_heads
+    kv_head = pid_bh % kv_heads
+    split = tl.program_id(2)
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    token = r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    valid_q = token < new_tokens
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = ((b * heads + head) * new_tokens + token).to(tl.int64) * HEAD_DIM  # q, out: [B, H, N, D]
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid_q[:, None], other=0.0)
+
+    committed = tl.load(lengths_ptr + b)
+    total = committed + new_tokens  # keys of this row: committed context, then the new tokens
+    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    stop = tl.minimum(start + chunk, total)
+    oldest = tl.where(window > 0, committed - window, 0)  # a sliding window hides older context
+    base = tl.load(slots_ptr + b).to(tl.int64) * cache_slot_stride + kv_head * cache_head_stride
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
+        key0 = start
+        while key0 < stop:
+            m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b,
+                                         new_tokens, base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2,
+                                         cache_pos_stride, BLOCK_N, IEEE)
+            key0 += BLOCK_N
+    else:
+        for key0 in range(start, stop, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b,
+                                         new_tokens, base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2,
+                                         cache_pos_stride, BLOCK_N, IEEE)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLITS == 1:
+        tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid_q[:, None])
+    else:  # partial result and its log-sum-exp; _combine_splits_kernel merges the splits
+        part = ((b * heads + head) * new_tokens + token).to(tl.int64) * SPLITS + split
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=valid_q[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=valid_q)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[row] = sum_s w_s * part[row, s] with w_s proportional to 2^lse_s (one query row per program)."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + row * SPLITS + s)  # [S]
+    top = tl.max(lse, axis=0)
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
+    parts = tl.load(part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :])  # [S, D]
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))

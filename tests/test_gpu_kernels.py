@@ -1,0 +1,183 @@
+"""The fused Triton kernels (models/gpu_kernels.py) against the plain torch ops they replace.
+
+On a CUDA machine the comparison runs in-process on the GPU (fp32 and bf16); elsewhere it runs
+in a subprocess under ``TRITON_INTERPRET=1`` on CPU tensors (the interpreter must be chosen
+before Triton compiles anything). Each check runs a tiny random model twice on identical inputs,
+fused and unfused: a causal prefill, then a tree of new tokens for two rows of different
+lengths, and compares logits, captured hidden states and every KV-cache entry written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtree.models.batch import ForwardBatch, causal_mask
+from tests.helpers import make_cache, ours_from_hf, tiny_hf_model
+
+FAMILIES = ("qwen3_qknorm", "qwen2_bias", "llama_tied_rope3")
+PARENTS = [-1, 0, 0, 1, 2, 2]  # a small tree: root, two children, grandchildren
+
+
+def _tree_batch(starts: list[int], device: str) -> ForwardBatch:
+    depth = [0]
+    for p in PARENTS[1:]:
+        depth.append(depth[p] + 1)
+    ancestors = []
+    for i, p in enumerate(PARENTS):
+        ancestors.append({i} | (ancestors[p] if p >= 0 else set()))
+    mask = torch.tensor([[j in ancestors[i] for j in range(len(PARENTS))] for i in range(len(PARENTS))])
+    n = len(PARENTS)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (len(starts), n), generator=gen)
+    start_t = torch.tensor(starts)
+    return ForwardBatch(ids.to(device), (start_t[:, None] + torch.tensor(depth)).to(device),
+                        torch.tensor([2, 0]).to(device), start_t.to(device), mask.expand(len(starts), -1, -1).to(device),
+                        kv_len=max(starts) + n)
+
+
+def _run(model, device: str) -> dict[str, torch.Tensor]:
+    cache = make_cache(model)
+    prompts = [[3, 14, 15, 92, 65, 35, 89], [79, 32, 38]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    counts = torch.tensor([len(p) for p in prompts])
+    prefill = ForwardBatch(ids.to(device), torch.arange(width).expand(2, -1).to(device), torch.tensor([2, 0]).to(device),
+                           torch.zeros(2, dtype=torch.long, device=device), causal_mask(counts, width).to(device),
+                           kv_len=width)
+    first = model(prefill, cache, capture_layers=(0, model.config.num_hidden_layers - 1))
+    cache.advance(prefill.slots, counts.to(device))
+    tree = model(_tree_batch([len(p) for p in prompts], device), cache)
+    return {"prefill_logits": first.logits, "hidden": first.hidden, "tree_logits": tree.logits,
+            "kv": cache.storage}
+
+
+def compare(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """Max abs difference (fused vs unfused) per family and output."""
+    diffs = {}
+    for family in FAMILIES:
+        model = ours_from_hf(tiny_hf_model(family), device=device, dtype=dtype)
+        assert not model.fused_kernels
+        plain = _run(model, device)
+        for attention in (False, True):  # fused small ops, then also the Triton attention
+            assert model.use_gpu_kernels(attention=attention), "the fused kernels did not switch on"
+            fused = _run(model, device)
+            for name in plain:
+                diffs[f"{family}/attention={attention}/{name}"] = (plain[name].float() - fused[name].float()).abs().max().item()
+    return diffs
+
+
+def compare_drafter(device: str, dtype: torch.dtype, workdir: str) -> dict[str, float]:
+    """Max abs difference (fused vs unfused) of a DFlash drafter's context K/V (observe) and
+    draft logits, for a tiny random qwen3 target + 2-layer drafter."""
+    from flashtree.models.dflash import load_drafter
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(workdir, vocab=64, block_size=5, drafter_layers=2, tokenizer=False)
+    target = ours_from_hf(pair.hf, device=device, dtype=dtype)
+    outputs = []
+    for fused in (False, True):
+        drafter = load_drafter(str(pair.drafter), target, device=device, dtype=dtype)
+        assert drafter.use_gpu_kernels(fused, attention=True) == fused
+        cache = drafter.new_cache(max_slots=3, max_context=32, scratch=8)
+        gen = torch.Generator().manual_seed(2)
+        slots = torch.tensor([2, 0], device=device)
+        features = torch.randn(2, 6, drafter.fc.in_features, generator=gen).to(device, dtype)
+        drafter.observe(cache, slots, features, torch.tensor([6, 4], device=device),
+                        torch.zeros(2, dtype=torch.long, device=device))
+        logits = drafter.draft_logits(cache, slots, torch.tensor([7, 9], device=device),
+                                      torch.tensor([6, 4], device=device), kv_len=11)
+        outputs.append({"drafter_kv": cache.storage.clone(), "draft_logits": logits})
+    return {f"drafter/{k}": (outputs[0][k].float() - outputs[1][k].float()).abs().max().item() for k in outputs[0]}
+
+
+def compare_attention(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """tree_attention against SDPA over the gathered cache with the engine's mask: rows of
+    different committed lengths (one empty), a random tree mask, a sliding window, 1-4 key splits."""
+    from flashtree.models.batch import attention_mask
+    from flashtree.models.gpu_kernels import tree_attention
+
+    gen = torch.Generator().manual_seed(0)
+    slots_n, kv_heads, capacity, head_dim, heads, rows, new = 4, 2, 300, 16, 8, 3, 5
+    k_cache, v_cache = (torch.randn(slots_n, kv_heads, capacity, head_dim, generator=gen).to(device, dtype)
+                        for _ in range(2))
+    slots, lengths = torch.tensor([2, 0, 3], device=device), torch.tensor([7, 130, 0], device=device)
+    new_mask = ((torch.rand(rows, new, new, generator=gen) > 0.5) | torch.eye(new, dtype=torch.bool)).to(device)
+    q = torch.randn(rows, heads, new, head_dim, generator=gen).to(device, dtype)
+    kv_len = int(lengths.max()) + new
+    batch = ForwardBatch(torch.zeros(rows, new, dtype=torch.long, device=device), torch.zeros_like(new_mask[:, 0]).long(),
+                         slots, lengths, new_mask, kv_len)
+    diffs = {}
+    for window in (None, 4):
+        mask = attention_mask(batch)
+        if window:
+            key = torch.arange(kv_len, device=device)
+            mask = mask & (key[None, :] >= lengths[:, None] - window)[:, None, None, :]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k_cache[slots, :, :kv_len].float(), v_cache[slots, :, :kv_len].float(), attn_mask=mask,
+            enable_gqa=True)
+        for splits in (1, 2, 4):
+            out = tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window=window, splits=splits)
+            diffs[f"attention/window={window}/splits={splits}"] = (out.float() - ref).abs().max().item()
+    return diffs
+
+
+def compare_engine(device: str, workdir: str) -> dict[str, float]:
+    """The lossless contract with every fused kernel on (Triton attention included): greedy
+    DDTree tokens equal plain greedy tokens (batch 3, rows of different lengths); returns the
+    number of differing tokens (0 expected) and checks the kernels were on."""
+    from flashtree import LLM, SamplingParams
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(workdir + "/engine", vocab=64, block_size=5, drafter_layers=2, tokenizer=False)
+    prompts = [[3, 14, 15, 9, 2, 6], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4]]
+    outputs = []
+    for spec in ("none", "ddtree"):
+        llm = LLM(str(pair.target), spec=spec, draft=str(pair.drafter) if spec != "none" else None, budget=6,
+                  device=device, triton_attention=True, adaptive_spec=False, max_running=4, max_context=64)
+        assert llm.engine.model.fused_attention
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        outputs.append([o.token_ids for o in outs])
+    return {"engine/ddtree_tokens_differing_from_plain": float(sum(a != b for x, y in zip(*outputs)
+                                                                   for a, b in zip(x, y)))}
+
+
+def _check(diffs: dict[str, float], tolerance: float) -> None:
+    worst = {k: v for k, v in diffs.items() if v > tolerance}
+    assert not worst, f"fused kernels differ from torch ops by more than {tolerance}: {worst}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
+def test_fused_kernels_match_torch_ops_on_cuda(dtype, tolerance, tmp_path):
+    diffs = compare("cuda", dtype) | compare_drafter("cuda", dtype, str(tmp_path)) | compare_attention("cuda", dtype)
+    diffs |= compare_engine("cuda", str(tmp_path))  # exact in either dtype
+    _check(diffs, tolerance)
+
+
+def test_fused_kernels_match_torch_ops_in_the_triton_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "tests.test_gpu_kernels", str(tmp_path)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _check(json.loads(out.stdout.strip().splitlines()[-1]), 1e-4)
+
+
+def test_kernels_stay_off_without_cuda_or_interpreter():
+    model = ours_from_hf(tiny_hf_model("qwen3_qknorm"))
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert not model.use_gpu_kernels()
+        assert not model.fused_kernels
+
+
+if __name__ == "__main__":  # run by the interpreter test above, with TRITON_INTERPRET=1
+    diffs = compare("cpu", torch.float32) | compare_drafter("cpu", torch.float32, sys.argv[1])
+    print(json.dumps(diffs | compare_attention("cpu", torch.float32) | compare_engine("cpu", sys.argv[1])))
