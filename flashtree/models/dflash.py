@@ -158,6 +158,7 @@ class DFlashDrafter(nn.Module):
         self.target = TargetParts(embed=target.embed, head=target.head)
         self.rope: RotaryTable | None = None
         self.fused_kernels = False  # Triton kernels for the small per-layer ops (use_gpu_kernels)
+        self.fused_attention = False  # Triton tree attention (kv_len and slot_range then do not matter)
 
     def fuse(self) -> None:
         """Fuse q/k/v and gate/up projections for inference (training keeps them apart)."""
