@@ -11,13 +11,15 @@
 #
 # Needs the serving wheels for the device's Python (see benchmarks/README.md) in $WHEELS and the
 # SmolLM2 tokenizer files in $TOKENIZER.
-#   WHEELS=dir TOKENIZER=dir [REQUESTS=32 MAX_TOKENS=128 METHODS="none dflash ddtree"] bash benchmarks/gpu_load.sh OUT_DIR
+#   WHEELS=dir TOKENIZER=dir [REQUESTS=32 MAX_TOKENS=128 METHODS="none dflash ddtree" LEVELS="1 4 16 32"
+#   EXTRA="--trace-policy FILE"] bash benchmarks/gpu_load.sh OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:?usage: gpu_load.sh OUT_DIR}
 REQUESTS=${REQUESTS:-32}
 MAX_TOKENS=${MAX_TOKENS:-128}
 METHODS=${METHODS:-none dflash ddtree}
+LEVELS=${LEVELS:-1 4 16 32}  # concurrency levels
 BUDGET=${BUDGET:-64}
 PORT=${PORT:-8140}
 EXTRA=${EXTRA:-}
@@ -65,7 +67,7 @@ for method in $METHODS; do
   done
   echo "== $method: server up after $SECONDS s"
   python3 benchmarks/load_test.py --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
-    --concurrency 1 4 16 32 --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP \
+    --concurrency $LEVELS --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP \
     --out "$OUT_DIR/load_h200_qwen3_8b_shape_$method" 2>&1 | tail -8
   kill $server; wait $server 2>/dev/null || true
 done

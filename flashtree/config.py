@@ -44,6 +44,7 @@ class EngineConfig:
     profile_stages: bool = False  # synchronize the device around stages for exact stage times
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
     trace_trees: str | None = None  # JSON-lines file: per round, each request's tree and accepted path
+    trace_policy: str | None = None  # JSON-lines file: per round, the adaptive policy's choice, timing, estimates
     quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 8 rows straight from the GGUF blocks
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (models/gpu_kernels.py)
     triton_attention: bool = False  # with gpu_kernels: Triton tree attention instead of SDPA (one graph per

@@ -290,3 +290,19 @@ def test_requests_asking_for_no_draft_run_plain_rounds(adaptive):
     after = llm.engine.rounds_by_nodes
     assert {n for n in after if after[n] != before.get(n, 0)} == {0}
     assert all(r.stats.acceptance_lengths == [1] * 7 for r in reqs)
+
+
+def test_policy_trace_has_one_line_per_batched_round(pair, tmp_path):
+    """``--trace-policy``: one JSON line per batched round with the choice, its time and the
+    policy's estimates for the round's bucket (ladder order)."""
+    import json
+
+    trace = tmp_path / "policy.jsonl"
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, adaptive_spec=True,
+              spec_policy=SWITCHY, trace_policy=str(trace), **ENGINE)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == sum(llm.stats().rounds_by_nodes.values())
+    assert all(line["nodes"] in (16, 8, 4, 0) and line["rows"] in (1, 2) for line in lines)
+    assert [option[0] for option in lines[-1]["estimates"]["options"]] == [16, 8, 4, 0]
+    assert sum(o.rounds for o in outs) >= len(lines)

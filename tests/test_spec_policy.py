@@ -185,3 +185,20 @@ def test_a_stalled_round_barely_moves_the_estimate():
     cost[0] = 0.05  # plain rounds became slow for good
     drive(policy, 10, 1, lambda n: 1.0, lambda rows, n: cost[n])
     assert policy.best(1) == 8
+
+
+def test_a_choice_moved_by_slow_rounds_rechecks_the_displaced_option():
+    """Plain rounds cost 5 ms and trees of 8 nodes 7 ms; drafts are never accepted. A burst of
+    slow rounds (another thread busy) lifts the plain estimate above the trees' old one and the
+    choice moves to a tree; once the burst is over, the next probe (at most ``probe_interval``
+    rounds later) re-measures plain, not a neighbour of the tree, and the choice moves back."""
+    config = SpecPolicyConfig()
+    policy = SpecPolicy((8, 4, 0), config)
+    quiet = {0: 0.005, 4: 0.0075, 8: 0.007}
+    drive(policy, 2000, 1, lambda n: 1.0, lambda rows, n: quiet[n])  # settled; probes backed off
+    assert policy.best(1) == 0
+    burst = drive(policy, 40, 1, lambda n: 1.0, lambda rows, n: 0.0099 if n == 0 else quiet[n])
+    assert policy.best(1) == 8, burst  # the burst moved the choice
+    after = drive(policy, config.probe_interval + 20, 1, lambda n: 1.0, lambda rows, n: quiet[n])
+    assert 0 in after[:config.probe_interval + 1], after  # plain was re-measured ...
+    assert policy.best(1) == 0 and after[-10:].count(0) >= 9, after  # ... and won back (a probe aside)

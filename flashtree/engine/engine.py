@@ -16,6 +16,7 @@ import torch
 
 from flashtree.config import EngineConfig
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
+from flashtree.engine.policy_trace import PolicyTracer
 from flashtree.engine.request import Request, Status
 from flashtree.engine.runner import ModelRunner, RoundResult, StageTimer
 from flashtree.engine.scheduler import Scheduler
@@ -70,6 +71,7 @@ class LLMEngine:
         self.policy = make_policy(config, self.proposer)
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
         self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
+        self.policy_tracer = PolicyTracer(config.trace_policy) if config.trace_policy else None
         self.tracker = TextTracker(self.tokenizer)
         self.default_stop_ids = frozenset(stop_token_ids_for(cfg, self.tokenizer))
         self.load_seconds = time.perf_counter() - t0
@@ -125,7 +127,10 @@ class LLMEngine:
         self._catch_up_drafter(rows, nodes)  # part of the round's cost
         result = self.runner.round(rows, nodes)
         seconds = None if result.captured_graph else time.perf_counter() - t0
-        self.policy.record(len(rows), nodes, seconds, mean_acceptance(rows, result, nodes))
+        acceptance = mean_acceptance(rows, result, nodes)
+        self.policy.record(len(rows), nodes, seconds, acceptance)
+        if self.policy_tracer is not None:
+            self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy)
         self.rounds_by_nodes[nodes] += 1
         self.last_round_nodes = nodes
         return result

@@ -28,6 +28,12 @@ A probe whose option stays clearly worse (under ``BACKOFF_BELOW`` of the best es
 doubles that bucket's interval (up to ``max_probe_interval``); one that changes the best option
 resets it: a settled choice (e.g. plain rounds with a drafter that never matches) pays for few
 probes, a drifting one is followed fast.
+Rechecks: only the chosen option gets measured, so a run of slow rounds (another thread holding
+the interpreter, a burst of HTTP work in a server) can lift its estimate above an option that
+was timed long ago under quiet conditions, and that stale estimate would then win for up to
+``max_probe_interval`` rounds. So when an ordinary round's measurement changes the best option,
+the probe interval resets and the next probe re-measures the option it displaced (instead of a
+neighbour of the new best, which may not be it).
 Everything is deterministic given the same measurements.
 
 The node count only changes the shape of a round, never which tokens are committed: every
@@ -128,6 +134,7 @@ class SpecPolicy:
         self._next_probe: dict[int, int] = {}  # rows bucket -> round count at which to probe
         self._probes: Counter[int] = Counter()  # rows bucket -> probes so far (alternates up / down)
         self._probe: tuple[int, int, int] | None = None  # pending probe: (nodes, bucket, best before)
+        self._recheck: dict[int, int] = {}  # rows bucket -> option the next probe re-measures (displaced)
 
     # ------------------------------------------------------------------ decisions
     def choose(self, rows: int) -> int:
@@ -141,7 +148,9 @@ class SpecPolicy:
         best = self.best(rows)
         if self._rounds[bucket] >= self._next_probe.setdefault(bucket, self._rounds[bucket] + self.config.probe_interval):
             self._probes[bucket] += 1
-            nodes = self._neighbour(best, larger=self._probes[bucket] % 2 == 1)
+            displaced = self._recheck.pop(bucket, None)
+            nodes = displaced if displaced not in (None, best) else self._neighbour(
+                best, larger=self._probes[bucket] % 2 == 1)
             self._probe = (nodes, bucket, best)
             return nodes
         return best
@@ -169,6 +178,17 @@ class SpecPolicy:
             return None
         return acceptance / max(seconds.value, 1e-9)
 
+    def snapshot(self, rows: int) -> dict[str, list]:
+        """The estimates for ``rows``' bucket, per ladder option: [nodes, acceptance, ms, timed rounds]."""
+        bucket = rows_bucket(rows)
+        options = []
+        for n in self.ladder:
+            seconds = self._seconds.get((bucket, n))
+            acceptance = self.acceptance(n)
+            options.append([n, None if acceptance is None else round(acceptance, 4),
+                            None if seconds is None else round(seconds.value * 1000, 4), self._timed(bucket, n)])
+        return {"options": options, "next_probe": self._next_probe.get(bucket)}
+
     def acceptance(self, nodes: int) -> float | None:
         """Mean acceptance length estimate (bonus included); exactly 1 for plain rounds."""
         if nodes == PLAIN_NODES:
@@ -182,6 +202,10 @@ class SpecPolicy:
         top = max((s for s in scores.values() if s is not None), default=0.0)
         return [n for n in self.ladder if self._timed(bucket, n) < self.config.explore_rounds
                 and (scores[n] is None or scores[n] >= DOMINATED * top)]
+
+    def _explored(self, bucket: int) -> bool:
+        """Exploration of ``bucket`` is over (the estimates, not round robin, pick its options)."""
+        return not self._unexplored(bucket)
 
     def _timed(self, bucket: int, nodes: int) -> int:
         ema = self._seconds.get((bucket, nodes))
@@ -203,8 +227,10 @@ class SpecPolicy:
         if nodes not in self.ladder:
             raise ValueError(f"nodes {nodes} is not on the ladder {self.ladder}")
         probe, self._probe = self._probe, None
-        was_probe = probe is not None and probe[0] == nodes and probe[1] == rows_bucket(rows)
+        bucket = rows_bucket(rows)
+        was_probe = probe is not None and probe[0] == nodes and probe[1] == bucket
         weight = PROBE_WEIGHT if was_probe else 0.0
+        best_before = self.best(rows) if not was_probe and self._explored(bucket) else None
         if seconds is not None:
             key = (rows_bucket(rows), nodes)
             self._seconds.setdefault(key, _Ema(self.config.smoothing, OUTLIER_FACTOR)).add(seconds, weight)
@@ -212,6 +238,10 @@ class SpecPolicy:
             self._acceptance.setdefault(nodes, _Ema(self.config.smoothing)).add(acceptance, weight)
         if was_probe:
             self._schedule_next_probe(rows, nodes, best_before=probe[2])
+        elif best_before is not None and self.best(rows) != best_before:  # see "Rechecks" above
+            self._recheck[bucket] = best_before
+            self._interval[bucket] = self.config.probe_interval
+            self._next_probe[bucket] = self._rounds[bucket] + self.config.probe_interval
 
     def _schedule_next_probe(self, rows: int, probed: int, best_before: int) -> None:
         """Back off after a probe of a clearly worse option; probe again soon after one that

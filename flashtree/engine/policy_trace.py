@@ -1,0 +1,32 @@
+"""Policy traces (``--trace-policy FILE``): one JSON line per batched round with what the adaptive
+speculation policy chose and measured, and its estimates afterwards, so a run's choices can be
+explained (which option looked fastest, from which measurements). Writing is host-only work after
+the round's sync; it does not change what runs on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class PolicyTracer:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = self.path.open("a", encoding="utf-8")
+        self.start = time.perf_counter()
+
+    def write(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None, policy) -> None:
+        """``seconds`` None: not timed (the round captured a CUDA graph)."""
+        line = {"t": round(time.perf_counter() - self.start, 6), "rows": rows, "nodes": nodes,
+                "ms": None if seconds is None else round(seconds * 1000, 4), "acceptance": acceptance}
+        snapshot = getattr(policy, "snapshot", None)
+        if snapshot is not None:
+            line["estimates"] = snapshot(rows)
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
