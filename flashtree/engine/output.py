@@ -21,7 +21,8 @@ class StepEvent(NamedTuple):
 
 
 class TextTracker:
-    """Decodes a request's output; holds back an incomplete UTF-8 tail so deltas are clean."""
+    """Decodes a request's output incrementally (:class:`DecodeState`); holds back an incomplete
+    UTF-8 tail so deltas are clean."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -34,6 +35,34 @@ class TextTracker:
     @staticmethod
     def stable(text: str) -> str:
         return text[:-1] if text.endswith("\ufffd") else text
+
+    def text(self, req: Request) -> str:
+        """The decoded output so far, without an incomplete UTF-8 tail (it waits for its bytes):
+        ``stable(decode(output_ids))``, at the cost of decoding a few tokens."""
+        state, ids = req.decoded, req.output_ids
+        if state.exact_only:
+            return self.stable(self.decode(ids))
+        prefix = self.decode(ids[state.prefix_offset:state.read_offset])
+        window = self.decode(ids[state.prefix_offset:])
+        if not window.startswith(prefix):  # windows do not line up for this tokenizer
+            state.exact_only = True
+            return self.stable(self.decode(ids))
+        if window.endswith("\ufffd"):  # keep the window open until the character completes
+            return state.text + self.stable(window[len(prefix):])
+        if len(window) > len(prefix):
+            state.text += window[len(prefix):]
+            state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+        return state.text
+
+    def final_text(self, req: Request) -> str:
+        """The whole decoded output, an incomplete tail included (what a full decode gives)."""
+        state, ids = req.decoded, req.output_ids
+        if state.exact_only:
+            return self.decode(ids)
+        self.text(req)
+        prefix = self.decode(ids[state.prefix_offset:state.read_offset])
+        window = self.decode(ids[state.prefix_offset:])
+        return state.text + window[len(prefix):] if window.startswith(prefix) else self.decode(ids)
 
 
 def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_context: int) -> StepEvent:
@@ -55,19 +84,21 @@ def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_con
             _finish(req, "length")
             break
     if not text_final:
-        full = tracker.decode(req.output_ids)
-        req.text = full if req.finished else _without_stop_prefix(tracker.stable(full), params.stop)
+        if req.finished:
+            req.text = tracker.final_text(req)
+        else:
+            req.text = _without_stop_prefix(tracker.text(req), params.stop)
     delta = req.text[len(old_text):] if req.text.startswith(old_text) else req.text
     return StepEvent(req, added, delta, req.finished)
 
 
 def _hit_stop_string(req: Request, tracker: TextTracker) -> bool:
-    text = tracker.decode(req.output_ids)
+    text = tracker.text(req)
     longest = max(len(s) for s in req.params.stop)
     search_from = max(0, len(req.text) - longest)
     hits = [i for i in (text.find(s, search_from) for s in req.params.stop) if i >= 0]
     if not hits:
-        req.text = _without_stop_prefix(tracker.stable(text), req.params.stop)
+        req.text = _without_stop_prefix(text, req.params.stop)
         return False
     req.text = text[:min(hits)]
     _finish(req, "stop")

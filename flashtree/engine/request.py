@@ -43,6 +43,24 @@ class RequestStats:
 
 
 @dataclasses.dataclass
+class DecodeState:
+    """Incremental detokenization of a request's output (the offsets scheme TGI and vLLM use).
+
+    ``text`` is the decoded text of ``output_ids[:read_offset]``. New tokens are decoded in a
+    window that starts ``prefix_offset`` tokens in (just before the last decoded piece), and the
+    decode of ``output_ids[prefix_offset:read_offset]`` is cut off its front: whatever the
+    tokenizer does at a window's start (a dropped leading space, merged bytes) happens in both
+    decodes and cancels out. Each step then costs a few tokens of decoding instead of the whole
+    output. ``exact_only``: this tokenizer's windows did not line up once; decode everything.
+    """
+
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+    exact_only: bool = False
+
+
+@dataclasses.dataclass
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
@@ -54,6 +72,7 @@ class Request:
     drafter_lag: int = 0  # committed tokens whose context features the drafter has deferred (plain rounds)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
+    decoded: DecodeState = dataclasses.field(default_factory=DecodeState)  # see TextTracker
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     budget: int | None = None  # per-request DDTree budget (None: the method's default)
