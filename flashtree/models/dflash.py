@@ -37,7 +37,8 @@ from flashtree.models.build import copy_weights, init_random_weights
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
 from flashtree.models.rope import RotaryTable, apply_rotary
-from flashtree.models.transformer import MLP, CausalLM, RMSNorm, attention_kernel_fits, fuse_rows
+from flashtree.models.transformer import (MLP, CausalLM, RMSNorm, attention_kernel_fits, fuse_rows,
+                                          prenorm_layer)
 
 DRAFT_FORMS = ("a DFlash drafter directory (config.json + model.safetensors) or a Hugging Face hub id "
                "such as z-lab/Qwen3-8B-DFlash-b16")
@@ -134,15 +135,8 @@ class DrafterLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache,
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, fused: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input ``x + residual`` (``x`` alone first); returns (MLP output, residual), as the
-        target's DecoderLayer does."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual, fused)
-        h = self.self_attn(h, batch, cache, rope, mask)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual, fused)
-        return self.mlp(h), residual
+        """See :func:`~flashtree.models.transformer.prenorm_layer`."""
+        return prenorm_layer(self, x, residual, fused, lambda h: self.self_attn(h, batch, cache, rope, mask))
 
 
 class DFlashDrafter(nn.Module):

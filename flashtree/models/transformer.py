@@ -8,7 +8,7 @@ requested positions plus, on request, the hidden states after chosen decoder lay
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -176,16 +176,23 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache,
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                 write_index: tuple[torch.Tensor, torch.Tensor], fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's input is ``x + residual`` (``x`` alone for the first layer): the previous
-        layer's MLP output is added here, inside the fused norm. Returns (MLP output, residual),
-        whose sum is this layer's output."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual, fused)
-        h = self.self_attn(h, batch, cache, rope, mask, write_index)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual, fused)
-        return self.mlp(h), residual
+        """See :func:`prenorm_layer`."""
+        return prenorm_layer(self, x, residual, fused,
+                             lambda h: self.self_attn(h, batch, cache, rope, mask, write_index))
+
+
+def prenorm_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, fused: bool,
+                  attend: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm decoder layer (``input_layernorm``, attention, ``post_attention_layernorm``,
+    ``mlp``) whose input is ``x + residual`` (``x`` alone for the first layer): the previous
+    layer's MLP output is added here, inside the fused norm. Returns (MLP output, residual),
+    whose sum is the layer's output. ``attend`` runs the attention on the normed input."""
+    if residual is None:
+        h, residual = layer.input_layernorm(x), x
+    else:
+        h, residual = layer.input_layernorm.add_forward(x, residual, fused)
+    h, residual = layer.post_attention_layernorm.add_forward(attend(h), residual, fused)
+    return layer.mlp(h), residual
 
 
 class Backbone(nn.Module):
