@@ -20,6 +20,7 @@ REQUESTS=${REQUESTS:-32}
 MAX_TOKENS=${MAX_TOKENS:-128}
 METHODS=${METHODS:-none dflash ddtree}
 LEVELS=${LEVELS:-1 4 16 32}  # concurrency levels
+REPEATS=${REPEATS:-1}  # measured passes over the levels (each level reports its median pass)
 BUDGET=${BUDGET:-64}
 PORT=${PORT:-8140}
 EXTRA=${EXTRA:-}
@@ -67,7 +68,7 @@ for method in $METHODS; do
   done
   echo "== $method: server up after $SECONDS s"
   python3 benchmarks/load_test.py --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
-    --concurrency $LEVELS --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP \
+    --concurrency $LEVELS --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP --repeats "$REPEATS" \
     --out "$OUT_DIR/load_h200_qwen3_8b_shape_$method" 2>&1 | tail -8
   kill $server; wait $server 2>/dev/null || true
 done

@@ -171,6 +171,16 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float) -
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (the lower middle one for an even count), with every
+    run's throughput and rounds by node count attached."""
+    ordered = sorted(runs, key=lambda level: level["output_tokens_per_s"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["output_tokens_per_s_runs"] = [level["output_tokens_per_s"] for level in runs]
+    chosen["rounds_by_nodes_runs"] = [level["rounds_by_nodes"] for level in runs]
+    return chosen
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
@@ -181,7 +191,8 @@ TABLE_HEAD = ("| concurrency | requests | errors | output tok/s | req/s | TTFT p
 
 
 def markdown(report: dict) -> str:
-    setup = (f"max({report['requests_per_level']}, concurrency) streamed chat requests per level, "
+    setup = (f"max({report['requests_per_level']}, concurrency) streamed chat requests per level "
+             f"(median of {report.get('repeats', 1)} passes), "
              f"max_tokens={report['max_tokens']}, temperature={report['temperature']}, "
              f"ignore_eos={report['ignore_eos']}; client on {report['client']}.")
     lines = [f"# Load test: {report['model']} at {report['base_url']}", "", f"`{report['command']}`", "", setup, "",
@@ -194,10 +205,16 @@ def table_row(level: dict) -> str:
     tau = "-" if level["mean_acceptance_length"] is None else f"{level['mean_acceptance_length']:.2f}"
     e2e_text = "-" if e2e["p50"] is None else f"{e2e['p50']:.2f} / {e2e['p99']:.2f}"
     return (f"| {level['concurrency']} | {level['requests']} | {level['errors']} | "
-            f"{level['output_tokens_per_s']:.1f} | {level['requests_per_s']:.2f} | "
+            f"{_throughput(level)} | {level['requests_per_s']:.2f} | "
             f"{_ms(ttft['p50'])} / {_ms(ttft['p90'])} / {_ms(ttft['p99'])} | "
             f"{_ms(itl['p50'])} / {_ms(itl['p90'])} / {_ms(itl['p99'])} | {_ms(tpot['mean'])} | {e2e_text} | {tau} | "
             f"{level.get('load_average_1m', float('nan')):.1f} | {_nodes(level.get('rounds_by_nodes'))} |")
+
+
+def _throughput(level: dict) -> str:
+    runs = level.get("output_tokens_per_s_runs", [])
+    text = f"{level['output_tokens_per_s']:.1f}"
+    return text if len(runs) < 2 else text + " (" + ", ".join(f"{r:.1f}" for r in runs) + ")"
 
 
 def _nodes(counts: dict[int, float] | None) -> str:
@@ -213,17 +230,19 @@ async def run(args) -> dict:
             for concurrency in args.concurrency:
                 await run_level(client, args, concurrency)
             print("warm-up done (every level once, unmeasured)", flush=True)
-        levels = []
-        for concurrency in args.concurrency:
-            level = await run_level(client, args, concurrency)
-            print(f"concurrency {concurrency}: {level['output_tokens_per_s']:.1f} tok/s, "
-                  f"TTFT p50 {_ms(level['ttft_s']['p50'])} ms, ITL p50 {_ms(level['itl_s']['p50'])} ms, "
-                  f"errors {level['errors']}", flush=True)
-            levels.append(level)
+        runs: dict[int, list[dict]] = {c: [] for c in args.concurrency}
+        for _ in range(args.repeats):  # whole passes over the levels, so slow drift hits every level
+            for concurrency in args.concurrency:
+                level = await run_level(client, args, concurrency)
+                print(f"concurrency {concurrency}: {level['output_tokens_per_s']:.1f} tok/s, "
+                      f"TTFT p50 {_ms(level['ttft_s']['p50'])} ms, ITL p50 {_ms(level['itl_s']['p50'])} ms, "
+                      f"errors {level['errors']}", flush=True)
+                runs[concurrency].append(level)
+        levels = [median_run(runs[c]) for c in args.concurrency]
     return {
         "base_url": args.base_url, "model": args.model, "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "requests_per_level": args.requests, "max_tokens": args.max_tokens, "temperature": args.temperature,
-        "ignore_eos": args.ignore_eos, "warmup": args.warmup, "client": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
+        "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats, "client": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}", "levels": levels,
     }
 
@@ -243,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", action="store_true",
                         help="run every level once unmeasured first (a long-running server has captured its "
                              "CUDA graphs and settled its speculation policy; a fresh one has not)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measured passes over the levels; each level reports its median-throughput pass")
     parser.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.md")
     return parser.parse_args(argv)
 
