@@ -117,6 +117,8 @@ def main():
     parser.add_argument("--methods", default="none,dflash,ddtree:16,ddtree:64,ddtree:256,ddtree:1024")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--tree-budgets", default="16,64,256,1024")
+    parser.add_argument("--triton-tree", action="store_true", help="DDTree kept lists from the Triton kernel")
+    parser.add_argument("--triton-attention", action="store_true", help="Triton tree attention instead of SDPA")
     args = parser.parse_args()
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
@@ -128,7 +130,8 @@ def main():
         for profile in (False, True):
             engine = LLMEngine(EngineConfig(model=str(target), spec=spec, random_weights=True, device="cuda",
                                             max_running=max(batches), max_context=2048, profile_stages=profile,
-                                            adaptive_spec=False))  # every round at the method's size
+                                            adaptive_spec=False,  # every round at the method's size
+                                            triton_tree=args.triton_tree, triton_attention=args.triton_attention))
             for batch in batches:
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
                 row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages}

@@ -13,6 +13,7 @@ the GPU kernel launches from above). Both versions are checked to give identical
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -25,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flashtree.models import gpu_kernels  # noqa: E402
 from flashtree.spec.tree import build_tree  # noqa: E402
 from flashtree.spec.verify import accept_walk  # noqa: E402
 from tests.test_tree_reference import _reference_accept_walk, _reference_build_tree  # noqa: E402
@@ -32,6 +34,8 @@ from tests.test_tree_reference import _reference_accept_walk, _reference_build_t
 IMPLEMENTATIONS = {
     "before": (_reference_build_tree, _reference_accept_walk),
     "after": (build_tree, accept_walk),
+    # the Triton kept-list kernel (models/gpu_kernels.expand_levels); CUDA with Triton only
+    "kernel": (functools.partial(build_tree, kernel=True), accept_walk),
 }
 
 
@@ -117,7 +121,7 @@ def bench_case(device, budget, batch, vocab, depth, reps, dtype):
     budgets = torch.full((batch,), budget, device=device)
     row = {"budget": budget, "batch": batch}
     outputs = {}
-    for impl in IMPLEMENTATIONS:
+    for impl in [i for i in IMPLEMENTATIONS if i != "kernel" or (device.type == "cuda" and gpu_kernels.available())]:
         work = make_work(impl, budgets, budget, depth)
         outputs[impl] = work(logits)  # warm-up (prefilter cache, allocator)
         row[f"{impl}_eager_ms"] = round(median_ms(lambda: work(logits), reps, device), 3)
@@ -126,6 +130,9 @@ def bench_case(device, budget, batch, vocab, depth, reps, dtype):
         for key, value in count_ops(work, logits).items():
             row[f"{impl}_{key}"] = value
     check_same(outputs["before"], outputs["after"])
+    if "kernel" in outputs:
+        check_same(outputs["after"], outputs["kernel"])
+        row["kernel_speedup_graph"] = round(row["after_graph_ms"] / row["kernel_graph_ms"], 2)
     row["speedup_eager"] = round(row["before_eager_ms"] / row["after_eager_ms"], 2)
     if device.type == "cuda":
         row["speedup_graph"] = round(row["before_graph_ms"] / row["after_graph_ms"], 2)

@@ -49,6 +49,7 @@ class EngineConfig:
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (models/gpu_kernels.py)
     triton_attention: bool = False  # with gpu_kernels: Triton tree attention instead of SDPA (one graph per
     # batch shape for every context length; slower than cuDNN on the H200 so far)
+    triton_tree: bool = False  # with gpu_kernels: DDTree kept lists in one Triton kernel (same trees; not yet timed)
     adaptive_spec: bool = True  # pick each round's node count (0 = plain) for throughput; False: always max
     spec_policy: SpecPolicyConfig = SpecPolicyConfig()  # knobs of the adaptive policy
 

@@ -129,7 +129,7 @@ def compare_attention(device: str, dtype: torch.dtype) -> dict[str, float]:
 
 
 def compare_engine(device: str, workdir: str) -> dict[str, float]:
-    """The lossless contract with every fused kernel on (Triton attention included): greedy
+    """The lossless contract with every fused kernel on (Triton attention and tree kernel too): greedy
     DDTree tokens equal plain greedy tokens (batch 3, rows of different lengths); returns the
     number of differing tokens (0 expected) and checks the kernels were on."""
     from flashtree import LLM, SamplingParams
@@ -140,12 +140,39 @@ def compare_engine(device: str, workdir: str) -> dict[str, float]:
     outputs = []
     for spec in ("none", "ddtree"):
         llm = LLM(str(pair.target), spec=spec, draft=str(pair.drafter) if spec != "none" else None, budget=6,
-                  device=device, triton_attention=True, adaptive_spec=False, max_running=4, max_context=64)
+                  device=device, triton_attention=True, triton_tree=True, adaptive_spec=False, max_running=4,
+                  max_context=64)
         assert llm.engine.model.fused_attention
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         outputs.append([o.token_ids for o in outs])
     return {"engine/ddtree_tokens_differing_from_plain": float(sum(a != b for x, y in zip(*outputs)
                                                                    for a, b in zip(x, y)))}
+
+
+def compare_tree(device: str, cases: int) -> dict[str, float]:
+    """build_tree with the Triton kept-list kernel against the torch path: the number of
+    differing trees (0 expected) over random float32 / tied / bf16 logits, a masked vocabulary,
+    budgets above the vocabulary, and per-row budgets."""
+    import random
+
+    from flashtree.spec import tree as tree_module
+    from tests.test_tree_reference import assert_same_tree, make_logits
+
+    rng, differing = random.Random(0), 0
+    for case in range(cases):
+        kind = ("f32", "int6", "int2", "bf16")[case % 4]
+        depth, vocab, rows = rng.randint(1, 8), rng.randint(5, 300), 3
+        logits = make_logits(kind, rows, depth, vocab, case).to(device)
+        if case % 5 == 4:
+            logits[:, :, 7:] = float("-inf")  # most prefixes do not exist
+        budget = rng.choice([1, depth, 3 * depth, 16, 40])
+        budgets = torch.tensor([budget, rng.randint(0, budget), 0], device=device)
+        try:
+            assert_same_tree(tree_module.build_tree(logits, budgets, budget, kernel=True),
+                             tree_module.build_tree(logits, budgets, budget))
+        except AssertionError:
+            differing += 1
+    return {"tree/differing_trees": float(differing)}
 
 
 def _check(diffs: dict[str, float], tolerance: float) -> None:
@@ -158,6 +185,8 @@ def _check(diffs: dict[str, float], tolerance: float) -> None:
 def test_fused_kernels_match_torch_ops_on_cuda(dtype, tolerance, tmp_path):
     diffs = compare("cuda", dtype) | compare_drafter("cuda", dtype, str(tmp_path)) | compare_attention("cuda", dtype)
     diffs |= compare_engine("cuda", str(tmp_path))  # exact in either dtype
+    if dtype == torch.float32:
+        diffs |= compare_tree("cuda", cases=200)
     _check(diffs, tolerance)
 
 
@@ -180,4 +209,5 @@ def test_kernels_stay_off_without_cuda_or_interpreter():
 
 if __name__ == "__main__":  # run by the interpreter test above, with TRITON_INTERPRET=1
     diffs = compare("cpu", torch.float32) | compare_drafter("cpu", torch.float32, sys.argv[1])
-    print(json.dumps(diffs | compare_attention("cpu", torch.float32) | compare_engine("cpu", sys.argv[1])))
+    diffs |= compare_attention("cpu", torch.float32) | compare_engine("cpu", sys.argv[1])
+    print(json.dumps(diffs | compare_tree("cpu", cases=12)))

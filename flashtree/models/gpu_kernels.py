@@ -13,7 +13,9 @@ cost about a third of the step (benchmarks/README.md). Three kernels replace the
   new tokens its ``new_mask`` allows (a chain, a tree, a block), read straight from the KV cache
   by slot and length. Lengths are device tensors, so one CUDA graph serves every context length
   and slot layout (the SDPA path needs the longest context and a slot range in the graph key).
-  Long contexts at small batch are split across programs and merged (flash-decoding).
+  Long contexts at small batch are split across programs and merged (flash-decoding);
+- :func:`expand_levels`: DDTree's per-depth kept lists (``spec/tree.py``) for all depths in one
+  kernel per row, instead of a dozen small kernels per depth.
 
 Arithmetic is float32 inside each kernel with one rounding to the storage dtype at the end (the
 unfused path rounds after every op), except that a q/k norm's result is rounded to the storage
@@ -154,3 +156,24 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if splits > 1:
         _kernels()._combine_splits_kernel[(b * heads * n,)](part, lse, out, SPLITS=splits, HEAD_DIM=head_dim)
     return out
+
+
+def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor,
+                  max_budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
+    best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
+    (K best per depth, descending). Returns weights, parent places and tokens, ``[R, L, B]`` each."""
+    if top_logp.dtype != torch.float32:
+        raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
+    rows, depth, k = top_logp.shape
+    block = _next_power_of_2(max_budget)
+    weights = top_logp.new_empty(rows, depth, max_budget)
+    parents = torch.empty(rows, depth, max_budget, dtype=torch.long, device=top_logp.device)
+    tokens = torch.empty_like(parents)
+    index_scratch = torch.empty(rows, 2, block, dtype=torch.int32, device=top_logp.device)
+    weight_scratch = top_logp.new_empty(rows, block)
+    _kernels()._expand_levels_kernel[(rows,)](
+        top_logp.contiguous(), top_tokens.contiguous(), weights, parents, tokens, index_scratch, weight_scratch,
+        k, max_budget, DEPTH=depth, BLOCK_B=block, LOG_K=k.bit_length(), LOG_B=max_budget.bit_length(),
+        num_warps=4 if block <= 256 else 8)
+    return weights, parents, tokens

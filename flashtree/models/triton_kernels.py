@@ -175,3 +175,87 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, HEA
     parts = tl.load(part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :])  # [S, D]
     out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _count_at_least(w, lp_ptr, t, k, rows_ok, STRICT: tl.constexpr, LOG_K: tl.constexpr):
+    """Per kept prefix i: how many of its children w_i + l_j (non-increasing in j) are >= t
+    (> t when STRICT), found by binary search over j in [0, k)."""
+    lo = tl.zeros_like(w).to(tl.int32)
+    hi = tl.zeros_like(w).to(tl.int32) + k
+    for _ in range(LOG_K):
+        mid = (lo + hi) // 2
+        v = w + tl.load(lp_ptr + mid, mask=rows_ok & (mid < k), other=float("-inf"))
+        above = (v > t) if STRICT else (v >= t)
+        go_right = above & (mid < hi)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    return tl.where(rows_ok, lo, 0)
+
+
+@triton.jit
+def _expand_levels_kernel(logp_ptr, tokens_ptr, w_out_ptr, parent_out_ptr, token_out_ptr, index_scratch_ptr,
+                          weight_scratch_ptr, k, budget, DEPTH: tl.constexpr, BLOCK_B: tl.constexpr,
+                          LOG_K: tl.constexpr, LOG_B: tl.constexpr):
+    """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
+    the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
+
+    Children of kept prefix i are non-increasing in j (l is sorted and float rounding is
+    monotone), so everything is counted per row by binary search: the budget-th best weight T by
+    bisection over float32 order, then row i keeps its first a_i + take_i children (a_i above T,
+    take_i of its ties at T, handed out in row order), laid out in (i, j) order."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_B)
+    rows_ok = i < budget
+    lp_row = logp_ptr + row * DEPTH * k
+    tok_row = tokens_ptr + row * DEPTH * k
+    out = row * DEPTH * budget
+    scratch = index_scratch_ptr + row * 2 * BLOCK_B  # [2, BLOCK_B] int32: row ends, row starts
+    weights = weight_scratch_ptr + row * BLOCK_B  # [BLOCK_B] float32: the kept weights
+    first = rows_ok & (i < k)
+    w = tl.load(lp_row + i, mask=first, other=float("-inf"))  # depth 1: the top tokens themselves
+    tl.store(w_out_ptr + out + i, w, mask=rows_ok)
+    tl.store(parent_out_ptr + out + i, tl.zeros_like(i).to(tl.int64), mask=rows_ok)
+    tl.store(token_out_ptr + out + i, tl.load(tok_row + i, mask=first, other=0), mask=rows_ok)
+    for d in range(1, DEPTH):
+        lp = lp_row + d * k
+        # T: the largest float32 (as an ordered key) with at least `budget` children >= T
+        lo_key = tl.full([], -2139095041, tl.int64)  # key of -inf (bits 0xFF800000)
+        hi_key = tl.full([], 2139095040, tl.int64)  # key of +inf (bits 0x7F800000)
+        for _ in range(32):
+            mid = lo_key + (hi_key - lo_key + 1) // 2
+            bits = tl.where(mid >= 0, mid, mid ^ 0x7FFFFFFF).to(tl.int32)
+            t = bits.to(tl.float32, bitcast=True)
+            enough = tl.sum(_count_at_least(w, lp, t, k, rows_ok, False, LOG_K), axis=0) >= budget
+            lo_key = tl.where(enough, mid, lo_key)
+            hi_key = tl.where(enough, hi_key, mid - 1)
+        threshold = tl.where(lo_key >= 0, lo_key, lo_key ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        above = _count_at_least(w, lp, threshold, k, rows_ok, True, LOG_K)  # [BLOCK_B]
+        ties = _count_at_least(w, lp, threshold, k, rows_ok, False, LOG_K) - above
+        need = budget - tl.sum(above, axis=0)
+        ties_before = tl.cumsum(ties, axis=0) - ties
+        kept = above + tl.minimum(tl.maximum(need - ties_before, 0), ties)  # children kept per row
+        ends = tl.cumsum(kept, axis=0)
+        tl.store(scratch + i, ends)
+        tl.store(scratch + BLOCK_B + i, ends - kept)
+        tl.store(weights + i, w)
+        tl.debug_barrier()
+        # output slot o belongs to the first row whose end is past o
+        lo = tl.zeros_like(i)
+        hi = tl.zeros_like(i) + budget
+        for _ in range(LOG_B):
+            mid = (lo + hi) // 2
+            past = tl.load(scratch + mid, mask=rows_ok & (mid < budget), other=0) > i
+            go_right = (~past) & (mid < hi)
+            lo = tl.where(go_right, mid + 1, lo)
+            hi = tl.where(go_right, hi, mid)
+        parent = tl.minimum(lo, budget - 1)
+        child = i - tl.load(scratch + BLOCK_B + parent, mask=rows_ok, other=0)
+        w = tl.load(weights + parent, mask=rows_ok, other=float("-inf")) + \
+            tl.load(lp + child, mask=rows_ok, other=float("-inf"))
+        w = tl.where(rows_ok, w, float("-inf"))
+        tl.debug_barrier()
+        level = out + d * budget
+        tl.store(w_out_ptr + level + i, w, mask=rows_ok)
+        tl.store(parent_out_ptr + level + i, parent.to(tl.int64), mask=rows_ok)
+        tl.store(token_out_ptr + level + i, tl.load(tok_row + d * k + child, mask=rows_ok, other=0), mask=rows_ok)

@@ -161,13 +161,14 @@ class DDTreeProposer(_DrafterProposer):
     name = "ddtree"
     chain = False
 
-    def __init__(self, runner: DrafterRunner, budget: int):
+    def __init__(self, runner: DrafterRunner, budget: int, tree_kernel: bool = False):
         super().__init__(runner, max_nodes=budget)
+        self.tree_kernel = tree_kernel  # build_tree's Triton kept-list kernel (same trees)
 
     def propose(self, rows: ProposerRows, nodes: int) -> DraftTree:
         depth = min(nodes, self.max_depth)  # a tree of n nodes is at most n deep
         logits = self.runner.draft_logits(rows, depth=depth)  # [B, depth, V]
-        return build_tree(logits, rows.budgets.clamp(max=nodes), nodes)  # [B, nodes + 1] nodes
+        return build_tree(logits, rows.budgets.clamp(max=nodes), nodes, kernel=self.tree_kernel)  # [B, nodes + 1]
 
 
 def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
@@ -182,4 +183,4 @@ def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     if spec.method == "dflash":
         return DFlashProposer(runner)
     budget = default_budget(target.lm_head.weight.device) if spec.budget is None else spec.budget
-    return DDTreeProposer(runner, budget)
+    return DDTreeProposer(runner, budget, tree_kernel=config.gpu_kernels and config.triton_tree)

@@ -27,6 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from flashtree.models import gpu_kernels
+
 ROOT = 0  # node index of the root (the bonus token)
 NO_PARENT = -1  # parent of the root
 ROOT_TOKEN = -1  # filler in the root's token slot; the engine writes the bonus token there
@@ -53,13 +55,16 @@ class _Level(NamedTuple):
 
 
 def build_tree(
-    draft_logits: torch.Tensor, budgets: torch.Tensor | int, max_budget: int
+    draft_logits: torch.Tensor, budgets: torch.Tensor | int, max_budget: int, kernel: bool = False
 ) -> DraftTree:
     """Best ``budgets[r]`` prefixes of each row's factorized draft distribution, as a tree.
 
     draft_logits: [R, L, V] per-depth drafter logits (marginals = softmax over V).
     budgets: [R] int64 (or an int for all rows), 0 <= budget <= max_budget; 0 = root only.
     max_budget: B, the static node count.
+    kernel: compute the per-depth kept lists with one Triton kernel per row
+    (``models/gpu_kernels.expand_levels``; same result) where it can run: float32 log-probs on
+    CUDA with Triton. Off by default until it is timed on a GPU.
     """
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [R, L, V], got shape {tuple(draft_logits.shape)}")
@@ -71,7 +76,11 @@ def build_tree(
     if max_budget == 0 or depth == 0:
         return _root_only(num_rows, max_budget, draft_logits)
     top_logp, top_tokens = _top_tokens(draft_logits, min(max_budget, vocab))  # [R, L, K] x2
-    levels = _expand_levels(top_logp, top_tokens, max_budget)
+    if kernel and top_logp.dtype == torch.float32 and gpu_kernels.usable_on(top_logp):
+        weights, parents, tokens = gpu_kernels.expand_levels(top_logp, top_tokens, max_budget)  # [R, L, B] x3
+        levels = [_Level(weights[:, d], parents[:, d], tokens[:, d]) for d in range(depth)]
+    else:
+        levels = _expand_levels(top_logp, top_tokens, max_budget)
     return _select_nodes(levels, budgets, max_budget)
 
 
@@ -234,7 +243,6 @@ def _best_flat(weights: torch.Tensor, top_values: torch.Tensor, count: int) -> t
 def _select_nodes(levels: list[_Level], budgets: torch.Tensor, max_budget: int) -> DraftTree:
     """Best ``budget`` prefixes over all depths, laid out as the node axis of a DraftTree."""
     depth = len(levels)
-    num_rows = budgets.shape[0]
     device = budgets.device
     all_w = torch.cat([lv.log_weights for lv in levels], dim=1)  # [R, L*B]; (depth, lex) order
     all_parent = torch.cat([lv.parent_pos for lv in levels], dim=1)  # [R, L*B]
