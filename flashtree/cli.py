@@ -34,6 +34,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "(default: decode-sized products read the GGUF blocks with an AVX-512 kernel)")
     parser.add_argument("--trace-policy", default=None, metavar="FILE",
                         help="write each round's adaptive-speculation choice, time and estimates as JSON lines")
+    parser.add_argument("--no-cpu-kernels", action="store_true",
+                        help="CPU: run norms, rotary and KV writes as plain torch ops "
+                             "(default: fused C++ kernels where the AVX-512 kernel library builds)")
     parser.add_argument("--no-gpu-kernels", action="store_true",
                         help="CUDA: run norms, rotary and KV writes as plain torch ops "
                              "(default: fused Triton kernels when Triton is installed)")
@@ -72,7 +75,8 @@ def llm_from_args(args, **extra):
                max_context=args.max_context, max_running=args.max_running,
                trace_trees=getattr(args, "trace_trees", None), adaptive_spec=adaptive_spec_of(args),
                quant_kernels=not getattr(args, "no_quant_kernels", False),
-               gpu_kernels=not getattr(args, "no_gpu_kernels", False), trace_policy=args.trace_policy, **extra)  # only generate and chat trace
+               gpu_kernels=not getattr(args, "no_gpu_kernels", False),
+               cpu_kernels=not getattr(args, "no_cpu_kernels", False), trace_policy=args.trace_policy, **extra)  # only generate and chat trace
 
 
 def adaptive_spec_of(args, default: bool = True) -> bool:

@@ -47,6 +47,7 @@ class EngineConfig:
     trace_policy: str | None = None  # JSON-lines file: per round, the adaptive policy's choice, timing, estimates
     quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 8 rows straight from the GGUF blocks
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (models/gpu_kernels.py)
+    cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (models/cpu_kernels.py; AVX-512 + compiler)
     triton_attention: bool = False  # with gpu_kernels: Triton tree attention instead of SDPA (one graph per
     # batch shape for every context length; slower than cuDNN on the H200 so far)
     triton_tree: bool = False  # with gpu_kernels: DDTree kept lists in one Triton kernel (same trees; not yet timed)

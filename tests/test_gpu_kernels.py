@@ -58,22 +58,24 @@ def _run(model, device: str) -> dict[str, torch.Tensor]:
             "kv": cache.storage}
 
 
-def compare(device: str, dtype: torch.dtype) -> dict[str, float]:
-    """Max abs difference (fused vs unfused) per family and output."""
+def compare(device: str, dtype: torch.dtype, backend: str = "gpu") -> dict[str, float]:
+    """Max abs difference (fused vs unfused) per family and output; ``backend`` "gpu" (Triton,
+    with and without its attention) or "cpu" (the C++ kernels)."""
     diffs = {}
     for family in FAMILIES:
         model = ours_from_hf(tiny_hf_model(family), device=device, dtype=dtype)
         assert not model.fused_kernels
         plain = _run(model, device)
-        for attention in (False, True):  # fused small ops, then also the Triton attention
-            assert model.use_gpu_kernels(attention=attention), "the fused kernels did not switch on"
+        for attention in ((False, True) if backend == "gpu" else (False,)):  # + the Triton attention
+            on = model.use_gpu_kernels(attention=attention) if backend == "gpu" else model.use_cpu_kernels()
+            assert on, "the fused kernels did not switch on"
             fused = _run(model, device)
             for name in plain:
                 diffs[f"{family}/attention={attention}/{name}"] = (plain[name].float() - fused[name].float()).abs().max().item()
     return diffs
 
 
-def compare_drafter(device: str, dtype: torch.dtype, workdir: str) -> dict[str, float]:
+def compare_drafter(device: str, dtype: torch.dtype, workdir: str, backend: str = "gpu") -> dict[str, float]:
     """Max abs difference (fused vs unfused) of a DFlash drafter's context K/V (observe) and
     draft logits, for a tiny random qwen3 target + 2-layer drafter."""
     from flashtree.models.dflash import load_drafter
@@ -84,7 +86,8 @@ def compare_drafter(device: str, dtype: torch.dtype, workdir: str) -> dict[str, 
     outputs = []
     for fused in (False, True):
         drafter = load_drafter(str(pair.drafter), target, device=device, dtype=dtype)
-        assert drafter.use_gpu_kernels(fused, attention=True) == fused
+        on = drafter.use_gpu_kernels(fused, attention=True) if backend == "gpu" else drafter.use_cpu_kernels(fused)
+        assert on == fused
         cache = drafter.new_cache(max_slots=3, max_context=32, scratch=8)
         gen = torch.Generator().manual_seed(2)
         slots = torch.tensor([2, 0], device=device)

@@ -44,6 +44,7 @@ class BenchSetup:
     adaptive_spec: bool = False  # let speculative methods adapt their draft size (off: each method as named)
     quant_kernels: bool = True  # CPU fp32 GGUF models: decode-sized products from the GGUF blocks
     gpu_kernels: bool = True  # CUDA: fused Triton kernels for the small per-layer ops
+    cpu_kernels: bool = True  # CPU fp32: the same ops fused in C++
 
     def engine_config(self, method: BenchMethod) -> EngineConfig:
         device = resolve_device(self.device)
@@ -51,7 +52,7 @@ class BenchSetup:
                             device=str(device), dtype=self.dtype, max_running=self.batch_size,
                             max_context=self.max_context, random_weights=self.random_weights,
                             profile_stages=self.profile_stages, quant_kernels=self.quant_kernels,
-                            gpu_kernels=self.gpu_kernels,
+                            gpu_kernels=self.gpu_kernels, cpu_kernels=self.cpu_kernels,
                             adaptive_spec=self.adaptive_spec)
 
     def sampling(self, prompt_index: int, max_tokens: int | None = None) -> SamplingParams:

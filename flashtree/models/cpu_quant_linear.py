@@ -64,6 +64,7 @@ BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
 KERNEL_SOURCE = r"""
 // flashtree CPU block kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W in GGUF blocks.
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -153,9 +154,76 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
     }
 }
 
+// ---- fused small ops of a decoder layer (fp32, rows = tokens); see cpu_kernels.py
+inline float inv_rms(const float* x, int64_t width, float eps) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < width; ++j) sum += x[j] * x[j];
+  return 1.0f / sqrtf(sum / (float)width + eps);
+}
+
 }  // namespace
 
 extern "C" {
+
+// sum = x + residual; out = sum * rsqrt(mean(sum^2) + eps) * weight, per row of width values.
+void flashtree_add_rms_norm(const float* x, const float* residual, const float* weight, float* sum, float* out,
+                            int64_t rows, int64_t width, float eps) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float *xi = x + i * width, *ri = residual + i * width;
+    float *si = sum + i * width, *oi = out + i * width;
+    for (int64_t j = 0; j < width; ++j) si[j] = xi[j] + ri[j];
+    const float scale = inv_rms(si, width, eps);
+    for (int64_t j = 0; j < width; ++j) oi[j] = si[j] * scale * weight[j];
+  }
+}
+
+// out[i, j] = silu(gate_up[i, j]) * gate_up[i, width + j]
+void flashtree_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t width) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float *g = gate_up + i * 2 * width, *u = g + width;
+    float* o = out + i * width;
+    for (int64_t j = 0; j < width; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+  }
+}
+
+// Per token t (= b * new_tokens + n) of qkv [T, (H + 2 KVH) * D]: q/k heads get the optional
+// RMSNorm (qk_norm [2, D]: q's weight, then k's) and rotary (rotate-half) at positions[t] from the
+// [P, D] cos/sin tables; q goes to q_out [B, H, N, D]; k and v go to the cache views at
+// (slots[t], head, entries[t]) with the given element strides.
+void flashtree_qkv_rope_write(const float* qkv, const float* qk_norm, const float* cos_table, const float* sin_table,
+                              const int64_t* positions, const int64_t* slots, const int64_t* entries, float* q_out,
+                              float* k_cache, float* v_cache, int64_t tokens, int64_t new_tokens, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, float eps, int64_t slot_stride,
+                              int64_t head_stride, int64_t pos_stride) {
+  const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
+  float normed[1024];
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = qkv + t * width;
+    const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+    const int64_t b = t / new_tokens, n = t % new_tokens;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const float* x = row + h * head_dim;
+      if (qk_norm) {
+        const float* w = qk_norm + (h < heads ? 0 : head_dim);
+        const float scale = inv_rms(x, head_dim, eps);
+        for (int64_t j = 0; j < head_dim; ++j) normed[j] = x[j] * scale * w[j];
+        x = normed;
+      }
+      float* dst = h < heads ? q_out + ((b * heads + h) * new_tokens + n) * head_dim
+                             : k_cache + slots[t] * slot_stride + (h - heads) * head_stride + entries[t] * pos_stride;
+      for (int64_t j = 0; j < half; ++j) {
+        const float lo = x[j], hi = x[j + half];
+        dst[j] = lo * c[j] - hi * s[j];
+        dst[j + half] = hi * c[j + half] + lo * s[j + half];
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const float* v = row + (heads + kv_heads + h) * head_dim;
+      float* dst = v_cache + slots[t] * slot_stride + h * head_stride + entries[t] * pos_stride;
+      memcpy(dst, v, head_dim * sizeof(float));
+    }
+  }
+}
 
 // Returns 0 on success, 1 for an unsupported type or row count.
 int flashtree_block_gemm(int type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
@@ -240,6 +308,12 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_block_dequantize.restype = ctypes.c_int
     lib.flashtree_block_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                ctypes.c_int64, ctypes.c_int]
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64  # the fused small ops (cpu_kernels.py)
+    lib.flashtree_add_rms_norm.restype = lib.flashtree_silu_mul.restype = None
+    lib.flashtree_add_rms_norm.argtypes = [ptr] * 5 + [i64, i64, ctypes.c_float]
+    lib.flashtree_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.flashtree_qkv_rope_write.restype = None
+    lib.flashtree_qkv_rope_write.argtypes = [ptr] * 10 + [i64] * 5 + [ctypes.c_float] + [i64] * 3
     return lib
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.kv_cache import KVCache, KVCacheSpec
-from flashtree.models import gpu_kernels
+from flashtree.models import cpu_kernels, gpu_kernels
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.build import copy_weights, init_random_weights
@@ -68,11 +68,11 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)  # z-lab: bias follows attention_bias
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        # inference only (DFlashDrafter.fuse / use_gpu_kernels); training uses the modules above
+        # inference only (DFlashDrafter.fuse / use_*_kernels); training uses the modules above
         self.qkv_weight: torch.Tensor | None = None  # [(H + 2 KVH) * D, hidden]
         self.qkv_bias: torch.Tensor | None = None
         self.qk_norm_weight: torch.Tensor | None = None  # [2, D]: q_norm then k_norm
-        self.fused_kernels = False
+        self.kernels = None  # fused small-op backend (gpu_kernels / cpu_kernels), or None
         self.fused_attention = False
         self.window = cfg.window(layer_index)  # sliding window (the Triton attention applies it itself)
 
@@ -90,7 +90,7 @@ class DrafterAttention(nn.Module):
         skip = 0 if with_queries else self.heads * self.head_dim  # context tokens need no query
         bias = None if self.qkv_bias is None else self.qkv_bias[skip:]
         qkv = F.linear(x, self.qkv_weight[skip:], bias)  # [B, N, (H? + 2 KVH) * D]
-        return gpu_kernels.qkv_norm_rope_write(
+        return self.kernels.qkv_norm_rope_write(
             qkv, self.heads if with_queries else 0, self.kv_heads, self.qk_norm_weight, self.q_norm.eps,
             *rope_tables, positions, cache.k[self.layer_index], cache.v[self.layer_index], write_index)
 
@@ -105,7 +105,7 @@ class DrafterAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """Block attention: x [B, b, hidden]; block K/V go to the scratch entries of ``cache``."""
         b, n, _ = x.shape
-        if self.fused_kernels:  # rope: the [P, D] cos/sin tables
+        if self.kernels is not None:  # rope: the [P, D] cos/sin tables
             write_index = cache.write_index(batch.slots, batch.cache_lengths, n)
             q = self._fused_write(x, True, batch.positions, cache, write_index, rope)  # [B, H, b, D]
         else:
@@ -133,10 +133,10 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache,
-                rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, fused: bool
+                rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, kernels
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """See :func:`~flashtree.models.transformer.prenorm_layer`."""
-        return prenorm_layer(self, x, residual, fused, lambda h: self.self_attn(h, batch, cache, rope, mask))
+        return prenorm_layer(self, x, residual, kernels, lambda h: self.self_attn(h, batch, cache, rope, mask))
 
 
 class DFlashDrafter(nn.Module):
@@ -151,7 +151,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.target = TargetParts(embed=target.embed, head=target.head)
         self.rope: RotaryTable | None = None
-        self.fused_kernels = False  # Triton kernels for the small per-layer ops (use_gpu_kernels)
+        self.kernels = None  # fused small-op backend: gpu_kernels (Triton, CUDA) or cpu_kernels (C++, CPU)
         self.fused_attention = False  # Triton tree attention (kv_len and slot_range then do not matter)
 
     def fuse(self) -> None:
@@ -165,14 +165,27 @@ class DFlashDrafter(nn.Module):
         whether they are on (as :meth:`CausalLM.use_gpu_kernels`)."""
         head_dim = self.config.head_dim
         on = enabled and gpu_kernels.usable_on(self.fc.weight) and head_dim & (head_dim - 1) == 0
-        if on:
-            self.fuse()
-        self.fused_kernels = on
-        self.fused_attention = on and attention and attention_kernel_fits(self.config)
-        for layer in self.layers:
-            layer.self_attn.fused_kernels = layer.mlp.fused_kernels = on
-            layer.self_attn.fused_attention = self.fused_attention
+        self._set_kernels(gpu_kernels if on else None, on and attention and attention_kernel_fits(self.config))
         return on
+
+    def use_cpu_kernels(self, enabled: bool = True) -> bool:
+        """Fuse the projections and switch the C++ kernels on for an fp32 drafter on the CPU; returns
+        whether they are on (as :meth:`CausalLM.use_cpu_kernels`)."""
+        on = enabled and cpu_kernels.usable_on(self.fc.weight)
+        self._set_kernels(cpu_kernels if on else None, False)
+        return on
+
+    @property
+    def fused_kernels(self) -> bool:
+        return self.kernels is not None
+
+    def _set_kernels(self, kernels, attention: bool) -> None:
+        if kernels is not None and self.layers and self.layers[0].self_attn.qkv_weight is None:
+            self.fuse()
+        self.kernels, self.fused_attention = kernels, attention
+        for layer in self.layers:
+            layer.self_attn.kernels = layer.mlp.kernels = kernels
+            layer.self_attn.fused_attention = attention
 
     # ------------------------------------------------------------------ state
     def setup_rope(self, max_positions: int) -> None:
@@ -204,7 +217,7 @@ class DFlashDrafter(nn.Module):
         width = features.shape[1]
         context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [B, P, hidden]
         positions = starts[:, None] + torch.arange(width, device=starts.device)  # [B, P]
-        if self.fused_kernels:
+        if self.kernels is not None:
             write_index = cache.write_index(slots, starts, width)
             for layer in self.layers:
                 layer.self_attn._fused_write(context, False, positions, cache, write_index,
@@ -239,11 +252,11 @@ class DFlashDrafter(nn.Module):
             kv_len=kv_len, slot_range=slot_range)
         masks = {} if self.fused_attention else self._layer_masks(batch)
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, b, head_dim]
-        rope = (self.rope.cos, self.rope.sin) if self.fused_kernels else self.rope.lookup(batch.positions)
+        rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
         x = self.target.embed(block_ids).to(self.fc.weight.dtype)  # [B, b, hidden]
         residual = None
         for index, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, batch, cache, rope, masks.get(cfg.window(index)), self.fused_kernels)
+            x, residual = layer(x, residual, batch, cache, rope, masks.get(cfg.window(index)), self.kernels)
         x = residual + x  # [B, b, hidden]
         depth = block - 1 if depth is None else depth
         if not 1 <= depth <= block - 1:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree.kv_cache import KVCache
-from flashtree.models import gpu_kernels
+from flashtree.models import cpu_kernels, gpu_kernels
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
@@ -38,10 +38,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); one kernel when ``fused``."""
-        if fused:
-            return gpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); one kernel of ``kernels`` (a fused-kernel backend
+        module, or None for torch ops)."""
+        if kernels is not None:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
         total = residual + x
         return self(total), total
 
@@ -69,7 +70,7 @@ class MLP(nn.Module):
         # GGUF blocks for products with few rows (cpu_quant_linear.attach_quantized), else None
         self.gate_up_quant: QuantizedLinear | None = None
         self.down_quant: QuantizedLinear | None = None
-        self.fused_kernels = False  # Triton silu * up (see gpu_kernels); set by CausalLM.use_gpu_kernels
+        self.kernels = None  # fused-kernel backend (gpu_kernels / cpu_kernels) for silu * up, or None
 
     def fuse(self) -> None:
         """Concatenate gate and up so one matmul computes both (fewer launches per layer)."""
@@ -79,8 +80,8 @@ class MLP(nn.Module):
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = linear(x, self.gate_up, None, self.gate_up_quant)
-        if self.fused_kernels:
-            act = gpu_kernels.silu_mul(gate_up)
+        if self.kernels is not None:
+            act = self.kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         self.qkv_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
         self.o_quant: QuantizedLinear | None = None
         self.qk_norm_weight: torch.Tensor | None = None  # [2, D]: q_norm then k_norm (fused kernel)
-        self.fused_kernels = False  # Triton q/k norm + rotary + KV write (see gpu_kernels)
+        self.kernels = None  # fused-kernel backend for q/k norm + rotary + KV write, or None
         self.fused_attention = False  # Triton attention read from the cache by slot and length
 
     def fuse(self) -> None:
@@ -131,9 +132,9 @@ class Attention(nn.Module):
         """``rope``: cos, sin ``[B, 1, N, D]`` at the tokens' positions; with fused kernels, the
         whole ``[P, D]`` tables (the kernel looks positions up itself)."""
         b, n, _ = x.shape
-        if self.fused_kernels:
+        if self.kernels is not None:
             qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_quant)  # [B, N, (H + 2 KVH) * D]
-            q = gpu_kernels.qkv_norm_rope_write(
+            q = self.kernels.qkv_norm_rope_write(
                 qkv, self.heads, self.kv_heads, self.qk_norm_weight, self.q_norm.eps if self.q_norm else 0.0,
                 *rope, batch.positions, cache.k[self.layer_index], cache.v[self.layer_index],
                 write_index)  # [B, H, N, D]
@@ -175,23 +176,24 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache,
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                write_index: tuple[torch.Tensor, torch.Tensor], fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                write_index: tuple[torch.Tensor, torch.Tensor], kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """See :func:`prenorm_layer`."""
-        return prenorm_layer(self, x, residual, fused,
+        return prenorm_layer(self, x, residual, kernels,
                              lambda h: self.self_attn(h, batch, cache, rope, mask, write_index))
 
 
-def prenorm_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, fused: bool,
+def prenorm_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, kernels,
                   attend: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm decoder layer (``input_layernorm``, attention, ``post_attention_layernorm``,
     ``mlp``) whose input is ``x + residual`` (``x`` alone for the first layer): the previous
     layer's MLP output is added here, inside the fused norm. Returns (MLP output, residual),
-    whose sum is the layer's output. ``attend`` runs the attention on the normed input."""
+    whose sum is the layer's output. ``attend`` runs the attention on the normed input; ``kernels``
+    is the fused-kernel backend module or None."""
     if residual is None:
         h, residual = layer.input_layernorm(x), x
     else:
-        h, residual = layer.input_layernorm.add_forward(x, residual, fused)
-    h, residual = layer.post_attention_layernorm.add_forward(attend(h), residual, fused)
+        h, residual = layer.input_layernorm.add_forward(x, residual, kernels)
+    h, residual = layer.post_attention_layernorm.add_forward(attend(h), residual, kernels)
     return layer.mlp(h), residual
 
 
@@ -218,7 +220,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
         self.lm_head_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
-        self.fused_kernels = False  # Triton kernels for the small per-layer ops (use_gpu_kernels)
+        self.kernels = None  # fused small-op backend: gpu_kernels (Triton, CUDA) or cpu_kernels (C++, CPU)
         self.fused_attention = False  # Triton attention (kv_len and slot_range then do not matter)
 
     def fuse(self) -> None:
@@ -236,12 +238,27 @@ class CausalLM(nn.Module):
                                 for layer in self.model.layers)  # fuse() ran
         on = (enabled and gpu_kernels.usable_on(self.lm_head.weight) and head_dim & (head_dim - 1) == 0
               and fused_projections)
-        self.fused_kernels = on
-        self.fused_attention = on and attention and attention_kernel_fits(self.config)
-        for layer in self.model.layers:
-            layer.self_attn.fused_kernels = layer.mlp.fused_kernels = on
-            layer.self_attn.fused_attention = self.fused_attention
+        self._set_kernels(gpu_kernels if on else None, on and attention and attention_kernel_fits(self.config))
         return on
+
+    def use_cpu_kernels(self, enabled: bool = True) -> bool:
+        """Switch the fused C++ kernels (:mod:`cpu_kernels`) on for an fp32 model on the CPU where
+        the library builds; returns whether they are on."""
+        fused_projections = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up is not None
+                                for layer in self.model.layers)
+        on = enabled and fused_projections and cpu_kernels.usable_on(self.lm_head.weight)
+        self._set_kernels(cpu_kernels if on else None, False)
+        return on
+
+    @property
+    def fused_kernels(self) -> bool:
+        return self.kernels is not None
+
+    def _set_kernels(self, kernels, attention: bool) -> None:
+        self.kernels, self.fused_attention = kernels, attention
+        for layer in self.model.layers:
+            layer.self_attn.kernels = layer.mlp.kernels = kernels
+            layer.self_attn.fused_attention = attention
 
     def setup_rope(self, max_positions: int) -> None:
         p = self.lm_head.weight
@@ -258,7 +275,7 @@ class CausalLM(nn.Module):
         self.rope.ensure(int(batch.kv_len) + 1)
         x = self.model.embed_tokens(batch.input_ids)  # [B, N, hidden]
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, N, head_dim]
-        rope = (self.rope.cos, self.rope.sin) if self.fused_kernels else self.rope.lookup(batch.positions)
+        rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
         mask = None if self.fused_attention else attention_bias(attention_mask(batch), x.dtype)  # [B, 1, N, kv_len]
         write_index = cache.write_index(batch.slots, batch.cache_lengths, batch.num_new)
         captured = {}
@@ -266,7 +283,7 @@ class CausalLM(nn.Module):
         last = len(self.model.layers) - 1
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.fused_kernels)
+            x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.kernels)
             if i in wanted:  # HF hidden_states[i + 1]; the last one is taken after the final norm
                 captured[i] = self.model.norm(residual + x) if i == last else residual + x
         x = residual + x  # [B, N, hidden], the last layer's output

@@ -1,0 +1,83 @@
+"""Fused C++ kernels for the decoder's small per-layer ops on the CPU (fp32).
+
+On a 2-core CPU a SmolLM2 decode step spent about a fifth of its time in small torch ops between
+the matmuls (RMSNorm, rotary, KV-cache writes, silu; benchmarks/results/cpu_profile_plain.json):
+each costs 15-30 us of dispatch and cache misses for a few hundred floats of work. These
+functions have the signatures of their Triton twins in :mod:`gpu_kernels` (the model calls
+whichever backend it was given) and run plain C++ loops from the library
+:mod:`cpu_quant_linear` builds (same compiler, same cache; so they need what it needs: AVX-512
+and a C++ compiler). Arithmetic is float32, one token at a time, so a token's result does not
+depend on its batch; sums run in a different order than torch's, so results differ from the
+torch ops by float rounding (tests/test_cpu_kernels.py bounds it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flashtree.models.cpu_quant_linear import KernelUnavailable, load_kernels
+
+
+@functools.cache
+def available() -> bool:
+    """The kernel library builds and loads on this machine."""
+    try:
+        load_kernels()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def usable_on(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and available()
+
+
+def _ptr(tensor: torch.Tensor | None):
+    return None if tensor is None else tensor.data_ptr()
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual ``[..., width]`` -> (rms_norm(x + residual) * weight, x + residual)."""
+    x, residual = x.contiguous(), residual.contiguous()
+    total, normed = torch.empty_like(x), torch.empty_like(x)
+    width = x.shape[-1]
+    load_kernels().flashtree_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), total.data_ptr(),
+                                          normed.data_ptr(), x.numel() // width, width, eps)
+    return normed, total
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up ``[..., 2 * width]`` (gate first) -> ``silu(gate) * up`` ``[..., width]``."""
+    gate_up = gate_up.contiguous()
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    load_kernels().flashtree_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width)
+    return out
+
+
+def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: torch.Tensor | None, eps: float,
+                        cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """As :func:`gpu_kernels.qkv_norm_rope_write`: q/k norm + rotary, K/V into the cache; returns
+    q ``[B, H, N, D]``."""
+    b, n, _ = qkv.shape
+    head_dim = qkv.shape[-1] // (heads + 2 * kv_heads)
+    if head_dim % 2 or head_dim > 1024:
+        raise ValueError(f"qkv_norm_rope_write needs an even head_dim <= 1024, got {head_dim}")
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must be views with the same strides and a contiguous last dim")
+    qkv = qkv.contiguous()
+    q = qkv.new_empty(b, heads, n, head_dim)
+    slots, entries = (t.contiguous() for t in write_index)
+    positions = positions.contiguous()
+    qk_norm = None if qk_norm is None else qk_norm.contiguous()  # (held: the kernel reads it)
+    load_kernels().flashtree_qkv_rope_write(
+        qkv.data_ptr(), _ptr(qk_norm), cos_table.data_ptr(),
+        sin_table.data_ptr(), positions.data_ptr(), slots.data_ptr(), entries.data_ptr(), q.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), b * n, n, heads, kv_heads, head_dim, eps,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    return q
