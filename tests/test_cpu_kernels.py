@@ -9,14 +9,14 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.models import cpu_kernels
-from tests.test_gpu_kernels import _check, compare, compare_drafter
+from tests.test_gpu_kernels import _check, compare, compare_attention, compare_drafter
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernel library does not build here")
 
 
 def test_cpu_kernels_match_torch_ops(tmp_path):
-    _check(compare("cpu", torch.float32, backend="cpu") | compare_drafter("cpu", torch.float32, str(tmp_path), "cpu"),
-           1e-4)
+    diffs = compare("cpu", torch.float32, backend="cpu") | compare_drafter("cpu", torch.float32, str(tmp_path), "cpu")
+    _check(diffs | compare_attention("cpu", torch.float32, backend="cpu"), 1e-4)
 
 
 def test_engines_use_them_and_stay_lossless(tmp_path):

@@ -100,11 +100,11 @@ def compare_drafter(device: str, dtype: torch.dtype, workdir: str, backend: str 
     return {f"drafter/{k}": (outputs[0][k].float() - outputs[1][k].float()).abs().max().item() for k in outputs[0]}
 
 
-def compare_attention(device: str, dtype: torch.dtype) -> dict[str, float]:
+def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu") -> dict[str, float]:
     """tree_attention against SDPA over the gathered cache with the engine's mask: rows of
     different committed lengths (one empty), a random tree mask, a sliding window, 1-4 key splits."""
     from flashtree.models.batch import attention_mask
-    from flashtree.models.gpu_kernels import tree_attention
+    from flashtree.models import cpu_kernels, gpu_kernels
 
     gen = torch.Generator().manual_seed(0)
     slots_n, kv_heads, capacity, head_dim, heads, rows, new = 4, 2, 300, 16, 8, 3, 5
@@ -125,8 +125,11 @@ def compare_attention(device: str, dtype: torch.dtype) -> dict[str, float]:
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(), k_cache[slots, :, :kv_len].float(), v_cache[slots, :, :kv_len].float(), attn_mask=mask,
             enable_gqa=True)
-        for splits in (1, 2, 4):
-            out = tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window=window, splits=splits)
+        for splits in ((1, 2, 4) if backend == "gpu" else (1,)):
+            if backend == "gpu":
+                out = gpu_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window, splits=splits)
+            else:
+                out = cpu_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window)
             diffs[f"attention/window={window}/splits={splits}"] = (out.float() - ref).abs().max().item()
     return diffs
 

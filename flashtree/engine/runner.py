@@ -133,7 +133,7 @@ class ModelRunner:
         shape = RoundShape(kv_len=max(r.committed_length for r in rows) + nodes + 1,
                            slot_range=slot_range_of(slots_list), any_sampled=sampled, any_filtered=filtered,
                            nodes=nodes)
-        if self.model.fused_attention:  # the kernel reads lengths and slots on the device: one graph for all
+        if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and slots itself: one graph for all
             shape = shape._replace(kv_len=self.cache.spec.capacity, slot_range=None)
         t0 = self.timer.mark()
         captures = self.graphs.captures if self.graphs is not None else 0

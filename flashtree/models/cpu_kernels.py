@@ -81,3 +81,29 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
         k_cache.data_ptr(), v_cache.data_ptr(), b * n, n, heads, kv_heads, head_dim, eps,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     return q
+
+
+MAX_ATTENTION_NEW_TOKENS = 16  # longer chunks (prefill, big trees) keep SDPA's blocked kernel
+
+
+def handles_attention(new_tokens: int) -> bool:
+    """:func:`tree_attention` is used for forwards of at most this many new tokens per row."""
+    return new_tokens <= MAX_ATTENTION_NEW_TOKENS
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """As :func:`gpu_kernels.tree_attention` (one query at a time, in C++): q ``[B, H, N, D]`` over
+    each row's committed cache entries and the new tokens its ``new_mask`` allows."""
+    b, heads, n, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("tree_attention needs heads divisible by kv heads and matching cache views")
+    q, slots, lengths = q.contiguous(), slots.contiguous(), lengths.contiguous()
+    mask = new_mask.contiguous().view(torch.uint8)
+    out = torch.empty_like(q)
+    load_kernels().flashtree_tree_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), mask.data_ptr(),
+        out.data_ptr(), b, n, heads, kv_heads, head_dim, window or 0, head_dim ** -0.5,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    return out

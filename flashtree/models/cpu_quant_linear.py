@@ -68,6 +68,8 @@ KERNEL_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
+#include <vector>
+
 namespace {
 
 inline float half_to_float(const uint8_t* p) {
@@ -155,6 +157,15 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
 }
 
 // ---- fused small ops of a decoder layer (fp32, rows = tokens); see cpu_kernels.py
+inline float dot_product(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
 inline float inv_rms(const float* x, int64_t width, float eps) {
   float sum = 0.0f;
   for (int64_t j = 0; j < width; ++j) sum += x[j] * x[j];
@@ -221,6 +232,47 @@ void flashtree_qkv_rope_write(const float* qkv, const float* qk_norm, const floa
       const float* v = row + (heads + kv_heads + h) * head_dim;
       float* dst = v_cache + slots[t] * slot_stride + h * head_stride + entries[t] * pos_stride;
       memcpy(dst, v, head_dim * sizeof(float));
+    }
+  }
+}
+
+// Attention of each row's N new tokens over its cache entries 0 .. lengths[b] + N - 1 (committed
+// context, then the new tokens' own entries): query i sees every committed entry (the last
+// `window` ones when window > 0) and new token t where new_mask[b, i, t]. q, out: [B, H, N, D].
+void flashtree_tree_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* slots,
+                              const int64_t* lengths, const uint8_t* new_mask, float* out, int64_t rows,
+                              int64_t new_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window,
+                              float scale, int64_t slot_stride, int64_t head_stride, int64_t pos_stride) {
+  const int64_t group = heads / kv_heads;
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t committed = lengths[b], total = committed + new_tokens;
+    const int64_t oldest = window > 0 && committed > window ? committed - window : 0;
+    std::vector<float> scores(total);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* keys = k_cache + slots[b] * slot_stride + (h / group) * head_stride;
+      const float* values = v_cache + slots[b] * slot_stride + (h / group) * head_stride;
+      for (int64_t i = 0; i < new_tokens; ++i) {
+        const float* qi = q + ((b * heads + h) * new_tokens + i) * head_dim;
+        const uint8_t* sees = new_mask + (b * new_tokens + i) * new_tokens;
+        float top = -INFINITY;
+        for (int64_t j = oldest; j < total; ++j) {
+          if (j >= committed && !sees[j - committed]) { scores[j] = -INFINITY; continue; }
+          scores[j] = dot_product(qi, keys + j * pos_stride, head_dim) * scale;
+          top = scores[j] > top ? scores[j] : top;
+        }
+        float* oi = out + ((b * heads + h) * new_tokens + i) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) oi[d] = 0.0f;
+        float sum = 0.0f;
+        for (int64_t j = oldest; j < total; ++j) {
+          if (scores[j] == -INFINITY) continue;
+          const float p = expf(scores[j] - top);
+          sum += p;
+          const float* vj = values + j * pos_stride;
+          for (int64_t d = 0; d < head_dim; ++d) oi[d] += p * vj[d];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) oi[d] *= inv;
+      }
     }
   }
 }
@@ -312,8 +364,9 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_add_rms_norm.restype = lib.flashtree_silu_mul.restype = None
     lib.flashtree_add_rms_norm.argtypes = [ptr] * 5 + [i64, i64, ctypes.c_float]
     lib.flashtree_silu_mul.argtypes = [ptr, ptr, i64, i64]
-    lib.flashtree_qkv_rope_write.restype = None
+    lib.flashtree_qkv_rope_write.restype = lib.flashtree_tree_attention.restype = None
     lib.flashtree_qkv_rope_write.argtypes = [ptr] * 10 + [i64] * 5 + [ctypes.c_float] + [i64] * 3
+    lib.flashtree_tree_attention.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float] + [i64] * 3
     return lib
 
 

@@ -113,9 +113,9 @@ class DrafterAttention(nn.Module):
             q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, b, D]
             k, v = self.key_value(x, rope)  # [B, KVH, b, D] x2
             cache.write(self.layer_index, batch.slots, batch.cache_lengths, k, v)
-        if self.fused_attention:  # mask is None: the kernel reads lengths and new_mask itself
-            out = gpu_kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index], batch.slots,
-                                             batch.cache_lengths, batch.new_mask, window=self.window)
+        if mask is None:  # the backend's attention reads lengths and new_mask itself
+            out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index], batch.slots,
+                                              batch.cache_lengths, batch.new_mask, window=self.window)
         else:
             keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
             out = masked_attention(q, keys, values, mask)  # [B, H, b, D]
@@ -172,12 +172,16 @@ class DFlashDrafter(nn.Module):
         """Fuse the projections and switch the C++ kernels on for an fp32 drafter on the CPU; returns
         whether they are on (as :meth:`CausalLM.use_cpu_kernels`)."""
         on = enabled and cpu_kernels.usable_on(self.fc.weight)
-        self._set_kernels(cpu_kernels if on else None, False)
+        self._set_kernels(cpu_kernels if on else None, on)
         return on
 
     @property
     def fused_kernels(self) -> bool:
         return self.kernels is not None
+
+    def uses_kernel_attention(self, new_tokens: int) -> bool:
+        """As :meth:`CausalLM.uses_kernel_attention`."""
+        return self.fused_attention and self.kernels.handles_attention(new_tokens)
 
     def _set_kernels(self, kernels, attention: bool) -> None:
         if kernels is not None and self.layers and self.layers[0].self_attn.qkv_weight is None:
@@ -250,7 +254,7 @@ class DFlashDrafter(nn.Module):
             input_ids=block_ids, positions=starts[:, None] + offsets, slots=slots, cache_lengths=starts,
             new_mask=torch.ones(num_rows, block, block, dtype=torch.bool, device=bonus.device),
             kv_len=kv_len, slot_range=slot_range)
-        masks = {} if self.fused_attention else self._layer_masks(batch)
+        masks = {} if self.uses_kernel_attention(block) else self._layer_masks(batch)
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, b, head_dim]
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
         x = self.target.embed(block_ids).to(self.fc.weight.dtype)  # [B, b, hidden]

@@ -111,6 +111,11 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
     return q
 
 
+def handles_attention(new_tokens: int) -> bool:
+    """:func:`tree_attention` serves forwards of any width."""
+    return True
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8

@@ -140,9 +140,9 @@ class Attention(nn.Module):
                 write_index)  # [B, H, N, D]
         else:
             q = self._rotate_and_write(x, cache, rope, write_index)
-        if self.fused_attention:  # mask is None: the kernel reads lengths and new_mask itself
-            out = gpu_kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index], batch.slots,
-                                             batch.cache_lengths, batch.new_mask)  # [B, H, N, D]
+        if mask is None:  # the backend's attention reads lengths and new_mask itself
+            out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index], batch.slots,
+                                              batch.cache_lengths, batch.new_mask)  # [B, H, N, D]
         else:
             keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
             out = masked_attention(q, keys, values, mask)  # [B, H, N, D]
@@ -243,16 +243,21 @@ class CausalLM(nn.Module):
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
         """Switch the fused C++ kernels (:mod:`cpu_kernels`) on for an fp32 model on the CPU where
-        the library builds; returns whether they are on."""
+        the library builds, attention of up to 16 new tokens included; returns whether they are on."""
         fused_projections = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up is not None
                                 for layer in self.model.layers)
         on = enabled and fused_projections and cpu_kernels.usable_on(self.lm_head.weight)
-        self._set_kernels(cpu_kernels if on else None, False)
+        self._set_kernels(cpu_kernels if on else None, on)
         return on
 
     @property
     def fused_kernels(self) -> bool:
         return self.kernels is not None
+
+    def uses_kernel_attention(self, new_tokens: int) -> bool:
+        """A forward of ``new_tokens`` per row attends with the backend's kernel (it needs no mask,
+        key range or slot range) rather than SDPA."""
+        return self.fused_attention and self.kernels.handles_attention(new_tokens)
 
     def _set_kernels(self, kernels, attention: bool) -> None:
         self.kernels, self.fused_attention = kernels, attention
@@ -276,7 +281,10 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)  # [B, N, hidden]
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, N, head_dim]
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
-        mask = None if self.fused_attention else attention_bias(attention_mask(batch), x.dtype)  # [B, 1, N, kv_len]
+        if self.uses_kernel_attention(batch.num_new):
+            mask = None
+        else:
+            mask = attention_bias(attention_mask(batch), x.dtype)  # [B, 1, N, kv_len]
         write_index = cache.write_index(batch.slots, batch.cache_lengths, batch.num_new)
         captured = {}
         wanted = set(capture_layers)

@@ -101,7 +101,8 @@ class DrafterRunner:
         Under CUDA-graph capture nothing may sync and the graph must fit every replay: attend
         over the whole cache capacity and gather the slots.
         """
-        if self.drafter.fused_attention or (rows.slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if (self.drafter.uses_kernel_attention(self.drafter.config.block_size)
+                or (rows.slots.is_cuda and torch.cuda.is_current_stream_capturing())):
             return self.cache.spec.capacity, None  # (the Triton attention reads lengths itself)
         host = torch.cat([rows.slots, rows.starts.max()[None]]).tolist()
         slots, longest = host[:-1], host[-1]
