@@ -212,9 +212,10 @@ def test_shallow_drafts_are_the_first_positions_of_the_full_draft(pair, target):
 
 def test_engine_feeds_drafter_the_committed_context(pair, monkeypatch):
     """Through the engine (chunked prefill, DDTree rounds, several rows), every draft equals the
-    reference computed from the request's committed tokens and bonus."""
+    reference computed from the request's committed tokens and bonus (with the checkpoint's
+    weights: the CPU's Q8_0 drafter copy is off, see test_quantized_drafter_stays_close)."""
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=16, max_running=4,
-              max_context=64, prefill_chunk=4)
+              max_context=64, prefill_chunk=4, quant_kernels=False)
     runner = llm.engine.proposer.runner
     seen = []
     real = runner.draft_logits
@@ -236,6 +237,27 @@ def test_engine_feeds_drafter_the_committed_context(pair, monkeypatch):
     for committed, bonus, logits in seen:
         reference = reference_draft_logits(pair.hf, pair.drafter, committed, bonus)
         assert (logits - reference[:len(logits)]).abs().max() < 1e-4
+
+
+def test_quantized_drafter_stays_close(pair):
+    """CPU: the drafter rounded to Q8_0 (the default with the C++ kernels) drafts within Q8_0's
+    rounding of the checkpoint drafter, and its block products equal its fp32 products (the fp32
+    weights are the blocks' values), so the drafter's state does not depend on how many tokens a
+    pass carries."""
+    from flashtree.models import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernel library does not build here")
+    exact = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=4, quant_kernels=False)
+    rounded = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=4)
+    drafter = rounded.engine.proposer.runner.drafter
+    assert drafter.fc_quant is not None and exact.engine.proposer.runner.drafter.fc_quant is None
+    layer = drafter.layers[0].mlp
+    x = torch.randn(5, layer.gate_up.shape[1])
+    assert (layer.gate_up_quant(x) - x @ layer.gate_up.T).abs().max() < 1e-4
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [4]]
+    assert [o.token_ids for o in rounded.generate(prompts, params)] == [o.token_ids for o in exact.generate(prompts, params)]
 
 
 # ---------------------------------------------------------------------------- real checkpoints

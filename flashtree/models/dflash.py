@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtree.errors import CheckpointError, ConfigError
@@ -34,6 +33,7 @@ from flashtree.models import cpu_kernels, gpu_kernels
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.build import copy_weights, init_random_weights
+from flashtree.models.cpu_quant_linear import QuantizedLinear, linear, quantize_q8_0
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
 from flashtree.models.rope import RotaryTable, apply_rotary
@@ -73,6 +73,8 @@ class DrafterAttention(nn.Module):
         self.qkv_bias: torch.Tensor | None = None
         self.qk_norm_weight: torch.Tensor | None = None  # [2, D]: q_norm then k_norm
         self.kernels = None  # fused small-op backend (gpu_kernels / cpu_kernels), or None
+        # CPU: Q8_0 blocks of qkv (and its k/v rows alone) and o_proj (DFlashDrafter.quantize_blocks)
+        self.qkv_quant = self.kv_quant = self.o_quant = None
         self.fused_attention = False
         self.window = cfg.window(layer_index)  # sliding window (the Triton attention applies it itself)
 
@@ -89,7 +91,8 @@ class DrafterAttention(nn.Module):
         into the cache at ``write_index``; returns q ``[B, H, N, D]`` (empty without queries)."""
         skip = 0 if with_queries else self.heads * self.head_dim  # context tokens need no query
         bias = None if self.qkv_bias is None else self.qkv_bias[skip:]
-        qkv = F.linear(x, self.qkv_weight[skip:], bias)  # [B, N, (H? + 2 KVH) * D]
+        quant = self.kv_quant if skip else self.qkv_quant
+        qkv = linear(x, self.qkv_weight[skip:], bias, quant)  # [B, N, (H? + 2 KVH) * D]
         return self.kernels.qkv_norm_rope_write(
             qkv, self.heads if with_queries else 0, self.kv_heads, self.qk_norm_weight, self.q_norm.eps,
             *rope_tables, positions, cache.k[self.layer_index], cache.v[self.layer_index], write_index)
@@ -119,7 +122,8 @@ class DrafterAttention(nn.Module):
         else:
             keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
             out = masked_attention(q, keys, values, mask)  # [B, H, b, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+        return linear(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim), self.o_proj.weight,
+                      self.o_proj.bias, self.o_quant)
 
 
 class DrafterLayer(nn.Module):
@@ -153,6 +157,7 @@ class DFlashDrafter(nn.Module):
         self.rope: RotaryTable | None = None
         self.kernels = None  # fused small-op backend: gpu_kernels (Triton, CUDA) or cpu_kernels (C++, CPU)
         self.fused_attention = False  # Triton tree attention (kv_len and slot_range then do not matter)
+        self.fc_quant = None  # CPU: Q8_0 blocks of fc (quantize_blocks)
 
     def fuse(self) -> None:
         """Fuse q/k/v and gate/up projections for inference (training keeps them apart)."""
@@ -178,6 +183,22 @@ class DFlashDrafter(nn.Module):
     @property
     def fused_kernels(self) -> bool:
         return self.kernels is not None
+
+    def quantize_blocks(self) -> None:
+        """CPU, with the C++ kernels on: round the drafter's matrices to Q8_0 once and keep the
+        blocks, so a block pass (at most 8 rows) reads a quarter of the bytes. The fp32 weights
+        become the blocks' exact values, so wider products (prefill, catch-up) compute with the
+        same weights. The drafter only proposes, so its rounding cannot change what is committed."""
+        if self.kernels is not cpu_kernels:
+            raise ValueError("quantize_blocks needs the CPU kernels on (use_cpu_kernels)")
+        self.fc_quant = _round_to_blocks(self.fc.weight)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_quant = _round_to_blocks(attn.qkv_weight)  # q/k/v weights are views of it
+            q_rows = attn.heads * attn.head_dim
+            attn.kv_quant = QuantizedLinear("Q8_0", attn.qkv_quant.blocks[q_rows:], attn.qkv_quant.in_features)
+            attn.o_quant = _round_to_blocks(attn.o_proj.weight)
+            mlp.gate_up_quant, mlp.down_quant = _round_to_blocks(mlp.gate_up), _round_to_blocks(mlp.down_proj.weight)
 
     def uses_kernel_attention(self, new_tokens: int) -> bool:
         """As :meth:`CausalLM.uses_kernel_attention`."""
@@ -219,7 +240,8 @@ class DFlashDrafter(nn.Module):
         is padding, written past the new length, which becomes ``starts + counts``).
         """
         width = features.shape[1]
-        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [B, P, hidden]
+        context = self.hidden_norm(linear(features.to(self.fc.weight.dtype), self.fc.weight, None,
+                                          self.fc_quant))  # [B, P, hidden]
         positions = starts[:, None] + torch.arange(width, device=starts.device)  # [B, P]
         if self.kernels is not None:
             write_index = cache.write_index(slots, starts, width)
@@ -277,6 +299,13 @@ class DFlashDrafter(nn.Module):
             recent = key[None, :] >= (batch.cache_lengths[:, None] - window)  # [B, K]
             masks[window] = full & recent[:, None, None, :]
         return {window: attention_bias(mask, self.fc.weight.dtype) for window, mask in masks.items()}
+
+
+def _round_to_blocks(weight: torch.Tensor) -> QuantizedLinear:
+    """Q8_0 blocks of ``weight``; the weight itself is overwritten with their values."""
+    blocks = quantize_q8_0(weight)
+    weight.data.copy_(blocks.dequantize())
+    return blocks
 
 
 # ---------------------------------------------------------------------------- loading

@@ -178,7 +178,8 @@ def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     drafter = load_drafter(spec.draft, target, tokenizer, block_size_override=spec.block_size,
                            random_weights=config.random_weights, seed=config.seed + 1)
     if not drafter.use_gpu_kernels(config.gpu_kernels, attention=config.triton_attention):  # CUDA with Triton
-        drafter.use_cpu_kernels(config.cpu_kernels)  # CPU fp32 with the C++ kernel library
+        if drafter.use_cpu_kernels(config.cpu_kernels) and config.quant_kernels:  # CPU fp32, C++ library
+            drafter.quantize_blocks()  # Q8_0 copies for block passes
     cache = drafter.new_cache(config.max_running + 1, config.max_context,  # + the pad slot
                               scratch=max(config.prefill_chunk, LAG_CAPACITY))  # a catch-up pads to the largest lag
     runner = DrafterRunner(drafter, cache)
