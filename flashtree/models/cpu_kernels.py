@@ -1,12 +1,13 @@
-"""Fused C++ kernels for the decoder's small per-layer ops on the CPU (fp32).
+"""Fused C++ kernels for the decoder's small per-layer ops and short attention on the CPU (fp32).
 
 On a 2-core CPU a SmolLM2 decode step spent about a fifth of its time in small torch ops between
 the matmuls (RMSNorm, rotary, KV-cache writes, silu; benchmarks/results/cpu_profile_plain.json):
 each costs 15-30 us of dispatch and cache misses for a few hundred floats of work. These
 functions have the signatures of their Triton twins in :mod:`gpu_kernels` (the model calls
-whichever backend it was given) and run plain C++ loops from the library
-:mod:`cpu_quant_linear` builds (same compiler, same cache; so they need what it needs: AVX-512
-and a C++ compiler). Arithmetic is float32, one token at a time, so a token's result does not
+whichever backend it was given), :func:`tree_attention` included, used for forwards of at most
+:data:`MAX_ATTENTION_NEW_TOKENS` new tokens per row (longer ones keep SDPA). They are C++ loops
+in the library :mod:`cpu_quant_linear` builds (same compiler, same cache; so they need what it
+needs: AVX-512 and a C++ compiler). Arithmetic is float32, one token at a time, so a token's result does not
 depend on its batch; sums run in a different order than torch's, so results differ from the
 torch ops by float rounding (tests/test_cpu_kernels.py bounds it).
 """
@@ -18,6 +19,7 @@ import functools
 import torch
 
 from flashtree.models.cpu_quant_linear import KernelUnavailable, load_kernels
+from flashtree.models.gpu_kernels import qkv_write_operands
 
 
 @functools.cache
@@ -64,15 +66,11 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
                         write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """As :func:`gpu_kernels.qkv_norm_rope_write`: q/k norm + rotary, K/V into the cache; returns
     q ``[B, H, N, D]``."""
+    qkv, q, slots, entries = qkv_write_operands(qkv, heads, kv_heads, k_cache, v_cache, write_index)
     b, n, _ = qkv.shape
-    head_dim = qkv.shape[-1] // (heads + 2 * kv_heads)
-    if head_dim % 2 or head_dim > 1024:
-        raise ValueError(f"qkv_norm_rope_write needs an even head_dim <= 1024, got {head_dim}")
-    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must be views with the same strides and a contiguous last dim")
-    qkv = qkv.contiguous()
-    q = qkv.new_empty(b, heads, n, head_dim)
-    slots, entries = (t.contiguous() for t in write_index)
+    head_dim = q.shape[-1]
+    if head_dim > 1024:
+        raise ValueError(f"qkv_norm_rope_write needs head_dim <= 1024, got {head_dim}")
     positions = positions.contiguous()
     qk_norm = None if qk_norm is None else qk_norm.contiguous()  # (held: the kernel reads it)
     load_kernels().flashtree_qkv_rope_write(

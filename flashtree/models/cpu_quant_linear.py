@@ -20,6 +20,9 @@ on how many rows share the call. The kernel prefetches 4 KB ahead in the weight 
 separate per-layer products are too short for the hardware prefetcher alone (3x slower without).
 Larger products (prefill, big trees) keep the fp32 weights (kept too: 538 MB for SmolLM2-135M).
 
+The same library also holds the fused small ops of :mod:`cpu_kernels` (RMSNorm, rotary + KV
+write, silu, short attention), and :func:`quantize_q8_0` rounds a drafter's weights to Q8_0 blocks.
+
 The blocks come from ``gguf_blocks.safetensors``, which the GGUF conversion writes beside the
 fp32 weights (and the first load of an older cache entry adds). The kernel is plain C++ (no
 torch headers, so it compiles in about two seconds) built once with

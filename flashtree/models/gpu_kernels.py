@@ -83,6 +83,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def qkv_write_operands(qkv: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       write_index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Checked, contiguous operands of a qkv_norm_rope_write (either backend): qkv, the empty q
+    ``[B, H, N, D]`` output, and the write slots and entries ``[B, N]``."""
+    b, n, width = qkv.shape
+    head_dim = width // (heads + 2 * kv_heads)
+    if head_dim % 2 or head_dim * (heads + 2 * kv_heads) != width:
+        raise ValueError(f"qkv of width {width} does not hold {heads} + 2 x {kv_heads} heads of an even size")
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must be views with the same strides and a contiguous last dim")
+    slots, entries = (t.contiguous() for t in write_index)
+    return qkv.contiguous(), qkv.new_empty(b, heads, n, head_dim), slots, entries
+
+
 def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: torch.Tensor | None, eps: float,
                         cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -94,15 +108,11 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
     k_cache/v_cache: one layer's ``[slots, KVH, capacity, D]`` views; write_index: (slot, entry)
     ``[B, N]`` each, where each token's K/V go.
     """
+    qkv, q, slots, entries = qkv_write_operands(qkv, heads, kv_heads, k_cache, v_cache, write_index)
     b, n, _ = qkv.shape
-    head_dim = qkv.shape[-1] // (heads + 2 * kv_heads)
-    if head_dim % 2 or head_dim & (head_dim - 1):
+    head_dim = q.shape[-1]
+    if head_dim & (head_dim - 1):
         raise ValueError(f"qkv_norm_rope_write needs a power-of-two head_dim, got {head_dim}")
-    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must be views with the same strides and a contiguous last dim")
-    qkv = qkv.contiguous()
-    q = qkv.new_empty(b, heads, n, head_dim)
-    slots, entries = (t.contiguous() for t in write_index)
     _kernels()._qkv_norm_rope_write_kernel[(b * n, heads + kv_heads)](
         qkv, qkv if qk_norm is None else qk_norm.contiguous(), cos_table, sin_table,
         positions.contiguous(), slots, entries, q, k_cache, v_cache,
