@@ -44,8 +44,7 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     checkpoint = load_checkpoint(config.model, random_weights=config.random_weights)
     model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=config.seed)
     maybe_attach_quantized(model, checkpoint, enabled=config.quant_kernels)  # CPU fp32 GGUF models
-    if not model.use_gpu_kernels(config.gpu_kernels, attention=config.triton_attention):  # CUDA with Triton
-        model.use_cpu_kernels(config.cpu_kernels)  # CPU fp32 with the C++ kernel library
+    model.use_fused_kernels(config.gpu_kernels, config.cpu_kernels, attention=config.triton_attention)
     return LoadedTarget(model, checkpoint.tokenizer)
 
 

@@ -232,7 +232,7 @@ class SpecPolicy:
         weight = PROBE_WEIGHT if was_probe else 0.0
         best_before = self.best(rows) if not was_probe and self._explored(bucket) else None
         if seconds is not None:
-            key = (rows_bucket(rows), nodes)
+            key = (bucket, nodes)
             self._seconds.setdefault(key, _Ema(self.config.smoothing, OUTLIER_FACTOR)).add(seconds, weight)
         if acceptance is not None and nodes != PLAIN_NODES:
             self._acceptance.setdefault(nodes, _Ema(self.config.smoothing)).add(acceptance, weight)

@@ -29,7 +29,7 @@ from torch import nn
 
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.kv_cache import KVCache, KVCacheSpec
-from flashtree.models import cpu_kernels, gpu_kernels
+from flashtree.models import cpu_kernels
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.build import copy_weights, init_random_weights
@@ -37,7 +37,7 @@ from flashtree.models.cpu_quant_linear import QuantizedLinear, linear, quantize_
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
 from flashtree.models.rope import RotaryTable, apply_rotary
-from flashtree.models.transformer import (MLP, CausalLM, RMSNorm, attention_kernel_fits, fuse_rows,
+from flashtree.models.transformer import (MLP, CausalLM, FusedKernelSwitch, RMSNorm, fuse_attention_projections,
                                           prenorm_layer)
 
 DRAFT_FORMS = ("a DFlash drafter directory (config.json + model.safetensors) or a Hugging Face hub id "
@@ -79,11 +79,7 @@ class DrafterAttention(nn.Module):
         self.window = cfg.window(layer_index)  # sliding window (the Triton attention applies it itself)
 
     def fuse(self) -> None:
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = fuse_rows(*projections)
-        if self.q_proj.bias is not None:
-            self.qkv_bias = fuse_rows(*projections, attr="bias")
-        self.qk_norm_weight = torch.stack([self.q_norm.weight.detach(), self.k_norm.weight.detach()])
+        fuse_attention_projections(self)
 
     def _fused_write(self, x: torch.Tensor, with_queries: bool, positions: torch.Tensor, cache: KVCache,
                      write_index: tuple[torch.Tensor, torch.Tensor], rope_tables) -> torch.Tensor:
@@ -143,7 +139,7 @@ class DrafterLayer(nn.Module):
         return prenorm_layer(self, x, residual, kernels, lambda h: self.self_attn(h, batch, cache, rope, mask))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(FusedKernelSwitch, nn.Module):
     """Parameters carry the z-lab names: ``fc``, ``hidden_norm``, ``norm``, ``layers.i.*``."""
 
     def __init__(self, config: DFlashConfig, target: CausalLM):
@@ -155,8 +151,6 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.target = TargetParts(embed=target.embed, head=target.head)
         self.rope: RotaryTable | None = None
-        self.kernels = None  # fused small-op backend: gpu_kernels (Triton, CUDA) or cpu_kernels (C++, CPU)
-        self.fused_attention = False  # Triton tree attention (kv_len and slot_range then do not matter)
         self.fc_quant = None  # CPU: Q8_0 blocks of fc (quantize_blocks)
 
     def fuse(self) -> None:
@@ -165,24 +159,17 @@ class DFlashDrafter(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def use_gpu_kernels(self, enabled: bool = True, attention: bool = False) -> bool:
-        """Fuse the projections and switch the Triton kernels on where they can run; returns
-        whether they are on (as :meth:`CausalLM.use_gpu_kernels`)."""
-        head_dim = self.config.head_dim
-        on = enabled and gpu_kernels.usable_on(self.fc.weight) and head_dim & (head_dim - 1) == 0
-        self._set_kernels(gpu_kernels if on else None, on and attention and attention_kernel_fits(self.config))
-        return on
+    def _kernel_layers(self):
+        return self.layers
 
-    def use_cpu_kernels(self, enabled: bool = True) -> bool:
-        """Fuse the projections and switch the C++ kernels on for an fp32 drafter on the CPU; returns
-        whether they are on (as :meth:`CausalLM.use_cpu_kernels`)."""
-        on = enabled and cpu_kernels.usable_on(self.fc.weight)
-        self._set_kernels(cpu_kernels if on else None, on)
-        return on
+    def _kernel_weight(self) -> torch.Tensor:
+        return self.fc.weight
 
-    @property
-    def fused_kernels(self) -> bool:
-        return self.kernels is not None
+    def _ready_for_kernels(self) -> bool:
+        """Fuse the projections (inference only: training keeps them apart) when not done yet."""
+        if self.layers and self.layers[0].self_attn.qkv_weight is None:
+            self.fuse()
+        return True
 
     def quantize_blocks(self) -> None:
         """CPU, with the C++ kernels on: round the drafter's matrices to Q8_0 once and keep the
@@ -200,17 +187,6 @@ class DFlashDrafter(nn.Module):
             attn.o_quant = _round_to_blocks(attn.o_proj.weight)
             mlp.gate_up_quant, mlp.down_quant = _round_to_blocks(mlp.gate_up), _round_to_blocks(mlp.down_proj.weight)
 
-    def uses_kernel_attention(self, new_tokens: int) -> bool:
-        """As :meth:`CausalLM.uses_kernel_attention`."""
-        return self.fused_attention and self.kernels.handles_attention(new_tokens)
-
-    def _set_kernels(self, kernels, attention: bool) -> None:
-        if kernels is not None and self.layers and self.layers[0].self_attn.qkv_weight is None:
-            self.fuse()
-        self.kernels, self.fused_attention = kernels, attention
-        for layer in self.layers:
-            layer.self_attn.kernels = layer.mlp.kernels = kernels
-            layer.self_attn.fused_attention = attention
 
     # ------------------------------------------------------------------ state
     def setup_rope(self, max_positions: int) -> None:

@@ -99,7 +99,8 @@ def qkv_write_operands(qkv: torch.Tensor, heads: int, kv_heads: int, k_cache: to
 
 def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: torch.Tensor | None, eps: float,
                         cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate q and k, write k and v into the cache; returns q ``[B, H, N, D]``.
 
     qkv: ``[B, N, (H + 2 KVH) * D]`` (q heads, then k heads, then v heads); qk_norm: ``[2, D]``, the

@@ -60,6 +60,17 @@ def fuse_rows(*linears: nn.Linear, attr: str = "weight") -> torch.Tensor:
     return fused
 
 
+def fuse_attention_projections(attn: nn.Module) -> None:
+    """Concatenate an attention's q/k/v projections (weights, and biases when present) so one
+    matmul computes all three, and stack its q/k norm weights for the fused kernels."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    attn.qkv_weight = fuse_rows(*projections)
+    if attn.q_proj.bias is not None:
+        attn.qkv_bias = fuse_rows(*projections, attr="bias")
+    if attn.q_norm is not None:
+        attn.qk_norm_weight = torch.stack([attn.q_norm.weight.detach(), attn.k_norm.weight.detach()])
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -112,13 +123,7 @@ class Attention(nn.Module):
         self.fused_attention = False  # Triton attention read from the cache by slot and length
 
     def fuse(self) -> None:
-        """Concatenate q/k/v projections so one matmul computes all three."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = fuse_rows(*projections)
-        if self.q_proj.bias is not None:
-            self.qkv_bias = fuse_rows(*projections, attr="bias")
-        if self.q_norm is not None:
-            self.qk_norm_weight = torch.stack([self.q_norm.weight.detach(), self.k_norm.weight.detach()])
+        fuse_attention_projections(self)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_weight is None:
@@ -205,48 +210,34 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class ForwardOutput(NamedTuple):
-    logits: torch.Tensor  # [B, M, vocab] float32, at the requested positions
-    hidden: torch.Tensor | None  # [B, N, len(capture_layers) * hidden], after those layers
+class FusedKernelSwitch:
+    """Which fused-kernel backend a model's layers call for their small ops: :mod:`gpu_kernels`
+    (Triton, CUDA), :mod:`cpu_kernels` (C++, CPU) or none (torch ops). Mixed into the target and
+    the drafter, which say where their layers and a device-telling weight are and how their
+    projections get fused (``_kernel_layers``, ``_kernel_weight``, ``_ready_for_kernels``)."""
 
+    kernels = None  # the backend module, or None
+    fused_attention = False  # the backend's attention replaces SDPA (for the widths it handles)
 
-class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope: RotaryTable | None = None
-        self.lm_head_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
-        self.kernels = None  # fused small-op backend: gpu_kernels (Triton, CUDA) or cpu_kernels (C++, CPU)
-        self.fused_attention = False  # Triton attention (kv_len and slot_range then do not matter)
-
-    def fuse(self) -> None:
-        """Fuse per-layer projections for inference (call after the weights are loaded)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+    def use_fused_kernels(self, gpu: bool, cpu: bool, attention: bool = False) -> bool:
+        """The Triton kernels where they run (``attention``: their tree attention too), else the
+        C++ ones where they run; returns whether either is on."""
+        return self.use_gpu_kernels(gpu, attention) or self.use_cpu_kernels(cpu)
 
     def use_gpu_kernels(self, enabled: bool = True, attention: bool = False) -> bool:
-        """Switch the fused Triton kernels (:mod:`gpu_kernels`) on where they can run (CUDA with
-        Triton; a power-of-two head_dim); returns whether they are on. ``attention`` also swaps
-        SDPA for the Triton tree attention (slower on the H200 so far: benchmarks/README.md)."""
+        """Switch the Triton kernels on where they can run (CUDA with Triton, a power-of-two
+        head_dim); returns whether they are on. ``attention`` also swaps SDPA for the Triton tree
+        attention (slower on the H200 so far: benchmarks/README.md)."""
         head_dim = self.config.head_dim
-        fused_projections = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up is not None
-                                for layer in self.model.layers)  # fuse() ran
-        on = (enabled and gpu_kernels.usable_on(self.lm_head.weight) and head_dim & (head_dim - 1) == 0
-              and fused_projections)
+        on = (enabled and gpu_kernels.usable_on(self._kernel_weight()) and head_dim & (head_dim - 1) == 0
+              and self._ready_for_kernels())
         self._set_kernels(gpu_kernels if on else None, on and attention and attention_kernel_fits(self.config))
         return on
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
-        """Switch the fused C++ kernels (:mod:`cpu_kernels`) on for an fp32 model on the CPU where
-        the library builds, attention of up to 16 new tokens included; returns whether they are on."""
-        fused_projections = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up is not None
-                                for layer in self.model.layers)
-        on = enabled and fused_projections and cpu_kernels.usable_on(self.lm_head.weight)
+        """Switch the C++ kernels on for an fp32 model on the CPU where their library builds,
+        attention of up to 16 new tokens included; returns whether they are on."""
+        on = enabled and cpu_kernels.usable_on(self._kernel_weight()) and self._ready_for_kernels()
         self._set_kernels(cpu_kernels if on else None, on)
         return on
 
@@ -261,9 +252,43 @@ class CausalLM(nn.Module):
 
     def _set_kernels(self, kernels, attention: bool) -> None:
         self.kernels, self.fused_attention = kernels, attention
-        for layer in self.model.layers:
+        for layer in self._kernel_layers():
             layer.self_attn.kernels = layer.mlp.kernels = kernels
             layer.self_attn.fused_attention = attention
+
+
+class ForwardOutput(NamedTuple):
+    logits: torch.Tensor  # [B, M, vocab] float32, at the requested positions
+    hidden: torch.Tensor | None  # [B, N, len(capture_layers) * hidden], after those layers
+
+
+class CausalLM(FusedKernelSwitch, nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope: RotaryTable | None = None
+        self.lm_head_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
+
+    def fuse(self) -> None:
+        """Fuse per-layer projections for inference (call after the weights are loaded)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def _kernel_layers(self):
+        return self.model.layers
+
+    def _kernel_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    def _ready_for_kernels(self) -> bool:
+        """fuse() ran (the kernels read the fused qkv and gate-up outputs)."""
+        return all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up is not None
+                   for layer in self.model.layers)
 
     def setup_rope(self, max_positions: int) -> None:
         p = self.lm_head.weight
@@ -292,9 +317,11 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.kernels)
-            if i in wanted:  # HF hidden_states[i + 1]; the last one is taken after the final norm
-                captured[i] = self.model.norm(residual + x) if i == last else residual + x
+            if i in wanted and i != last:  # HF hidden_states[i + 1]
+                captured[i] = residual + x
         x = residual + x  # [B, N, hidden], the last layer's output
+        if last in wanted:  # HF takes the last one after the final norm
+            captured[last] = self.model.norm(x)
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]

@@ -28,6 +28,7 @@ import torch
 
 from flashtree.config import EngineConfig
 from flashtree.kv_cache import KVCache
+from flashtree.models import cpu_kernels
 from flashtree.models.batch import slot_range_of
 from flashtree.models.dflash import DFlashDrafter, load_drafter
 from flashtree.spec.proposer import Proposer, ProposerRows
@@ -103,7 +104,7 @@ class DrafterRunner:
         """
         if (self.drafter.uses_kernel_attention(self.drafter.config.block_size)
                 or (rows.slots.is_cuda and torch.cuda.is_current_stream_capturing())):
-            return self.cache.spec.capacity, None  # (the Triton attention reads lengths itself)
+            return self.cache.spec.capacity, None  # (the kernel attention reads lengths itself)
         host = torch.cat([rows.slots, rows.starts.max()[None]]).tolist()
         slots, longest = host[:-1], host[-1]
         return longest + self.drafter.config.block_size, slot_range_of(slots)
@@ -177,9 +178,9 @@ def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     spec = config.spec
     drafter = load_drafter(spec.draft, target, tokenizer, block_size_override=spec.block_size,
                            random_weights=config.random_weights, seed=config.seed + 1)
-    if not drafter.use_gpu_kernels(config.gpu_kernels, attention=config.triton_attention):  # CUDA with Triton
-        if drafter.use_cpu_kernels(config.cpu_kernels) and config.quant_kernels:  # CPU fp32, C++ library
-            drafter.quantize_blocks()  # Q8_0 copies for block passes
+    drafter.use_fused_kernels(config.gpu_kernels, config.cpu_kernels, attention=config.triton_attention)
+    if drafter.kernels is cpu_kernels and config.quant_kernels:
+        drafter.quantize_blocks()  # CPU: Q8_0 copies for block passes
     cache = drafter.new_cache(config.max_running + 1, config.max_context,  # + the pad slot
                               scratch=max(config.prefill_chunk, LAG_CAPACITY))  # a catch-up pads to the largest lag
     runner = DrafterRunner(drafter, cache)
