@@ -59,8 +59,9 @@ def time_steps(engine, batch, context, steps):
     return ms, stages
 
 
-def tree_work_ms(budget, batch, reps=50):
-    """build_tree + accept_walk + KV commit for one round, as one replayed CUDA graph."""
+def tree_work_ms(budget, batch, kernel, reps=50):
+    """build_tree (``kernel``: its Triton kept-list kernel) + accept_walk + KV commit for one round,
+    as one replayed CUDA graph."""
     vocab, depth = QWEN3_8B["vocab_size"], 15
     logits = torch.randn(batch, depth, vocab, device="cuda", dtype=torch.bfloat16)
     cache = KVCache(KVCacheSpec(36, batch, 2048, budget + 1, 8, 128), torch.bfloat16, "cuda")
@@ -69,7 +70,7 @@ def tree_work_ms(budget, batch, reps=50):
     budgets = torch.full((batch,), budget, device="cuda")
 
     def work(lg):
-        tree = build_tree(lg, budgets, budget)
+        tree = build_tree(lg, budgets, budget, kernel=kernel)
         choice = tree.tokens.roll(-1, dims=1)  # any target choices: the walk cost does not depend on them
         walk = accept_walk(tree, choice, depth)
         cache.commit(slots, starts, walk.path.clamp(min=0), walk.accept_lengths)
@@ -114,16 +115,18 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/gpu_rounds.json")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--methods", default="none,dflash,ddtree:16,ddtree:64,ddtree:256,ddtree:1024")
+    parser.add_argument("--methods", default="none,dflash,ddtree:16,ddtree:64,ddtree:256,ddtree:1024",
+                        help="comma-separated; empty: only the tree-work timings")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--tree-budgets", default="16,64,256,1024")
-    parser.add_argument("--triton-tree", action="store_true", help="DDTree kept lists from the Triton kernel")
+    parser.add_argument("--triton-tree", action=argparse.BooleanOptionalAction, default=True,
+                        help="DDTree kept lists from the Triton kernel (the engine's default)")
     parser.add_argument("--triton-attention", action="store_true", help="Triton tree attention instead of SDPA")
     args = parser.parse_args()
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
     rows, batches = [], [int(b) for b in args.batches.split(",")]
-    for method in args.methods.split(","):
+    for method in filter(None, args.methods.split(",")):
         name, _, budget = method.partition(":")
         spec = SpecConfig(method=name, draft=None if name == "none" else str(drafter),
                           budget=int(budget) if budget else None)
@@ -147,8 +150,9 @@ def main():
     tree_rows = []
     for budget in [int(b) for b in args.tree_budgets.split(",")]:
         for batch in batches:
-            graphed, eager = tree_work_ms(budget, batch)
-            tree_rows.append({"budget": budget, "batch": batch, "graphed_ms": graphed, "eager_ms": eager})
+            graphed, eager = tree_work_ms(budget, batch, args.triton_tree)
+            tree_rows.append({"budget": budget, "batch": batch, "kernel": args.triton_tree,
+                              "graphed_ms": graphed, "eager_ms": eager})
             print(json.dumps(tree_rows[-1]), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
            "rounds": rows, "tree_build_accept_commit": tree_rows}

@@ -23,6 +23,8 @@
 #   WORK         scratch folder (default benchmarks/out/smollm2-drafter)
 #   REGEN_S      wall-clock budget of the regeneration (default 200)
 #   REGEN_TEMPERATURE  sampling temperature of the regenerated answers (default 0: greedy)
+#   REGEN_FLAGS  extra engine flags for the regeneration (default: the contents of $STASH/regen_flags,
+#                which benchmarks/regen_speed.sh writes with the faster attention variant; else none)
 #   REGEN_APPEND 1: regenerate adds to the existing answers instead of starting over (PHASE=regen sets it)
 #   TRAIN_S      total training wall time over all phases (default 680): sets the cosine schedule
 #   DEADLINE_S   seconds after the start by which a phase must be done (default 570)
@@ -49,6 +51,7 @@ WORK=${WORK:-benchmarks/out/smollm2-drafter}
 REGEN_S=${REGEN_S:-200}
 REGEN_TEMPERATURE=${REGEN_TEMPERATURE:-0}
 REGEN_APPEND=${REGEN_APPEND:-0}
+if [[ -z "${REGEN_FLAGS+set}" ]]; then REGEN_FLAGS=$(cat "$STASH/regen_flags" 2>/dev/null || true); fi
 [[ "${PHASE:-all}" == regen ]] && REGEN_APPEND=1
 TRAIN_S=${TRAIN_S:-680}
 DEADLINE_S=${DEADLINE_S:-570}
@@ -71,11 +74,11 @@ stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 left() { echo $(( DEADLINE_S - ($(date +%s) - start) - $1 )); }  # seconds left after a reserve
 
 regenerate() {
-  stamp "regenerate: $MODEL answers the prompts of $PROMPTS (budget ${REGEN_S}s, temperature $REGEN_TEMPERATURE)"
+  stamp "regenerate: $MODEL answers the prompts of $PROMPTS (budget ${REGEN_S}s, temperature $REGEN_TEMPERATURE, flags '$REGEN_FLAGS')"
   $PY -m flashtree.cli regenerate --model "$MODEL" --prompts "$PROMPTS" --split all \
     --max-new-tokens "$NEW_TOKENS" --temperature "$REGEN_TEMPERATURE" --max-running "$MAX_RUNNING" \
     --max-context "$MAX_CONTEXT" --device "$DEVICE" --time-budget-s "$REGEN_S" --output "$WORK/regenerated.jsonl" \
-    --no-progress $( (( REGEN_APPEND )) && echo --append )
+    --no-progress $( (( REGEN_APPEND )) && echo --append ) $REGEN_FLAGS
 }
 
 train() {  # $1: seconds to reserve after training in this phase; $2...: extra train-drafter flags
@@ -121,4 +124,6 @@ if [[ -n "${OUT:-}" ]]; then  # bring back the checkpoint (shards < 16 MiB) and 
   cp "$WORK"/drafter/model.safetensors.index.json "$OUT/drafter/" 2>/dev/null || true
   cp "$WORK"/drafter/train_metrics.json "$OUT/" 2>/dev/null || true
   if [[ -d "$WORK/bench" ]]; then tar czf "$OUT/bench.tgz" -C "$WORK" bench; fi
+  gzip -c "$WORK/regenerated.jsonl" > "$OUT/regenerated.jsonl.gz"  # the data, for later runs (if under 16 MiB)
+  (( $(stat -c %s "$OUT/regenerated.jsonl.gz") < 16 * 1024 * 1024 )) || rm "$OUT/regenerated.jsonl.gz"
 fi

@@ -31,15 +31,21 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=8, help="requests decoded together")
     parser.add_argument("--no-quant-kernels", action="store_true",
                         help="CPU fp32 GGUF models: multiply every product by the dequantized fp32 weights "
-                             "(default: decode-sized products read the GGUF blocks with an AVX-512 kernel)")
+                             "(default: decode-sized products read the GGUF blocks with an AVX-512 / AVX2 kernel)")
     parser.add_argument("--trace-policy", default=None, metavar="FILE",
                         help="write each round's adaptive-speculation choice, time and estimates as JSON lines")
     parser.add_argument("--no-cpu-kernels", action="store_true",
                         help="CPU: run norms, rotary and KV writes as plain torch ops "
-                             "(default: fused C++ kernels where the AVX-512 kernel library builds)")
+                             "(default: fused C++ kernels where the AVX-512 / AVX2 kernel library builds)")
     parser.add_argument("--no-gpu-kernels", action="store_true",
                         help="CUDA: run norms, rotary and KV writes as plain torch ops "
                              "(default: fused Triton kernels when Triton is installed)")
+    parser.add_argument("--triton-attention", action=argparse.BooleanOptionalAction, default=False,
+                        help="CUDA: attention with the Triton kernel that reads the KV cache by slot (no gather "
+                             "of scattered rows; one CUDA graph for every context length) instead of SDPA "
+                             "(default: off, except in regenerate)")
+    parser.add_argument("--triton-tree", action=argparse.BooleanOptionalAction, default=True,
+                        help="CUDA: build DDTree kept lists with one Triton kernel per round (same trees; default: on)")
 
 
 def add_trace_arg(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +82,8 @@ def llm_from_args(args, **extra):
                trace_trees=getattr(args, "trace_trees", None), adaptive_spec=adaptive_spec_of(args),
                quant_kernels=not getattr(args, "no_quant_kernels", False),
                gpu_kernels=not getattr(args, "no_gpu_kernels", False),
-               cpu_kernels=not getattr(args, "no_cpu_kernels", False), trace_policy=args.trace_policy, **extra)  # only generate and chat trace
+               cpu_kernels=not getattr(args, "no_cpu_kernels", False), trace_policy=args.trace_policy,
+               triton_attention=args.triton_attention, triton_tree=args.triton_tree, **extra)
 
 
 def adaptive_spec_of(args, default: bool = True) -> bool:

@@ -1,7 +1,7 @@
 """CPU block kernel (flashtree/models/cpu_quant_linear.py): products from GGUF Q4_0 / Q4_1 / Q8_0
 blocks equal ``x @ W.T`` with the converter's fp32 weights, the rebuilt weights are bit-identical,
 and the engine with the kernel returns the same greedy tokens as without it (plain and
-speculative decoding). Needs a C++ compiler and an AVX-512 CPU; skipped with the reason otherwise."""
+speculative decoding). Needs a C++ compiler and an AVX-512 or AVX2 CPU; skipped with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -155,7 +155,31 @@ def test_switch_off_and_fallback_log(tmp_path, monkeypatch, caplog):
         cpu_quant_linear.load_kernels.cache_clear()
     assert all(h is None for h in holders(llm.engine.model))
     assert [r.getMessage() for r in caplog.records if "quantized CPU kernels off" in r.getMessage()] == [
-        "flashtree: quantized CPU kernels off, using the float32 weights: this CPU lacks avx512f, avx512bw, f16c, fma"]
+        "flashtree: quantized CPU kernels off, using the float32 weights: this CPU lacks avx2, f16c, fma "
+        "(the kernel needs AVX-512 or AVX2 with F16C and FMA)"]
+
+
+def test_instruction_set_is_the_best_the_cpu_has():
+    pick = cpu_quant_linear.isa_compiler_flags
+    assert pick({"avx512f", "avx512bw", "avx2", "f16c", "fma"}) == ("-mavx512f", "-mavx512bw")
+    assert pick({"avx512f", "avx2", "f16c", "fma"}) == ("-mavx2",)  # no avx512bw: the AVX2 build
+    assert pick({"avx2", "f16c", "fma", "sse4_2"}) == ("-mavx2",)
+    with pytest.raises(cpu_quant_linear.KernelUnavailable, match="lacks f16c"):
+        pick({"avx2", "fma"})
+
+
+@needs_kernel
+@pytest.mark.skipif("avx2" not in cpu_quant_linear.cpu_flags(), reason="needs an AVX2 CPU")
+def test_avx2_build_matches_dequantized_matmul(monkeypatch):
+    """The AVX2 build, also on a CPU that would take the AVX-512 one (where both then get tested)."""
+    monkeypatch.setattr(cpu_quant_linear, "cpu_flags", lambda: {"avx2", "f16c", "fma"})
+    cpu_quant_linear.load_kernels.cache_clear()
+    try:
+        test_kernel_matches_dequantized_matmul("Q4_1", (200, 1536))
+        test_kernel_matches_dequantized_matmul("Q8_0", (96, 576))
+        test_kernel_matches_dequantized_matmul("Q4_0", (1000, 64))
+    finally:
+        cpu_quant_linear.load_kernels.cache_clear()
 
 
 def test_switch_reaches_the_engine_config():

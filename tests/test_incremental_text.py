@@ -53,3 +53,33 @@ def test_each_step_decodes_a_window_not_the_whole_output(tracker):
     finally:
         tracker.decode = decode
     assert len(ids) >= 400 and max(calls) <= 8, max(calls)
+
+
+def test_fast_decoder_matches_the_tokenizer(tracker):
+    rng = random.Random(1)
+    for ids in sequences(tracker.tokenizer, rng):
+        assert tracker.decode(ids) == tracker.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_non_incremental_text_is_decoded_once_at_the_end(tracker):
+    """``incremental=False`` (batch jobs): no decoding while a request runs without stop strings,
+    the full text when it finishes; a request with stop strings still tracks its text."""
+    from flashtree.engine.output import append_tokens
+
+    lazy = TextTracker(tracker.tokenizer, incremental=False)
+    calls = []
+    decode = lazy.decode
+    lazy.decode = lambda ids: calls.append(len(ids)) or decode(ids)
+    ids = tracker.tokenizer.encode(TEXTS[1] + TEXTS[0])
+    req = Request(prompt_ids=[1], params=SamplingParams(max_tokens=len(ids)))
+    for start in range(0, len(ids), 3):
+        event = append_tokens(req, ids[start:start + 3], lazy, max_context=4096)
+        assert calls == [] or event.finished
+    assert req.finished and req.text == tracker.decode(ids) and event.new_text == req.text
+    stopped = Request(prompt_ids=[1], params=SamplingParams(max_tokens=len(ids), stop=("return",)))
+    for start in range(0, len(ids), 3):
+        append_tokens(stopped, ids[start:start + 3], lazy, max_context=4096)
+        if stopped.finished:
+            break
+    full = tracker.decode(ids)
+    assert stopped.finish_reason == "stop" and stopped.text == full[:full.index("return")]

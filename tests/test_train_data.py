@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from flashtree.errors import ConfigError
 from flashtree.train import data
 from flashtree.train.anchors import anchor_candidates, make_blocks
 from flashtree.train.batching import BatchStream, collate, epoch_batches
@@ -39,6 +40,27 @@ def test_assistant_mask_covers_only_assistant_responses(tokenizer):
     # response words and the end-of-turn that closes each response; never headers or user text
     assert masked == ["w1", "w2", "w3", END_OF_TURN, "w4", "w5", END_OF_TURN]
     assert tokens.count("assistant") == 2 and tokens.count("hello") == 1
+
+
+def test_history_turns_before_train_from_are_context_only(tokenizer, tmp_path):
+    """A regenerated later turn (``train_from``) trains only on the target's answer; the earlier
+    assistant turn (someone else's text) stays in the input ids but out of the mask."""
+    path = tmp_path / "regen.jsonl"
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "w1 w2"},
+                {"role": "user", "content": "tree"}, {"role": "assistant", "content": "w3 w4 w5"}]
+    path.write_text(json.dumps({"id": "c#turn1", "messages": messages, "train_from": 3}) + "\n"
+                    + json.dumps({"id": "d", "messages": messages}) + "\n")
+    later, plain = data.load_conversations(str(path))
+    assert (later.train_from, plain.train_from) == (3, 0)
+    for conv, expected in ((later, ["w3", "w4", "w5", END_OF_TURN]),
+                           (plain, ["w1", "w2", END_OF_TURN, "w3", "w4", "w5", END_OF_TURN])):
+        enc = encode_conversation(tokenizer, conv, 256, eot_ids(tokenizer))
+        tokens = tokenizer.convert_ids_to_tokens(enc.input_ids.tolist())
+        assert [t for t, m in zip(tokens, enc.assistant_mask.tolist()) if m] == expected
+        assert "w1" in tokens
+    path.write_text(json.dumps({"id": "e", "messages": messages, "train_from": 9}) + "\n")
+    with pytest.raises(ConfigError, match="'train_from' must be an integer message index in \\[0, 4\\], got 9"):
+        data.load_conversations(str(path))
 
 
 def test_truncated_turn_learns_no_end_of_turn_and_max_len_cuts(tokenizer):

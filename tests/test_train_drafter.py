@@ -230,6 +230,7 @@ def test_regenerate_answers_every_turn_and_appends_across_runs(pair, tmp_path):
     for record in records:
         *history, answer = record["messages"]
         assert len(history) == (3 if "#turn" in record["id"] else 1)
+        assert record["train_from"] == len(history)  # only the new answer is the target's own
         expected = llm.chat([history], SamplingParams(max_tokens=6))[0]
         assert answer == {"role": "assistant", "content": expected.text}
 

@@ -77,8 +77,8 @@ def setup_from_args(args: argparse.Namespace, needs_draft: bool):
                       ignore_eos=args.ignore_eos, random_weights=args.random_weights,
                       warmup_tokens=max(args.warmup_tokens, 0), profile_stages=args.profile_stages,
                       quant_kernels=not args.no_quant_kernels, gpu_kernels=not args.no_gpu_kernels,
-                      cpu_kernels=not args.no_cpu_kernels,
-                      adaptive_spec=adaptive_spec_of(args, default=False))  # fixed methods: per-method tau
+                      cpu_kernels=not args.no_cpu_kernels, triton_attention=args.triton_attention,
+                      triton_tree=args.triton_tree, adaptive_spec=adaptive_spec_of(args, default=False))  # fixed methods: per-method tau
 
 
 class OutputPaths(NamedTuple):

@@ -45,6 +45,8 @@ class BenchSetup:
     quant_kernels: bool = True  # CPU fp32 GGUF models: decode-sized products from the GGUF blocks
     gpu_kernels: bool = True  # CUDA: fused Triton kernels for the small per-layer ops
     cpu_kernels: bool = True  # CPU fp32: the same ops fused in C++
+    triton_attention: bool = False  # CUDA: the Triton attention that reads the cache by slot
+    triton_tree: bool = False  # CUDA: DDTree kept lists in one Triton kernel
 
     def engine_config(self, method: BenchMethod) -> EngineConfig:
         device = resolve_device(self.device)
@@ -53,7 +55,8 @@ class BenchSetup:
                             max_context=self.max_context, random_weights=self.random_weights,
                             profile_stages=self.profile_stages, quant_kernels=self.quant_kernels,
                             gpu_kernels=self.gpu_kernels, cpu_kernels=self.cpu_kernels,
-                            adaptive_spec=self.adaptive_spec)
+                            triton_attention=self.triton_attention, triton_tree=self.triton_tree,
+                            incremental_text=False, adaptive_spec=self.adaptive_spec)
 
     def sampling(self, prompt_index: int, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_new_tokens,

@@ -72,7 +72,7 @@ class LLMEngine:
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
         self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
         self.policy_tracer = PolicyTracer(config.trace_policy) if config.trace_policy else None
-        self.tracker = TextTracker(self.tokenizer)
+        self.tracker = TextTracker(self.tokenizer, config.incremental_text)
         self.default_stop_ids = frozenset(stop_token_ids_for(cfg, self.tokenizer))
         self.load_seconds = time.perf_counter() - t0
 

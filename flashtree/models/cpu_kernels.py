@@ -7,7 +7,7 @@ functions have the signatures of their Triton twins in :mod:`gpu_kernels` (the m
 whichever backend it was given), :func:`tree_attention` included, used for forwards of at most
 :data:`MAX_ATTENTION_NEW_TOKENS` new tokens per row (longer ones keep SDPA). They are C++ loops
 in the library :mod:`cpu_quant_linear` builds (same compiler, same cache; so they need what it
-needs: AVX-512 and a C++ compiler). Arithmetic is float32, one token at a time, so a token's result does not
+needs: AVX-512 or AVX2, and a C++ compiler). Arithmetic is float32, one token at a time, so a token's result does not
 depend on its batch; sums run in a different order than torch's, so results differ from the
 torch ops by float rounding (tests/test_cpu_kernels.py bounds it).
 """

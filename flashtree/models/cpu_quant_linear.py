@@ -4,7 +4,7 @@ A GGUF model is dequantized once to float32 (gguf_convert.py). On a CPU, a decod
 streams every fp32 weight once per token and is bound by memory bandwidth. For products with
 at most :data:`MAX_ROWS` rows (decode: one row per sequence; small verification trees) this
 module multiplies from the GGUF blocks instead: 0.625 bytes per Q4_1 weight (0.56 for Q4_0,
-1.06 for Q8_0) instead of 4. A small AVX-512 kernel rebuilds each weight in registers exactly
+1.06 for Q8_0) instead of 4. A small SIMD kernel rebuilds each weight in registers exactly
 as the converter stored it and accumulates in float32:
 
 - Q4_1: ``fma(d, q, m)``. ``d`` is an fp16 value and ``q`` a 4-bit integer, so ``d * q`` is
@@ -27,8 +27,9 @@ The blocks come from ``gguf_blocks.safetensors``, which the GGUF conversion writ
 fp32 weights (and the first load of an older cache entry adds). The kernel is plain C++ (no
 torch headers, so it compiles in about two seconds) built once with
 the system compiler into ``$FLASHTREE_CACHE/kernels`` and called through ``ctypes``; its OpenMP
-loop runs on the OpenMP runtime torch already loaded, with torch's thread count. It is used only
-when the CPU has AVX-512 (avx512f, avx512bw, f16c, fma in /proc/cpuinfo) and a compiler works;
+loop runs on the OpenMP runtime torch already loaded, with torch's thread count. It is built for
+AVX-512 (avx512f, avx512bw, f16c, fma in /proc/cpuinfo) or else AVX2 (avx2, f16c, fma: the same
+code on pairs of 8-float registers, :data:`ISA_BUILDS`) and used when a compiler works;
 otherwise the fp32 path stays and one log line says why. ``EngineConfig(quant_kernels=False)``
 / ``--no-quant-kernels`` turns it off.
 """
@@ -58,8 +59,10 @@ log = logging.getLogger("flashtree")
 
 MAX_ROWS = 8  # products with at most this many rows use the block kernel
 CHECKED_ROWS = 64  # rows per weight compared with the fp32 weight at load
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "f16c", "fma")
-CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mf16c", "-mfma")
+CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mf16c", "-mfma")
+# instruction sets the kernel is built for, best first: (name, CPU flags it needs, compiler flags)
+ISA_BUILDS = (("avx512", ("avx512f", "avx512bw", "f16c", "fma"), ("-mavx512f", "-mavx512bw")),
+              ("avx2", ("avx2", "f16c", "fma"), ("-mavx2",)))
 
 # type name -> (bytes per 32-weight block, kernel type code)
 BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
@@ -75,6 +78,43 @@ KERNEL_SOURCE = r"""
 
 namespace {
 
+// V16: 16 floats in one AVX-512 register, or in two AVX2 registers (same element order); only
+// sums are associated differently (8 lanes instead of 16), so results differ by rounding alone.
+#if defined(__AVX512F__)
+struct V16 { __m512 v; };
+inline V16 v_zero() { return {_mm512_setzero_ps()}; }
+inline V16 v_set1(float a) { return {_mm512_set1_ps(a)}; }
+inline V16 v_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void v_store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 v_add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 v_mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float v_sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline V16 v_from_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }  // 16 int8
+inline V16 v_from_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))}; }  // 16 uint8
+#else
+struct V16 { __m256 lo, hi; };
+inline V16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 v_set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline V16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void v_store(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline V16 v_add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 v_mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float v_sum(V16 a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline V16 v_from_i8(__m128i q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
+inline V16 v_from_u8(__m128i q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
+}
+#endif
+
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   memcpy(&h, p, 2);
@@ -86,18 +126,18 @@ inline float half_to_float(const uint8_t* p) {
 // type 1: Q4_1 {fp16 d, m; u8 qs[16]}  w = fma(d, q, m) (d * q exact: one rounding, like d*q + m)
 // type 2: Q8_0 {fp16 d; i8 qs[32]}     w = d * q, exact
 template <int TYPE>
-inline void decode(const uint8_t* block, __m512& w0, __m512& w1) {
-  const __m512 d = _mm512_set1_ps(half_to_float(block));
+inline void decode(const uint8_t* block, V16& w0, V16& w1) {
+  const V16 d = v_set1(half_to_float(block));
   if (TYPE == 2) {
     const __m128i* q = (const __m128i*)(block + 2);
-    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+    w0 = v_mul(d, v_from_i8(_mm_loadu_si128(q)));
+    w1 = v_mul(d, v_from_i8(_mm_loadu_si128(q + 1)));
   } else {
-    const __m512 m = TYPE == 1 ? _mm512_set1_ps(half_to_float(block + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    const V16 m = TYPE == 1 ? v_set1(half_to_float(block + 2)) : v_mul(d, v_set1(-8.0f));
     const __m128i v = _mm_loadu_si128((const __m128i*)(block + (TYPE == 1 ? 4 : 2)));
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4))), m);
-    w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4))), m);
+    w0 = v_fmadd(d, v_from_u8(_mm_and_si128(v, low4)), m);
+    w1 = v_fmadd(d, v_from_u8(_mm_and_si128(_mm_srli_epi16(v, 4), low4)), m);
   }
 }
 
@@ -107,26 +147,40 @@ constexpr int64_t block_bytes(int type) { return type == 0 ? 18 : type == 1 ? 20
 #define PREFETCH_BYTES 4096
 #endif
 
+// Accumulators per row: AVX-512's 32 registers hold two (independent FMA chains); AVX2's 16 would
+// spill them from 3 rows on (a V16 is two registers), so it keeps one. The same for every row count,
+// so a row's result never depends on how many rows share the call.
+#if defined(__AVX512F__)
+constexpr bool ONE_ACCUMULATOR = false;
+#else
+constexpr bool ONE_ACCUMULATOR = true;
+#endif
+
 template <int TYPE, int M>
 void gemm(const float* x, const uint8_t* w, const float* bias, float* y, int64_t N, int64_t K, int threads) {
   const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
   for (int64_t n = 0; n < N; ++n) {
-    __m512 acc0[M], acc1[M];
-    for (int r = 0; r < M; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    V16 acc0[M], acc1[M];
+    for (int r = 0; r < M; ++r) acc0[r] = acc1[r] = v_zero();
     const uint8_t* row = w + n * row_bytes;
     for (int64_t b = 0; b < blocks; ++b) {
-      __m512 w0, w1;
+      V16 w0, w1;
       _mm_prefetch((const char*)(row + b * block_bytes(TYPE) + PREFETCH_BYTES), _MM_HINT_T0);
       decode<TYPE>(row + b * block_bytes(TYPE), w0, w1);
       for (int r = 0; r < M; ++r) {
         const float* xr = x + r * K + b * 32;
-        acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc1[r]);
+        if (ONE_ACCUMULATOR) {
+          acc0[r] = v_fmadd(w1, v_load(xr + 16), v_fmadd(w0, v_load(xr), acc0[r]));
+        } else {
+          acc0[r] = v_fmadd(w0, v_load(xr), acc0[r]);
+          acc1[r] = v_fmadd(w1, v_load(xr + 16), acc1[r]);
+        }
       }
     }
     const float add = bias ? bias[n] : 0.0f;
-    for (int r = 0; r < M; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + add;
+    for (int r = 0; r < M; ++r)
+      y[r * N + n] = v_sum(ONE_ACCUMULATOR ? acc0[r] : v_add(acc0[r], acc1[r])) + add;
   }
 }
 
@@ -152,19 +206,19 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < blocks; ++b) {
-      __m512 w0, w1;
+      V16 w0, w1;
       decode<TYPE>(w + n * row_bytes + b * block_bytes(TYPE), w0, w1);
-      _mm512_storeu_ps(out + n * K + b * 32, w0);
-      _mm512_storeu_ps(out + n * K + b * 32 + 16, w1);
+      v_store(out + n * K + b * 32, w0);
+      v_store(out + n * K + b * 32 + 16, w1);
     }
 }
 
 // ---- fused small ops of a decoder layer (fp32, rows = tokens); see cpu_kernels.py
 inline float dot_product(const float* a, const float* b, int64_t n) {
   int64_t d = 0;
-  __m512 acc = _mm512_setzero_ps();
-  for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  float sum = _mm512_reduce_add_ps(acc);
+  V16 acc = v_zero();
+  for (; d + 16 <= n; d += 16) acc = v_fmadd(v_load(a + d), v_load(b + d), acc);
+  float sum = v_sum(acc);
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;
 }
@@ -341,9 +395,7 @@ def kernel_cache_dir() -> Path:
 def load_kernels() -> ctypes.CDLL:
     """The compiled kernel library, built on first use and cached by source, flags and compiler.
     Raises :class:`KernelUnavailable` with the reason when it cannot be used here."""
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
-    if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
+    isa_flags = isa_compiler_flags(cpu_flags())
     compiler = find_compiler()
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
@@ -351,10 +403,11 @@ def load_kernels() -> ctypes.CDLL:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise KernelUnavailable(f"{compiler} does not run ({err})") from None
-    key = hashlib.sha256("\0".join([KERNEL_SOURCE, *CXX_FLAGS, compiler, version]).encode()).hexdigest()[:16]
+    flags = (*CXX_FLAGS, *isa_flags)
+    key = hashlib.sha256("\0".join([KERNEL_SOURCE, *flags, compiler, version]).encode()).hexdigest()[:16]
     library = kernel_cache_dir() / f"flashtree_block_kernels-{key}.so"
     if not library.is_file():
-        build_library(compiler, library)
+        build_library(compiler, library, flags)
     lib = ctypes.CDLL(str(library))
     lib.flashtree_block_gemm.restype = ctypes.c_int
     lib.flashtree_block_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -373,14 +426,24 @@ def load_kernels() -> ctypes.CDLL:
     return lib
 
 
-def build_library(compiler: str, library: Path) -> None:
+def isa_compiler_flags(available: set[str]) -> tuple[str, ...]:
+    """Compiler flags of the best instruction set in :data:`ISA_BUILDS` this CPU has (AVX-512, else
+    AVX2); raises :class:`KernelUnavailable` naming what is missing when it has neither."""
+    for _name, needed, flags in ISA_BUILDS:
+        if all(flag in available for flag in needed):
+            return flags
+    missing = sorted({flag for _name, needed, _flags in ISA_BUILDS[-1:] for flag in needed} - available)
+    raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (the kernel needs AVX-512 or AVX2 with F16C and FMA)")
+
+
+def build_library(compiler: str, library: Path, flags: Sequence[str]) -> None:
     """Compile into a private temporary file and rename it into place (concurrent builds are safe)."""
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=library.parent) as tmp:
         source, output = Path(tmp) / "kernels.cpp", Path(tmp) / library.name
         source.write_text(KERNEL_SOURCE)
         try:
-            result = subprocess.run([compiler, *CXX_FLAGS, str(source), "-o", str(output)],
+            result = subprocess.run([compiler, *flags, str(source), "-o", str(output)],
                                     capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as err:
             raise KernelUnavailable(f"{compiler} failed to run ({err})") from None

@@ -8,6 +8,9 @@ Sources (``--data``):
   regenerate`` writes) or ``{"conversations": [{"from", "value"}, ...]}`` (ShareGPT style),
   optionally with an ``"id"``; a record without one is known by its line index. A record with
   ``"finish_reason": "length"`` has a cut-off last assistant turn (no end-of-turn is learned there).
+  ``"train_from": k`` (regenerate writes it) says only messages ``k..`` are the target's own
+  answers: the assistant turns before them are history written by someone else, kept as
+  context but never trained on (the drafter imitates the target, not ShareGPT's answers).
 - a ``.json`` file holding a (possibly truncated) array of such records.
 - a prompts ``.jsonl`` of ``{"id", "prompt"}`` (what ``flashtree export-prompts`` writes) is
   read as one-turn conversations (useful for regeneration only: it has no assistant turns).
@@ -50,6 +53,7 @@ class Conversation:
     conv_id: str
     messages: tuple[dict, ...]
     truncated: bool = False  # the last assistant turn was cut off (regenerated with finish "length")
+    train_from: int = 0  # index of the first message whose assistant turns are trained on (earlier: context)
 
     @property
     def split_key(self) -> str:
@@ -149,7 +153,11 @@ def conversations_from_records(records: Iterable[tuple[str, dict]]) -> list[Conv
         messages = record_messages(record)
         if any(m["role"] != "system" for m in messages or ()):
             truncated = record.get("finish_reason") == "length" and messages[-1]["role"] == "assistant"
-            convs.append(Conversation(str(record.get("id", conv_id)), tuple(messages), truncated))
+            train_from = record.get("train_from", 0)
+            if not isinstance(train_from, int) or not 0 <= train_from <= len(messages):
+                raise ConfigError(f"record {record.get('id', conv_id)!r}: 'train_from' must be an integer message "
+                                  f"index in [0, {len(messages)}], got {train_from!r}")
+            convs.append(Conversation(str(record.get("id", conv_id)), tuple(messages), truncated, train_from))
     return convs
 
 

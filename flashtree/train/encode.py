@@ -43,13 +43,13 @@ def render(tokenizer, messages: Sequence[dict], generation_prompt: bool = False)
     return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=False)
 
 
-def assistant_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]] | None:
-    """(full text, character spans of the assistant turns), or None for a template whose prefix
-    renders are not prefixes of the full render."""
+def assistant_spans(tokenizer, messages: Sequence[dict], first: int = 0) -> tuple[str, list[tuple[int, int]]] | None:
+    """(full text, character spans of the assistant turns from message ``first`` on), or None for
+    a template whose prefix renders are not prefixes of the full render."""
     full = render(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < first:
             continue
         before = render(tokenizer, messages[:i], generation_prompt=True)
         through = render(tokenizer, messages[:i + 1])
@@ -78,7 +78,7 @@ def encode_conversation(tokenizer, conv: Conversation, max_len: int, end_of_turn
                         ) -> EncodedConversation | None:
     """Token ids and assistant mask, cut to ``max_len`` tokens; None when the conversation has
     fewer than two assistant tokens within the cut (no anchor with a label) or a bad template."""
-    rendered = assistant_spans(tokenizer, conv.messages)
+    rendered = assistant_spans(tokenizer, conv.messages, conv.train_from)
     if rendered is None:
         return None
     text, spans = rendered

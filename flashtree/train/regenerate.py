@@ -6,7 +6,8 @@ prompts file that end with a user turn (what ``flashtree export-prompts`` writes
 every turn with its history) as they are, else the chats' first user turns (or every user turn:
 ``--turns all``), many at once (``max_running`` slots, continuous batching), greedy or
 sampled. Each finished answer is written at once as
-``{"id", "messages": [..., {"role": "assistant", "content"}], "finish_reason", "num_tokens"}``;
+``{"id", "messages": [..., {"role": "assistant", "content"}], "train_from", "finish_reason", "num_tokens"}``
+(``train_from``: the new answer's message index; training learns only from it);
 ids are the source conversation ids, so the held-out split of the output equals the source's.
 ``--append`` adds to an existing output and skips the ids it already holds, so a large set can
 be answered over several runs (e.g. device calls of limited length).
@@ -142,6 +143,7 @@ def regenerate(llm, prompts: Sequence[tuple[str, list[dict]]], cfg: RegenerateCo
 
 def _write(handle, conv_id: str, messages: list[dict], req) -> None:
     record = {"id": conv_id, "messages": [*messages, {"role": "assistant", "content": req.text}],
+              "train_from": len(messages),  # earlier assistant turns (history) are not the target's
               "finish_reason": req.finish_reason, "num_tokens": len(req.output_ids)}
     handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     handle.flush()
