@@ -44,9 +44,12 @@ def default_budget(device: torch.device) -> int:
     | 2-core CPU, fp32, run 1 | 2, 4, 7, 16, 32 | 4 | 1.12x (2: 1.09x; 16: 0.52x) |
     | 2-core CPU, fp32, run 2 | 2, 3, 4, 5, 7 | 2 | 1.09x (4: 1.03x) |
     | H200, bf16 | 8, 16, 32, 64 | 64 | 1.42x |
+    | drafter v3, 2-core EPYC (AVX2), fp32, two runs | 2, 4, 7 | 4 | 1.14x / 1.24x |
+    | drafter v3, H200, bf16 | 8, 16, 32, 64 | 64 | 1.91x |
 
-    CPU: 2 and 4 are within the runs' noise; 4 is kept (a tree of 4 reaches deeper, which pays
-    more as drafters improve). Trees over 7 nodes leave the CPU's 8-row kernel products.
+    CPU: 2 and 4 were within the runs' noise with the v2 drafter; 4 is kept (a tree of 4 reaches
+    deeper), and it is the best with the v3 drafter. Trees over 7 nodes leave the CPU's 8-row
+    kernel products.
 
     Under load the adaptive policy halves it as the batch grows (down to plain rounds).
     """
