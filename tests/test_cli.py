@@ -98,3 +98,24 @@ def test_adaptive_spec_flags():
     assert EngineConfig().adaptive_spec is True
     with pytest.raises(ConfigError):
         EngineConfig(adaptive_spec="yes")
+
+
+def test_triton_switches_reach_the_engine_config():
+    """--triton-tree is on by default and --no-triton-tree turns it off; --triton-attention is off
+    except in regenerate (plain decoding of many rows on scattered slots), for every subcommand."""
+    from flashtree.bench.cli import setup_from_args
+    from flashtree.cli import build_parser
+    from flashtree.server.cli import config_from_args
+
+    assert (EngineConfig().triton_tree, EngineConfig().triton_attention) == (True, False)
+    parser = build_parser()
+    for flags, tree, attention in (([], True, False), (["--no-triton-tree", "--triton-attention"], False, True)):
+        engine = config_from_args(parser.parse_args(["serve", *flags])).engine
+        assert (engine.triton_tree, engine.triton_attention) == (tree, attention)
+        bench = setup_from_args(parser.parse_args(["bench", "--methods", "ar", "--dataset", "humaneval", *flags]),
+                                needs_draft=False)
+        assert (bench.triton_tree, bench.triton_attention) == (tree, attention)
+        generate = parser.parse_args(["generate", "--prompt", "x", *flags])
+        assert (generate.triton_tree, generate.triton_attention) == (tree, attention)
+    assert parser.parse_args(["regenerate"]).triton_attention is True
+    assert parser.parse_args(["regenerate", "--no-triton-attention"]).triton_attention is False
