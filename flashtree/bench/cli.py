@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--batch-size", type=int, default=1, help="requests decoded together (overrides --max-running)")
     bench.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    bench.add_argument("--warmup-tokens", type=int, default=16, help="untimed warm-up request per method (0: none)")
+    bench.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the untimed warm-up requests per method, one per row of the first batch (0: none)")
     bench.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"report file (default {DEFAULT_JSON})")
     bench.add_argument("--out-dir", type=Path, default=None, help="markdown and plots (default: beside --json)")
     bench.add_argument("--allow-inexact", action="store_true",

@@ -39,7 +39,7 @@ class BenchSetup:
     temperature: float
     ignore_eos: bool = False
     random_weights: bool = False
-    warmup_tokens: int = 16  # tokens of the untimed warm-up request (0: none)
+    warmup_tokens: int = 16  # tokens of each untimed warm-up request, one per row of the first batch (0: none)
     profile_stages: bool = False  # exact per-stage times: synchronizes and turns CUDA graphs off (slower)
     adaptive_spec: bool = False  # let speculative methods adapt their draft size (off: each method as named)
     quant_kernels: bool = True  # CPU fp32 GGUF models: decode-sized products from the GGUF blocks
@@ -84,8 +84,10 @@ def run_method(setup: BenchSetup, method: BenchMethod, target: LoadedTarget,
                prompt_ids: Sequence[list[int]], progress=None) -> MethodRun:
     engine = LLMEngine(setup.engine_config(method), target=target)
     try:
-        if setup.warmup_tokens > 0:
-            generate(engine, prompt_ids[:1], [setup.sampling(0, setup.warmup_tokens)])
+        if setup.warmup_tokens > 0:  # a full first batch: its prefill shapes (and their one-time
+            # kernel compiles) are then paid here, not by whichever method is timed first
+            first = prompt_ids[:setup.batch_size]
+            generate(engine, first, [setup.sampling(i, setup.warmup_tokens) for i in range(len(first))])
             engine.timer.seconds.clear()
         if progress is not None:
             progress.reset()  # the warm-up is not part of the timed run
