@@ -11,7 +11,11 @@ a small ladder of node counts by maximizing the expected throughput
 with online estimates the engine feeds it after every round (:meth:`SpecPolicy.record`):
 - acceptance(nodes): an exponential moving average (EMA) of the mean acceptance length of
   rounds with that node count (bonus included; it hardly depends on the batch size, so it is
-  shared by every rows bucket). The plain option (0 nodes) accepts exactly 1 token.
+  shared by every rows bucket). The plain option (0 nodes) accepts exactly 1 token. Its EMA
+  weighs each row of a round as one sample (``acceptance_smoothing`` per row: 0.05 for one row,
+  0.34 for eight): one row's round accepts a small integer number of tokens that scatters widely
+  around its mean, and a fast EMA of single rows wanders across the break-even point of a close
+  choice, while a batch's mean is steadier and may move the estimate faster.
 - seconds(bucket, nodes): an EMA of the round's measured host wall time, per rows bucket
   (1, 2, 4, 8, ...: the next power of two at or above the rows). A sample is clipped to
   ``OUTLIER_FACTOR`` times the estimate first, so one stalled round (another process, a page
@@ -22,8 +26,12 @@ decide (round robin, fewest measurements first), so an unseen bucket explores on
 option already measured at under ``DOMINATED`` of the best estimate is not tried again (big
 trees at a big batch can cost many plain steps).
 Tracking: after ``probe_interval`` rounds of a bucket, a neighbour of the best option in the
-ladder is tried once (alternately the larger and the smaller), so drift in acceptance or cost
-moves the choice; a probe's measurements weigh ``PROBE_WEIGHT`` (its old estimate is stale).
+ladder is tried for ``probe_rounds`` rounds in a row (alternately the larger and the smaller), so
+drift in acceptance or cost moves the choice. The probe's rounds are averaged and go into the
+estimates as one measurement of weight ``PROBE_WEIGHT`` (the old estimate is stale). One round
+is too few: a round's acceptance length is a small integer that scatters widely (a real
+drafter's rounds accept 1 to 5 tokens around a mean of 2.5), so single-round probes that happened
+to accept nothing could push a better option out for good (seen with SmolLM2 on the CPU).
 A probe whose option stays clearly worse (under ``BACKOFF_BELOW`` of the best estimate)
 doubles that bucket's interval (up to ``max_probe_interval``); one that changes the best option
 resets it: a settled choice (e.g. plain rounds with a drafter that never matches) pays for few
@@ -60,16 +68,19 @@ PROBE_WEIGHT = 0.75  # EMA weight of a probe's measurements (at least; the estim
 class SpecPolicyConfig:
     """Knobs of :class:`SpecPolicy` (validated, frozen)."""
 
-    smoothing: float = 0.2  # EMA weight of the newest measurement (the first ones are averaged)
+    smoothing: float = 0.2  # EMA weight of the newest round time (the first ones are averaged)
+    acceptance_smoothing: float = 0.05  # the same per row for acceptance lengths (a noisy small integer)
     explore_rounds: int = 2  # timed rounds of every option per rows bucket before trusting estimates
     probe_interval: int = 50  # rounds of a bucket between tries of a neighbour of the best option
     max_probe_interval: int = 800  # the interval doubles after each probe that changes nothing, up to this
     min_tree_nodes: int = 4  # smallest non-zero tree in a DDTree ladder (halving stops above it)
+    probe_rounds: int = 4  # consecutive rounds of a probe, averaged into one measurement
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.smoothing <= 1.0:
-            raise ConfigError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
-        for name in ("explore_rounds", "probe_interval", "max_probe_interval", "min_tree_nodes"):
+        for name in ("smoothing", "acceptance_smoothing"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        for name in ("explore_rounds", "probe_interval", "max_probe_interval", "min_tree_nodes", "probe_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -119,6 +130,19 @@ class _Ema:
         self.value += weight * (sample - self.value)
 
 
+@dataclasses.dataclass
+class _Probe:
+    """A probe in progress: its option, bucket, the best option when it began, the rounds it still
+    takes after the current one, and the measurements of its rounds so far."""
+
+    nodes: int
+    bucket: int
+    best_before: int
+    rounds_left: int
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    acceptance: list[float] = dataclasses.field(default_factory=list)
+
+
 class SpecPolicy:
     """Picks each round's node count from ``ladder`` (see the module docstring)."""
 
@@ -133,7 +157,7 @@ class SpecPolicy:
         self._interval: dict[int, int] = {}  # rows bucket -> rounds between probes (backs off)
         self._next_probe: dict[int, int] = {}  # rows bucket -> round count at which to probe
         self._probes: Counter[int] = Counter()  # rows bucket -> probes so far (alternates up / down)
-        self._probe: tuple[int, int, int] | None = None  # pending probe: (nodes, bucket, best before)
+        self._probe: _Probe | None = None  # the probe in progress
         self._recheck: dict[int, int] = {}  # rows bucket -> option the next probe re-measures (displaced)
 
     # ------------------------------------------------------------------ decisions
@@ -141,7 +165,12 @@ class SpecPolicy:
         """The node count of the next round of ``rows`` rows."""
         bucket = rows_bucket(rows)
         self._rounds[bucket] += 1
-        self._probe = None
+        probe = self._probe
+        if probe is not None:
+            if probe.bucket == bucket and probe.rounds_left > 0:
+                probe.rounds_left -= 1
+                return probe.nodes
+            self._finish_probe()  # done, or the batch moved to another bucket: use what it measured
         unexplored = self._unexplored(bucket)
         if unexplored:
             return min(unexplored, key=lambda n: self._timed(bucket, n))  # ladder order breaks ties
@@ -151,7 +180,7 @@ class SpecPolicy:
             displaced = self._recheck.pop(bucket, None)
             nodes = displaced if displaced not in (None, best) else self._neighbour(
                 best, larger=self._probes[bucket] % 2 == 1)
-            self._probe = (nodes, bucket, best)
+            self._probe = _Probe(nodes, bucket, best, rounds_left=self.config.probe_rounds - 1)
             return nodes
         return best
 
@@ -226,29 +255,47 @@ class SpecPolicy:
         (None: no row could use the full node count)."""
         if nodes not in self.ladder:
             raise ValueError(f"nodes {nodes} is not on the ladder {self.ladder}")
-        probe, self._probe = self._probe, None
         bucket = rows_bucket(rows)
-        was_probe = probe is not None and probe[0] == nodes and probe[1] == bucket
-        weight = PROBE_WEIGHT if was_probe else 0.0
-        best_before = self.best(rows) if not was_probe and self._explored(bucket) else None
-        if seconds is not None:
-            key = (bucket, nodes)
-            self._seconds.setdefault(key, _Ema(self.config.smoothing, OUTLIER_FACTOR)).add(seconds, weight)
-        if acceptance is not None and nodes != PLAIN_NODES:
-            self._acceptance.setdefault(nodes, _Ema(self.config.smoothing)).add(acceptance, weight)
-        if was_probe:
-            self._schedule_next_probe(rows, nodes, best_before=probe[2])
-        elif best_before is not None and self.best(rows) != best_before:  # see "Rechecks" above
+        probe = self._probe
+        if probe is not None and probe.nodes == nodes and probe.bucket == bucket:
+            if seconds is not None:
+                probe.seconds.append(seconds)
+            if acceptance is not None:
+                probe.acceptance.append(acceptance)
+            if probe.rounds_left == 0:
+                self._finish_probe()
+            return
+        best_before = self.best(rows) if self._explored(bucket) else None
+        self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows)
+        if best_before is not None and self.best(rows) != best_before:  # see "Rechecks" above
             self._recheck[bucket] = best_before
             self._interval[bucket] = self.config.probe_interval
             self._next_probe[bucket] = self._rounds[bucket] + self.config.probe_interval
 
-    def _schedule_next_probe(self, rows: int, probed: int, best_before: int) -> None:
+    def _measure(self, bucket: int, nodes: int, seconds: float | None, acceptance: float | None,
+                 weight: float, rows: int = 1) -> None:
+        """Feed one measurement (``weight``: the least EMA weight it gets; ``rows``: rows whose mean
+        acceptance it is) to the estimates."""
+        if seconds is not None:
+            self._seconds.setdefault((bucket, nodes), _Ema(self.config.smoothing, OUTLIER_FACTOR)).add(seconds, weight)
+        if acceptance is not None and nodes != PLAIN_NODES:
+            per_rows = 1.0 - (1.0 - self.config.acceptance_smoothing) ** rows  # each row one sample
+            self._acceptance.setdefault(nodes, _Ema(self.config.acceptance_smoothing)).add(
+                acceptance, max(weight, per_rows))
+
+    def _finish_probe(self) -> None:
+        """The probe's rounds, averaged, as one heavily weighted measurement; then the next probe
+        is scheduled."""
+        probe, self._probe = self._probe, None
+        mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
+        self._measure(probe.bucket, probe.nodes, mean(probe.seconds), mean(probe.acceptance), PROBE_WEIGHT)
+        self._schedule_next_probe(probe.bucket, probe.nodes, probe.best_before)
+
+    def _schedule_next_probe(self, bucket: int, probed: int, best_before: int) -> None:
         """Back off after a probe of a clearly worse option; probe again soon after one that
         changed the best option; keep the interval otherwise."""
-        bucket = rows_bucket(rows)
         interval = self._interval.get(bucket, self.config.probe_interval)
-        best = self.best(rows)
+        best = self.best(bucket)
         probed_rate, best_rate = self._per_row(bucket, probed), self._per_row(bucket, best)
         if best != best_before:
             interval = self.config.probe_interval
