@@ -30,22 +30,22 @@ for variant in $VARIANTS; do
     --limit "$LIMIT" --max-new-tokens "$MAX_NEW" --temperature 0 --max-running "$MAX_RUNNING" --max-context 1024 \
     --output "$model/out_$variant.jsonl" --no-progress ${FLAGS[$variant]} > "$log" 2>&1 || { tail -20 "$log"; exit 1; }
   wall_ms=$(( ($(date +%s%N) - start) / 1000000 ))
-  echo "$variant $(grep '^{"output"' "$log" | tail -1) wall_ms=$wall_ms"
+  echo "$variant $(grep '^{"output"' "$log" | tail -1) wall_ms=$wall_ms flags=${FLAGS[$variant]}"
 done | tee "$OUT_DIR/regen_speed.txt"
 
 $PY - "$OUT_DIR" "${FLAGS_FILE:-}" <<'EOF'
 import json, sys
 from pathlib import Path
 out, flags_file = Path(sys.argv[1]), sys.argv[2]
-flags = {"sdpa": "--no-triton-attention", "triton": "--triton-attention"}
 runs = {}
 for line in (out / "regen_speed.txt").read_text().splitlines():
     variant, rest = line.split(" ", 1)
+    rest, flags = rest.rsplit(" flags=", 1)
     record, wall_ms = rest.rsplit(" wall_ms=", 1)
-    runs[variant] = {**json.loads(record), "wall_s_with_load": int(wall_ms) / 1000, "flags": flags[variant]}
+    runs[variant] = {**json.loads(record), "wall_s_with_load": int(wall_ms) / 1000, "flags": flags}
 best = max(runs, key=lambda v: runs[v]["tokens_per_second"])
 (out / "regen_speed.json").write_text(json.dumps({"runs": runs, "best": best}, indent=1))
 print(f"fastest: {best} ({runs[best]['tokens_per_second']} tokens/s)")
 if flags_file:
-    Path(flags_file).write_text(flags[best])
+    Path(flags_file).write_text(runs[best]["flags"])
 EOF

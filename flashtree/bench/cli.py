@@ -30,7 +30,8 @@ def register(subparsers) -> None:
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--batch-size", type=int, default=1, help="requests decoded together (overrides --max-running)")
     bench.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    bench.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the untimed warm-up requests per method, one per row of the first batch (0: none)")
+    bench.add_argument("--warmup-tokens", type=int, default=16,
+                       help="tokens of the untimed warm-up requests per method, one per row of the first batch (0: none)")
     bench.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"report file (default {DEFAULT_JSON})")
     bench.add_argument("--out-dir", type=Path, default=None, help="markdown and plots (default: beside --json)")
     bench.add_argument("--allow-inexact", action="store_true",
@@ -78,7 +79,8 @@ def setup_from_args(args: argparse.Namespace, needs_draft: bool):
                       warmup_tokens=max(args.warmup_tokens, 0), profile_stages=args.profile_stages,
                       quant_kernels=not args.no_quant_kernels, gpu_kernels=not args.no_gpu_kernels,
                       cpu_kernels=not args.no_cpu_kernels, triton_attention=args.triton_attention,
-                      triton_tree=args.triton_tree, adaptive_spec=adaptive_spec_of(args, default=False))  # fixed methods: per-method tau
+                      triton_tree=args.triton_tree,
+                      adaptive_spec=adaptive_spec_of(args, default=False))  # fixed methods: per-method tau
 
 
 class OutputPaths(NamedTuple):

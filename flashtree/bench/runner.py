@@ -46,7 +46,7 @@ class BenchSetup:
     gpu_kernels: bool = True  # CUDA: fused Triton kernels for the small per-layer ops
     cpu_kernels: bool = True  # CPU fp32: the same ops fused in C++
     triton_attention: bool = False  # CUDA: the Triton attention that reads the cache by slot
-    triton_tree: bool = False  # CUDA: DDTree kept lists in one Triton kernel
+    triton_tree: bool = True  # CUDA: DDTree kept lists in one Triton kernel (the engine's default)
 
     def engine_config(self, method: BenchMethod) -> EngineConfig:
         device = resolve_device(self.device)

@@ -432,7 +432,7 @@ def isa_compiler_flags(available: set[str]) -> tuple[str, ...]:
     for _name, needed, flags in ISA_BUILDS:
         if all(flag in available for flag in needed):
             return flags
-    missing = sorted({flag for _name, needed, _flags in ISA_BUILDS[-1:] for flag in needed} - available)
+    missing = sorted(set(ISA_BUILDS[-1][1]) - available)  # what the least demanding build lacks
     raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (the kernel needs AVX-512 or AVX2 with F16C and FMA)")
 
 
