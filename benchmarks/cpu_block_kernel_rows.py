@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from flashtree.models import cpu_quant_linear
-from flashtree.models.cpu_quant_linear import MAX_ROWS, QuantizedLinear
+from flashtree.models.cpu_quant_linear import QuantizedLinear
 
 # SmolLM2-135M: (name, rows N, columns K, GGUF type) of one layer's products and the head
 SHAPES = (("qkv", 960, 576, "Q4_1"), ("o", 576, 576, "Q4_1"), ("gate_up", 3072, 576, "Q4_1"),
@@ -48,6 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,12,16,17,24,32,48,64",
+                        help="comma-separated row counts (the kernel takes any; linear() uses it up to MAX_ROWS)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_block_kernel_rows.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -55,7 +57,7 @@ def main() -> None:
     results = []
     for name, n, k, type_name in SHAPES:
         quant, dense = holder(n, k, type_name, seed=n + k)
-        for m in range(1, MAX_ROWS + 1):
+        for m in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(m, k)
             kernel = best_ms(lambda: quant(x), args.reps)
             fp32 = best_ms(lambda: x @ dense.T, args.reps)

@@ -37,3 +37,32 @@ def test_engines_use_them_and_stay_lossless(tmp_path):
         runs[spec, kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs["ddtree", True] == runs["none", True]
     assert runs["ddtree", True] == runs["ddtree", False]
+
+
+def test_tree_attention_node_equals_its_plain_decode_step():
+    """A tree node's attention output is bit-identical to the one-query call that plain decoding makes
+    once the node's ancestors are committed: the same keys in the same order, whatever else shares
+    the call (the kernel's key-major loops must keep every query's sums in key order)."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, committed = 6, 2, 48, 37
+    parents = [-1, 0, 0, 1, 2, 3, 1, 5]  # node 0 is the root; the rest are drafted nodes
+    nodes = len(parents)
+    mask = torch.zeros(1, nodes, nodes, dtype=torch.bool)
+    for i in range(nodes):
+        j = i
+        while j >= 0:
+            mask[0, i, j] = True
+            j = parents[j]
+    k_cache, v_cache = torch.randn(2, 2, kv_heads, 64, head_dim).unbind(0)  # [slots, KVH, entries, D] each
+    q = torch.randn(1, heads, nodes, head_dim)
+    tree = cpu_kernels.tree_attention(q, k_cache, v_cache, torch.tensor([0]), torch.tensor([committed]), mask)
+    for i in range(nodes):
+        path = torch.nonzero(mask[0, i]).flatten()  # the node's ancestors and itself, root first
+        plain_k, plain_v = k_cache.clone(), v_cache.clone()
+        plain_k[1, :, :committed], plain_v[1, :, :committed] = k_cache[0, :, :committed], v_cache[0, :, :committed]
+        plain_k[1, :, committed:committed + len(path)] = k_cache[0, :, committed + path]
+        plain_v[1, :, committed:committed + len(path)] = v_cache[0, :, committed + path]
+        length = committed + len(path) - 1  # everything before the node is committed
+        step = cpu_kernels.tree_attention(q[:, :, i:i + 1].contiguous(), plain_k, plain_v, torch.tensor([1]),
+                                          torch.tensor([length]), torch.ones(1, 1, 1, dtype=torch.bool))
+        assert torch.equal(step[:, :, 0], tree[:, :, i]), f"node {i}"

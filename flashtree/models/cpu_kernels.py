@@ -7,9 +7,10 @@ functions have the signatures of their Triton twins in :mod:`gpu_kernels` (the m
 whichever backend it was given), :func:`tree_attention` included, used for forwards of at most
 :data:`MAX_ATTENTION_NEW_TOKENS` new tokens per row (longer ones keep SDPA). They are C++ loops
 in the library :mod:`cpu_quant_linear` builds (same compiler, same cache; so they need what it
-needs: AVX-512 or AVX2, and a C++ compiler). Arithmetic is float32, one token at a time, so a token's result does not
-depend on its batch; sums run in a different order than torch's, so results differ from the
-torch ops by float rounding (tests/test_cpu_kernels.py bounds it).
+needs: AVX-512 or AVX2, and a C++ compiler). Arithmetic is float32 and each token's sums run in
+the same order whatever else is in the call, so a token's result does not depend on its batch;
+sums run in a different order than torch's, so results differ from the torch ops by float
+rounding (tests/test_cpu_kernels.py bounds it).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
     return q
 
 
-MAX_ATTENTION_NEW_TOKENS = 16  # longer chunks (prefill, big trees) keep SDPA's blocked kernel
+MAX_ATTENTION_NEW_TOKENS = 32  # longer chunks (prefill, big trees) keep SDPA's blocked kernel
 
 
 def handles_attention(new_tokens: int) -> bool:
@@ -91,8 +92,10 @@ def handles_attention(new_tokens: int) -> bool:
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """As :func:`gpu_kernels.tree_attention` (one query at a time, in C++): q ``[B, H, N, D]`` over
-    each row's committed cache entries and the new tokens its ``new_mask`` allows."""
+    """As :func:`gpu_kernels.tree_attention` (in C++, one task per row and head on torch's threads):
+    q ``[B, H, N, D]`` over each row's committed cache entries and the new tokens its ``new_mask``
+    allows. A query's result is bit-identical whatever shares the call: a tree node gets exactly
+    what plain decoding computes once its ancestors are committed."""
     b, heads, n, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
@@ -103,5 +106,5 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     load_kernels().flashtree_tree_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), mask.data_ptr(),
         out.data_ptr(), b, n, heads, kv_heads, head_dim, window or 0, head_dim ** -0.5,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), torch.get_num_threads())
     return out

@@ -2,8 +2,8 @@
 
 A GGUF model is dequantized once to float32 (gguf_convert.py). On a CPU, a decode step then
 streams every fp32 weight once per token and is bound by memory bandwidth. For products with
-at most :data:`MAX_ROWS` rows (decode: one row per sequence; small verification trees) this
-module multiplies from the GGUF blocks instead: 0.625 bytes per Q4_1 weight (0.56 for Q4_0,
+at most :data:`MAX_ROWS` rows (decode: one row per sequence; verification trees; drafter blocks;
+batches of a few dozen sequences) this module multiplies from the GGUF blocks instead: 0.625 bytes per Q4_1 weight (0.56 for Q4_0,
 1.06 for Q8_0) instead of 4. A small SIMD kernel rebuilds each weight in registers exactly
 as the converter stored it and accumulates in float32:
 
@@ -15,8 +15,8 @@ as the converter stored it and accumulates in float32:
 
 so the weights are bit-identical to the fp32 ones (checked at load on a spread of rows of every
 weight, in full by the tests); only the summation order differs from MKL's.
-Each weight block is decoded once for all rows of a product, and a row's result does not depend
-on how many rows share the call. The kernel prefetches 4 KB ahead in the weight stream: the
+Each weight block is decoded once for up to 8 rows of a product (from L1 again for each further
+group of 8), and a row's result does not depend on how many rows share the call. The kernel prefetches 4 KB ahead in the weight stream: the
 separate per-layer products are too short for the hardware prefetcher alone (3x slower without).
 Larger products (prefill, big trees) keep the fp32 weights (kept too: 538 MB for SmolLM2-135M).
 
@@ -57,7 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flashtree")
 
-MAX_ROWS = 8  # products with at most this many rows use the block kernel
+MAX_ROWS = 32  # products with at most this many rows use the block kernel; more rows keep the fp32 weights
+# (SmolLM2 forwards on a 2-core Xeon, benchmarks/README.md: 9 rows 30.5 vs 58.4 ms, 16 rows 36.9 vs 60.5,
+# 24 rows 52.8 vs 66.2, 32 rows 72.8 vs 73.1 ms; the kernel's arithmetic per row is the same for every count)
 CHECKED_ROWS = 64  # rows per weight compared with the fp32 weight at load
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mf16c", "-mfma")
 # instruction sets the kernel is built for, best first: (name, CPU flags it needs, compiler flags)
@@ -92,6 +94,24 @@ inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)
 inline float v_sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 v_from_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }  // 16 int8
 inline V16 v_from_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))}; }  // 16 uint8
+// exp(x) for x in [-87.3, 88.3] (clamped there): exp(r) by the Cephes polynomial on r = x - n ln 2, times 2^n
+inline __m512 exp_core(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+inline V16 v_exp(V16 a) { return {exp_core(a.v)}; }
+inline V16 v_div(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 #else
 struct V16 { __m256 lo, hi; };
 inline V16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -113,6 +133,25 @@ inline V16 v_from_i8(__m128i q) {
 inline V16 v_from_u8(__m128i q) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
 }
+// exp(x) for x in [-87.3, 88.3] (clamped there), as in the AVX-512 build (2^n through the exponent bits)
+inline __m256 exp_core(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+inline V16 v_exp(V16 a) { return {exp_core(a.lo), exp_core(a.hi)}; }
+inline V16 v_div(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 #endif
 
 inline float half_to_float(const uint8_t* p) {
@@ -156,48 +195,104 @@ constexpr bool ONE_ACCUMULATOR = false;
 constexpr bool ONE_ACCUMULATOR = true;
 #endif
 
-template <int TYPE, int M>
-void gemm(const float* x, const uint8_t* w, const float* bias, float* y, int64_t N, int64_t K, int threads) {
-  const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
-  for (int64_t n = 0; n < N; ++n) {
-    V16 acc0[M], acc1[M];
-    for (int r = 0; r < M; ++r) acc0[r] = acc1[r] = v_zero();
-    const uint8_t* row = w + n * row_bytes;
-    for (int64_t b = 0; b < blocks; ++b) {
-      V16 w0, w1;
-      _mm_prefetch((const char*)(row + b * block_bytes(TYPE) + PREFETCH_BYTES), _MM_HINT_T0);
-      decode<TYPE>(row + b * block_bytes(TYPE), w0, w1);
-      for (int r = 0; r < M; ++r) {
-        const float* xr = x + r * K + b * 32;
+constexpr int ROW_GROUP = 8;  // rows of x whose accumulators share the registers while the weights stream
+constexpr int COLUMN_TILE = 4;  // weight rows (output columns) a task takes at once
+
+// Output columns worked on together by a group of M rows: one column's chain of FMAs is latency-bound
+// when few rows share it, so small groups interleave the independent chains of several columns
+// (as many as the registers hold: accumulators, decoded weights and the x vectors).
+#if defined(__AVX512F__)
+template <int M> constexpr int columns_for() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+#else
+template <int M> constexpr int columns_for() { return M == 1 ? 2 : 1; }
+#endif
+
+// y[r * N + c] = x[r] . W[c] + add[c] for the M <= ROW_GROUP rows of x and the C consecutive weight
+// rows at w (output columns c < C). Each (row, column) pair is its own chain of FMAs over the
+// blocks in order: the same arithmetic whatever M and C are.
+template <int TYPE, int M, int C>
+inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t K,
+                     const float* add, float* y, int64_t N) {
+  V16 acc0[C][M], acc1[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < M; ++r) acc0[c][r] = acc1[c][r] = v_zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    V16 w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * block_bytes(TYPE);
+      _mm_prefetch((const char*)(block + PREFETCH_BYTES), _MM_HINT_T0);
+      decode<TYPE>(block, w0[c], w1[c]);
+    }
+    for (int r = 0; r < M; ++r) {
+      const float* xr = x + r * K + b * 32;
+      const V16 x0 = v_load(xr), x1 = v_load(xr + 16);
+      for (int c = 0; c < C; ++c) {
         if (ONE_ACCUMULATOR) {
-          acc0[r] = v_fmadd(w1, v_load(xr + 16), v_fmadd(w0, v_load(xr), acc0[r]));
+          acc0[c][r] = v_fmadd(w1[c], x1, v_fmadd(w0[c], x0, acc0[c][r]));
         } else {
-          acc0[r] = v_fmadd(w0, v_load(xr), acc0[r]);
-          acc1[r] = v_fmadd(w1, v_load(xr + 16), acc1[r]);
+          acc0[c][r] = v_fmadd(w0[c], x0, acc0[c][r]);
+          acc1[c][r] = v_fmadd(w1[c], x1, acc1[c][r]);
         }
       }
     }
-    const float add = bias ? bias[n] : 0.0f;
+  }
+  for (int c = 0; c < C; ++c)
     for (int r = 0; r < M; ++r)
-      y[r * N + n] = v_sum(ONE_ACCUMULATOR ? acc0[r] : v_add(acc0[r], acc1[r])) + add;
+      y[r * N + c] = v_sum(ONE_ACCUMULATOR ? acc0[c][r] : v_add(acc0[c][r], acc1[c][r])) + add[c];
+}
+
+// `cols` <= COLUMN_TILE consecutive columns for M rows: in steps of columns_for<M>(), then one by one.
+template <int TYPE, int M>
+inline void tile_columns(const float* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t K,
+                         const float* add, float* y, int64_t N, int cols) {
+  constexpr int C = columns_for<M>();
+  int c = 0;
+  for (; c + C <= cols; c += C) dot_rows<TYPE, M, C>(x, w + c * row_bytes, row_bytes, blocks, K, add + c, y + c, N);
+  for (; c < cols; ++c) dot_rows<TYPE, M, 1>(x, w + c * row_bytes, row_bytes, blocks, K, add + c, y + c, N);
+}
+
+template <int TYPE>
+inline void tile_group(int m, const float* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t K,
+                       const float* add, float* y, int64_t N, int cols) {
+  switch (m) {
+    case 1: tile_columns<TYPE, 1>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 2: tile_columns<TYPE, 2>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 3: tile_columns<TYPE, 3>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 4: tile_columns<TYPE, 4>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 5: tile_columns<TYPE, 5>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 6: tile_columns<TYPE, 6>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 7: tile_columns<TYPE, 7>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    default: tile_columns<TYPE, 8>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+  }
+}
+
+// Tasks of COLUMN_TILE weight rows; within a task the rows of x go in groups of ROW_GROUP, so the
+// weights are read from memory once and decoded again from L1 for each further group. A row's
+// result never depends on how many rows share the call.
+template <int TYPE>
+void gemm(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+          int threads) {
+  const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
+  const int64_t tiles = (N + COLUMN_TILE - 1) / COLUMN_TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n = t * COLUMN_TILE;
+    const int cols = (int)(N - n < COLUMN_TILE ? N - n : COLUMN_TILE);
+    float add[COLUMN_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c = 0; bias && c < cols; ++c) add[c] = bias[n + c];
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_GROUP) {
+      const int m = (int)(M - r0 < ROW_GROUP ? M - r0 : ROW_GROUP);
+      tile_group<TYPE>(m, x + r0 * K, w + n * row_bytes, row_bytes, blocks, K, add, y + r0 * N + n, N, cols);
+    }
   }
 }
 
 template <int TYPE>
 int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
               int threads) {
-  switch (M) {
-    case 1: gemm<TYPE, 1>(x, w, bias, y, N, K, threads); return 0;
-    case 2: gemm<TYPE, 2>(x, w, bias, y, N, K, threads); return 0;
-    case 3: gemm<TYPE, 3>(x, w, bias, y, N, K, threads); return 0;
-    case 4: gemm<TYPE, 4>(x, w, bias, y, N, K, threads); return 0;
-    case 5: gemm<TYPE, 5>(x, w, bias, y, N, K, threads); return 0;
-    case 6: gemm<TYPE, 6>(x, w, bias, y, N, K, threads); return 0;
-    case 7: gemm<TYPE, 7>(x, w, bias, y, N, K, threads); return 0;
-    case 8: gemm<TYPE, 8>(x, w, bias, y, N, K, threads); return 0;
-  }
-  return 1;
+  if (M < 1) return 1;
+  gemm<TYPE>(x, w, bias, y, M, N, K, threads);
+  return 0;
 }
 
 template <int TYPE>
@@ -250,7 +345,13 @@ void flashtree_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t 
   for (int64_t i = 0; i < rows; ++i) {
     const float *g = gate_up + i * 2 * width, *u = g + width;
     float* o = out + i * width;
-    for (int64_t j = 0; j < width; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    int64_t j = 0;
+    for (; j + 16 <= width; j += 16) {
+      const V16 gj = v_load(g + j);
+      const V16 sig = v_div(gj, v_add(v_set1(1.0f), v_exp(v_mul(v_set1(-1.0f), gj))));
+      v_store(o + j, v_mul(sig, v_load(u + j)));
+    }
+    for (; j < width; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
   }
 }
 
@@ -296,40 +397,66 @@ void flashtree_qkv_rope_write(const float* qkv, const float* qk_norm, const floa
 // Attention of each row's N new tokens over its cache entries 0 .. lengths[b] + N - 1 (committed
 // context, then the new tokens' own entries): query i sees every committed entry (the last
 // `window` ones when window > 0) and new token t where new_mask[b, i, t]. q, out: [B, H, N, D].
+// One task per (row, head) on `threads` threads; a task reads each key and value once for all N
+// queries, and every query's sums run over the keys in the same order as in a one-query call, so a
+// query's result never depends on how many queries share the call.
 void flashtree_tree_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* slots,
                               const int64_t* lengths, const uint8_t* new_mask, float* out, int64_t rows,
                               int64_t new_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window,
-                              float scale, int64_t slot_stride, int64_t head_stride, int64_t pos_stride) {
-  const int64_t group = heads / kv_heads;
-  for (int64_t b = 0; b < rows; ++b) {
-    const int64_t committed = lengths[b], total = committed + new_tokens;
+                              float scale, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
+                              int threads) {
+  const int64_t group = heads / kv_heads, n = new_tokens;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * heads > 1)
+  for (int64_t task = 0; task < rows * heads; ++task) {
+    const int64_t b = task / heads, h = task % heads;
+    const int64_t committed = lengths[b], total = committed + n;
     const int64_t oldest = window > 0 && committed > window ? committed - window : 0;
-    std::vector<float> scores(total);
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* keys = k_cache + slots[b] * slot_stride + (h / group) * head_stride;
-      const float* values = v_cache + slots[b] * slot_stride + (h / group) * head_stride;
-      for (int64_t i = 0; i < new_tokens; ++i) {
-        const float* qi = q + ((b * heads + h) * new_tokens + i) * head_dim;
-        const uint8_t* sees = new_mask + (b * new_tokens + i) * new_tokens;
-        float top = -INFINITY;
-        for (int64_t j = oldest; j < total; ++j) {
-          if (j >= committed && !sees[j - committed]) { scores[j] = -INFINITY; continue; }
-          scores[j] = dot_product(qi, keys + j * pos_stride, head_dim) * scale;
-          top = scores[j] > top ? scores[j] : top;
-        }
-        float* oi = out + ((b * heads + h) * new_tokens + i) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) oi[d] = 0.0f;
-        float sum = 0.0f;
-        for (int64_t j = oldest; j < total; ++j) {
-          if (scores[j] == -INFINITY) continue;
-          const float p = expf(scores[j] - top);
-          sum += p;
-          const float* vj = values + j * pos_stride;
-          for (int64_t d = 0; d < head_dim; ++d) oi[d] += p * vj[d];
-        }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) oi[d] *= inv;
+    const float* keys = k_cache + slots[b] * slot_stride + (h / group) * head_stride;
+    const float* values = v_cache + slots[b] * slot_stride + (h / group) * head_stride;
+    const float* qh = q + (b * heads + h) * n * head_dim;
+    float* oh = out + (b * heads + h) * n * head_dim;
+    const uint8_t* sees = new_mask + b * n * n;
+    std::vector<float> scores(n * total), top(n, -INFINITY), sums(n, 0.0f);
+    for (int64_t j = oldest; j < total; ++j) {
+      const float* kj = keys + j * pos_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        float s = -INFINITY;
+        if (j < committed || sees[i * n + (j - committed)]) s = dot_product(qh + i * head_dim, kj, head_dim) * scale;
+        scores[i * total + j] = s;
+        top[i] = s > top[i] ? s : top[i];
       }
+    }
+    for (int64_t i = 0; i < n; ++i) {  // scores -> exp(score - top), 0 for keys the query does not see
+      float* si = scores.data() + i * total;
+      int64_t j = oldest;
+      for (; j + 16 <= total; j += 16) {
+        float e[16];
+        v_store(e, v_exp(v_add(v_load(si + j), v_set1(-top[i]))));
+        for (int t = 0; t < 16; ++t) si[j + t] = si[j + t] == -INFINITY ? 0.0f : e[t];
+      }
+      for (; j < total; ++j) {
+        float e[16];
+        v_store(e, v_exp(v_set1(si[j] - top[i])));
+        si[j] = si[j] == -INFINITY ? 0.0f : e[0];
+      }
+    }
+    for (int64_t d = 0; d < n * head_dim; ++d) oh[d] = 0.0f;
+    for (int64_t j = oldest; j < total; ++j) {
+      const float* vj = values + j * pos_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = scores[i * total + j];
+        if (p == 0.0f) continue;
+        sums[i] += p;
+        float* oi = oh + i * head_dim;
+        const V16 pv = v_set1(p);
+        int64_t d = 0;
+        for (; d + 16 <= head_dim; d += 16) v_store(oi + d, v_fmadd(pv, v_load(vj + d), v_load(oi + d)));
+        for (; d < head_dim; ++d) oi[d] = fmaf(p, vj[d], oi[d]);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float inv = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) oh[i * head_dim + d] *= inv;
     }
   }
 }
@@ -422,7 +549,7 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.flashtree_qkv_rope_write.restype = lib.flashtree_tree_attention.restype = None
     lib.flashtree_qkv_rope_write.argtypes = [ptr] * 10 + [i64] * 5 + [ctypes.c_float] + [i64] * 3
-    lib.flashtree_tree_attention.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float] + [i64] * 3
+    lib.flashtree_tree_attention.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float] + [i64] * 3 + [ctypes.c_int]
     return lib
 
 

@@ -173,7 +173,7 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
 
     def quantize_blocks(self) -> None:
         """CPU, with the C++ kernels on: round the drafter's matrices to Q8_0 once and keep the
-        blocks, so a block pass (at most 8 rows) reads a quarter of the bytes. The fp32 weights
+        blocks, so a block pass (up to ``MAX_ROWS`` rows: one or two blocks of 16) reads a quarter of the bytes. The fp32 weights
         become the blocks' exact values, so wider products (prefill, catch-up) compute with the
         same weights. The drafter only proposes, so its rounding cannot change what is committed."""
         if self.kernels is not cpu_kernels:

@@ -236,7 +236,7 @@ class FusedKernelSwitch:
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
         """Switch the C++ kernels on for an fp32 model on the CPU where their library builds,
-        attention of up to 16 new tokens included; returns whether they are on."""
+        attention of up to 32 new tokens included; returns whether they are on."""
         on = enabled and cpu_kernels.usable_on(self._kernel_weight()) and self._ready_for_kernels()
         self._set_kernels(cpu_kernels if on else None, on)
         return on

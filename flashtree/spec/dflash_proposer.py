@@ -46,10 +46,11 @@ def default_budget(device: torch.device) -> int:
     | H200, bf16 | 8, 16, 32, 64 | 64 | 1.42x |
     | drafter v3, 2-core EPYC (AVX2), fp32, two runs | 2, 4, 7 | 4 | 1.14x / 1.24x |
     | drafter v3, H200, bf16 | 8, 16, 32, 64 | 64 | 1.91x |
+    | drafter v3, 2-core Xeon (AVX-512), fp32, 32-row kernel | 2, 4, 8, 16 | 2 and 4 | 1.07x / 1.06x (8: 0.77x) |
 
-    CPU: 2 and 4 were within the runs' noise with the v2 drafter; 4 is kept (a tree of 4 reaches
-    deeper), and it is the best with the v3 drafter. Trees over 7 nodes leave the CPU's 8-row
-    kernel products.
+    CPU: 2 and 4 were within the runs' noise with the v2 drafter and on the Xeon with v3; 4 is kept
+    (a tree of 4 reaches deeper), and it is the best on the EPYC with the v3 drafter. Larger trees
+    stay in the kernel's products (up to 31 nodes) but their verify costs more than they gain.
 
     Under load the adaptive policy halves it as the batch grows (down to plain rounds).
     """
