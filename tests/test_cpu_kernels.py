@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.models import cpu_kernels
+from flashtree.models import cpu_kernels, cpu_quant_linear
 from tests.test_gpu_kernels import _check, compare, compare_attention, compare_drafter
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernel library does not build here")
@@ -66,3 +66,20 @@ def test_tree_attention_node_equals_its_plain_decode_step():
         step = cpu_kernels.tree_attention(q[:, :, i:i + 1].contiguous(), plain_k, plain_v, torch.tensor([1]),
                                           torch.tensor([length]), torch.ones(1, 1, 1, dtype=torch.bool))
         assert torch.equal(step[:, :, 0], tree[:, :, i]), f"node {i}"
+
+
+@pytest.mark.skipif("avx2" not in cpu_quant_linear.cpu_flags(), reason="needs an AVX2 CPU")
+def test_avx2_build_of_the_fused_ops(monkeypatch):
+    """The AVX2 build's silu, attention and the other fused ops (its own vector exp), also on a CPU
+    that would take the AVX-512 one, against the torch ops and the tree-node identity above."""
+    quant = cpu_quant_linear
+    monkeypatch.setattr(quant, "cpu_flags", lambda: {"avx2", "f16c", "fma"})
+    quant.load_kernels.cache_clear()
+    try:
+        gate_up = torch.randn(5, 2 * 200) * 6  # wide range: exp's clamps and both tails of silu
+        expected = torch.nn.functional.silu(gate_up[:, :200]) * gate_up[:, 200:]
+        torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, rtol=1e-5, atol=1e-5)
+        _check(compare("cpu", torch.float32, backend="cpu") | compare_attention("cpu", torch.float32, backend="cpu"), 1e-4)
+        test_tree_attention_node_equals_its_plain_decode_step()
+    finally:
+        quant.load_kernels.cache_clear()
