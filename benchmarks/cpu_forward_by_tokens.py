@@ -11,9 +11,8 @@ committed tokens, causal new tokens, fp32, 2 threads.
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -24,19 +23,10 @@ from flashtree.bench.environment import environment
 from flashtree.models import cpu_kernels, cpu_quant_linear
 from flashtree.models.batch import ForwardBatch, causal_mask
 
-seconds: dict[str, float] = collections.defaultdict(float)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_profile_plain import seconds, timed  # noqa: E402  (the same wall-clock accumulators)
+
 KERNELS = ("add_rms_norm", "silu_mul", "qkv_norm_rope_write", "tree_attention")
-
-
-def timed(label: str, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds[label] += time.perf_counter() - start
-    return wrapper
 
 
 def install_timers(model) -> None:
