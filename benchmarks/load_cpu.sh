@@ -11,7 +11,7 @@ PORT=${PORT:-8131}
 python -m flashtree.cli serve --model smollm2 --spec "${SPEC:-none}" --device cpu --max-running 32 --max-context 512 \
     --port "$PORT" --log-level warning "$@" &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true' EXIT
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT  # wait: the next run may reuse the port
 for _ in $(seq 1 300); do
     [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/health")" = 200 ] && break
     sleep 1
