@@ -18,7 +18,6 @@ Four measurements, each a CUDA-graph replay unless it is a profile:
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_rounds import start_requests, time_steps  # noqa: E402
 from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
+from tree_build_speed import graph_ms  # noqa: E402
 
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
@@ -38,22 +38,8 @@ from flashtree.spec.verify import accept_walk  # noqa: E402
 
 
 def graphed_ms(fn, reps=20):
-    """ms per replay of ``fn`` captured as one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1000 / reps
+    """ms per replay of ``fn()`` captured as one CUDA graph (tree_build_speed's timer)."""
+    return graph_ms(lambda _unused: fn(), torch.empty(0, device="cuda"), reps)
 
 
 def matmul_floor(tokens_list):

@@ -94,23 +94,12 @@ inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)
 inline float v_sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 v_from_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }  // 16 int8
 inline V16 v_from_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))}; }  // 16 uint8
-// exp(x) for x in [-87.3, 88.3] (clamped there): exp(r) by the Cephes polynomial on r = x - n ln 2, times 2^n
-inline __m512 exp_core(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+inline V16 v_fnmadd(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
+inline V16 v_clamp(V16 a, float lo, float hi) {
+  return {_mm512_min_ps(_mm512_max_ps(a.v, _mm512_set1_ps(lo)), _mm512_set1_ps(hi))};
 }
-inline V16 v_exp(V16 a) { return {exp_core(a.v)}; }
+inline V16 v_round(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V16 v_times_pow2(V16 a, V16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }  // a * 2^n, n integral
 inline V16 v_div(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 #else
 struct V16 { __m256 lo, hi; };
@@ -133,26 +122,34 @@ inline V16 v_from_i8(__m128i q) {
 inline V16 v_from_u8(__m128i q) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
 }
-// exp(x) for x in [-87.3, 88.3] (clamped there), as in the AVX-512 build (2^n through the exponent bits)
-inline __m256 exp_core(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+inline V16 v_fnmadd(V16 a, V16 b, V16 c) {  // c - a * b
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
 }
-inline V16 v_exp(V16 a) { return {exp_core(a.lo), exp_core(a.hi)}; }
+inline __m256 clamp8(__m256 a, float lo, float hi) {
+  return _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+inline V16 v_clamp(V16 a, float lo, float hi) { return {clamp8(a.lo, lo, hi), clamp8(a.hi, lo, hi)}; }
+inline __m256 round8(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V16 v_round(V16 a) { return {round8(a.lo), round8(a.hi)}; }
+inline __m256 pow2_8(__m256 n) {  // 2^n for integral n in [-126, 127], through the exponent bits
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline V16 v_times_pow2(V16 a, V16 n) { return {_mm256_mul_ps(a.lo, pow2_8(n.lo)), _mm256_mul_ps(a.hi, pow2_8(n.hi))}; }
 inline V16 v_div(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 #endif
+
+// exp(x) for x in [-87.3, 88.3] (clamped there): the Cephes polynomial of r = x - n ln 2, times 2^n
+inline V16 v_exp(V16 x) {
+  x = v_clamp(x, -87.3f, 88.3f);
+  const V16 n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+  V16 r = v_fnmadd(n, v_set1(0.693359375f), x);
+  r = v_fnmadd(n, v_set1(-2.12194440e-4f), r);
+  V16 p = v_set1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = v_fmadd(p, r, v_set1(c));
+  p = v_add(v_fmadd(p, v_mul(r, r), r), v_set1(1.0f));
+  return v_times_pow2(p, n);
+}
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -270,8 +267,9 @@ inline void tile_group(int m, const float* x, const uint8_t* w, int64_t row_byte
 // weights are read from memory once and decoded again from L1 for each further group. A row's
 // result never depends on how many rows share the call.
 template <int TYPE>
-void gemm(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-          int threads) {
+int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+              int threads) {
+  if (M < 1) return 1;
   const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
   const int64_t tiles = (N + COLUMN_TILE - 1) / COLUMN_TILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
@@ -285,13 +283,6 @@ void gemm(const float* x, const uint8_t* w, const float* bias, float* y, int64_t
       tile_group<TYPE>(m, x + r0 * K, w + n * row_bytes, row_bytes, blocks, K, add, y + r0 * N + n, N, cols);
     }
   }
-}
-
-template <int TYPE>
-int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-              int threads) {
-  if (M < 1) return 1;
-  gemm<TYPE>(x, w, bias, y, M, N, K, threads);
   return 0;
 }
 
