@@ -146,7 +146,7 @@ def profile_tree_work(budget, batch=1):
 
     def work():
         tree = build_tree(logits, budgets, budget, kernel=True)
-        walk = accept_walk(tree, tree.tokens.roll(-1, 1), depth)
+        walk = accept_walk(tree, tree.tokens.roll(-1, 1), depth, kernel=True)
         cache.commit(slots, starts, walk.path.clamp(min=0), walk.accept_lengths)
 
     for _ in range(2):

@@ -72,7 +72,7 @@ def tree_work_ms(budget, batch, kernel, reps=50):
     def work(lg):
         tree = build_tree(lg, budgets, budget, kernel=kernel)
         choice = tree.tokens.roll(-1, dims=1)  # any target choices: the walk cost does not depend on them
-        walk = accept_walk(tree, choice, depth)
+        walk = accept_walk(tree, choice, depth, kernel=kernel)
         cache.commit(slots, starts, walk.path.clamp(min=0), walk.accept_lengths)
         return walk.accept_lengths
 

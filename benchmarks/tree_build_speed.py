@@ -34,8 +34,8 @@ from tests.test_tree_reference import _reference_accept_walk, _reference_build_t
 IMPLEMENTATIONS = {
     "before": (_reference_build_tree, _reference_accept_walk),
     "after": (build_tree, accept_walk),
-    # the Triton kept-list kernel (models/gpu_kernels.expand_levels); CUDA with Triton only
-    "kernel": (functools.partial(build_tree, kernel=True), accept_walk),
+    # the Triton tree kernels (models/gpu_kernels: expand_levels, select_nodes, accept_walk); CUDA with Triton only
+    "kernel": (functools.partial(build_tree, kernel=True), functools.partial(accept_walk, kernel=True)),
 }
 
 

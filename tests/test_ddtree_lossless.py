@@ -167,11 +167,11 @@ def test_chi_square_catches_a_wrong_acceptance_rule(small, monkeypatch):
     pair, _, ddtree = small
     real_walk = runner_module.accept_walk
 
-    def wrong_walk(tree, choice, max_depth=None):
+    def wrong_walk(tree, choice, max_depth=None, **options):
         first_child = (tree.parents == ROOT) & tree.valid
         first_child[:, ROOT] = False
         forced = tree.tokens.gather(1, first_child.long().argmax(1, keepdim=True))  # [B, 1]
-        return real_walk(tree, torch.cat([forced, choice[:, 1:]], dim=1), max_depth)
+        return real_walk(tree, torch.cat([forced, choice[:, 1:]], dim=1), max_depth, **options)
 
     monkeypatch.setattr(runner_module, "accept_walk", wrong_walk)
     samples = sample_first_tokens(ddtree, SAMPLE_PROMPT, range(1000), temperature=1.0)

@@ -156,15 +156,18 @@ def compare_engine(device: str, workdir: str) -> dict[str, float]:
 
 
 def compare_tree(device: str, cases: int) -> dict[str, float]:
-    """build_tree with the Triton kept-list kernel against the torch path: the number of
-    differing trees (0 expected) over random float32 / tied / bf16 logits, a masked vocabulary,
-    budgets above the vocabulary, and per-row budgets."""
+    """build_tree with the Triton tree kernels (kept lists, node selection) against the torch
+    path: the number of differing trees (0 expected) over random float32 / tied / bf16 logits, a
+    masked vocabulary, budgets above the vocabulary, and per-row budgets; and of differing accept
+    walks (Triton walk kernel against the torch walk) along target choices that go deep."""
     import random
 
     from flashtree.spec import tree as tree_module
     from tests.test_tree_reference import assert_same_tree, make_logits
 
-    rng, differing = random.Random(0), 0
+    from flashtree.spec.verify import accept_walk
+
+    rng, differing, differing_walks = random.Random(0), 0, 0
     for case in range(cases):
         kind = ("f32", "int6", "int2", "bf16")[case % 4]
         depth, vocab, rows = rng.randint(1, 8), rng.randint(5, 300), 3
@@ -173,12 +176,30 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
             logits[:, :, 7:] = float("-inf")  # most prefixes do not exist
         budget = rng.choice([1, depth, 3 * depth, 16, 40])
         budgets = torch.tensor([budget, rng.randint(0, budget), 0], device=device)
+        tree = tree_module.build_tree(logits, budgets, budget)
         try:
-            assert_same_tree(tree_module.build_tree(logits, budgets, budget, kernel=True),
-                             tree_module.build_tree(logits, budgets, budget))
+            assert_same_tree(tree_module.build_tree(logits, budgets, budget, kernel=True), tree)
         except AssertionError:
             differing += 1
-    return {"tree/differing_trees": float(differing)}
+        for seed in range(2):
+            choice = walk_choices(tree, seed)
+            walks = [accept_walk(tree, choice, depth, kernel=kernel) for kernel in (True, False)]
+            differing_walks += any(not torch.equal(a, b) for a, b in zip(*walks))
+    return {"tree/differing_trees": float(differing), "tree/differing_walks": float(differing_walks)}
+
+
+def walk_choices(tree, seed: int) -> torch.Tensor:
+    """Target choices [R, N] that follow a random child of each node 3 times in 4 (else a token
+    no child has), so walks go deep and also stop early."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, parents, valid = (t.cpu() for t in (tree.tokens, tree.parents, tree.valid))
+    choice = torch.full(tokens.shape, 10**6, dtype=torch.long)
+    for r in range(tokens.shape[0]):
+        for node in range(tokens.shape[1]):
+            children = [c for c in range(1, tokens.shape[1]) if valid[r, c] and parents[r, c] == node]
+            if children and torch.rand(1, generator=gen).item() < 0.75:
+                choice[r, node] = tokens[r, children[torch.randint(len(children), (1,), generator=gen).item()]]
+    return choice.to(tree.tokens.device)
 
 
 def _check(diffs: dict[str, float], tolerance: float) -> None:

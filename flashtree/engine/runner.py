@@ -206,7 +206,8 @@ class ModelRunner:
         t2 = timer.add("verify", t1) if timer else 0.0
 
         depth = min(self.proposer.max_depth, nodes)  # deepest node of this round's trees
-        walk = accept_walk(tree._replace(tokens=tokens), choice, depth)
+        walk = accept_walk(tree._replace(tokens=tokens), choice, depth,
+                           kernel=getattr(self.proposer, "tree_kernel", False))
         if self.tracer is not None:
             self.tracer.hold(tree, tokens, walk.path)
         path = walk.path.clamp(min=0)  # [B, D+1]

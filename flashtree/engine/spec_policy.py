@@ -40,8 +40,12 @@ Rechecks: only the chosen option gets measured, so a run of slow rounds (another
 the interpreter, a burst of HTTP work in a server) can lift its estimate above an option that
 was timed long ago under quiet conditions, and that stale estimate would then win for up to
 ``max_probe_interval`` rounds. So when an ordinary round's measurement changes the best option,
-the probe interval resets and the next probe re-measures the option it displaced (instead of a
-neighbour of the new best, which may not be it).
+the option it displaced is probed again at once (the next round): one slow round then costs one
+probe of the option that was best, not ``probe_interval`` rounds of a worse one (seen on the
+H200: a server with a drafter that never matched ran 73 drafted rounds in 3,048). If that recheck
+confirms the change (the slowness lasted), the probe interval resets and the next probe
+re-measures the displaced option once more (instead of a neighbour of the new best, which may not
+be it), so the choice comes back soon after the slowness ends.
 Everything is deterministic given the same measurements.
 
 The node count only changes the shape of a round, never which tokens are committed: every
@@ -139,6 +143,7 @@ class _Probe:
     bucket: int
     best_before: int
     rounds_left: int
+    recheck: int = 0  # 1: the immediate recheck of a displaced option, 2: the later one, 0: a plain probe
     seconds: list[float] = dataclasses.field(default_factory=list)
     acceptance: list[float] = dataclasses.field(default_factory=list)
 
@@ -158,7 +163,8 @@ class SpecPolicy:
         self._next_probe: dict[int, int] = {}  # rows bucket -> round count at which to probe
         self._probes: Counter[int] = Counter()  # rows bucket -> probes so far (alternates up / down)
         self._probe: _Probe | None = None  # the probe in progress
-        self._recheck: dict[int, int] = {}  # rows bucket -> option the next probe re-measures (displaced)
+        self._recheck: dict[int, tuple[int, int]] = {}  # rows bucket -> (displaced option the next probe
+        # re-measures, which recheck that is: 1 immediate, 2 later)
 
     # ------------------------------------------------------------------ decisions
     def choose(self, rows: int) -> int:
@@ -177,11 +183,11 @@ class SpecPolicy:
         best = self.best(rows)
         if self._rounds[bucket] >= self._next_probe.setdefault(bucket, self._rounds[bucket] + self.config.probe_interval):
             self._probes[bucket] += 1
-            displaced = self._recheck.pop(bucket, None)
-            nodes = displaced if displaced not in (None, best) else self._neighbour(
-                best, larger=self._probes[bucket] % 2 == 1)
-            self._probe = _Probe(nodes, bucket, best, rounds_left=self.config.probe_rounds - 1)
-            return nodes
+            displaced, recheck = self._recheck.pop(bucket, (None, 0))
+            if displaced in (None, best):
+                displaced, recheck = self._neighbour(best, larger=self._probes[bucket] % 2 == 1), 0
+            self._probe = _Probe(displaced, bucket, best, rounds_left=self.config.probe_rounds - 1, recheck=recheck)
+            return displaced
         return best
 
     def best(self, rows: int) -> int:
@@ -268,9 +274,9 @@ class SpecPolicy:
         best_before = self.best(rows) if self._explored(bucket) else None
         self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows)
         if best_before is not None and self.best(rows) != best_before:  # see "Rechecks" above
-            self._recheck[bucket] = best_before
+            self._recheck[bucket] = (best_before, 1)
             self._interval[bucket] = self.config.probe_interval
-            self._next_probe[bucket] = self._rounds[bucket] + self.config.probe_interval
+            self._next_probe[bucket] = self._rounds[bucket]  # the next round
 
     def _measure(self, bucket: int, nodes: int, seconds: float | None, acceptance: float | None,
                  weight: float, rows: int = 1) -> None:
@@ -289,15 +295,19 @@ class SpecPolicy:
         probe, self._probe = self._probe, None
         mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
         self._measure(probe.bucket, probe.nodes, mean(probe.seconds), mean(probe.acceptance), PROBE_WEIGHT)
-        self._schedule_next_probe(probe.bucket, probe.nodes, probe.best_before)
+        self._schedule_next_probe(probe.bucket, probe.nodes, probe.best_before, probe.recheck)
 
-    def _schedule_next_probe(self, bucket: int, probed: int, best_before: int) -> None:
+    def _schedule_next_probe(self, bucket: int, probed: int, best_before: int, recheck: int = 0) -> None:
         """Back off after a probe of a clearly worse option; probe again soon after one that
-        changed the best option; keep the interval otherwise."""
+        changed the best option, or after an immediate recheck that confirmed a change (then the
+        next probe rechecks the displaced option again); keep the interval otherwise."""
         interval = self._interval.get(bucket, self.config.probe_interval)
         best = self.best(bucket)
         probed_rate, best_rate = self._per_row(bucket, probed), self._per_row(bucket, best)
-        if best != best_before:
+        if recheck == 1 and best == best_before:
+            self._recheck[bucket] = (probed, 2)
+            interval = self.config.probe_interval
+        elif best != best_before:
             interval = self.config.probe_interval
         elif probed_rate is not None and best_rate is not None and probed_rate < BACKOFF_BELOW * best_rate:
             interval = min(2 * interval, self.config.max_probe_interval)

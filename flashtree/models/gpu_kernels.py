@@ -15,7 +15,10 @@ cost about a third of the step (benchmarks/README.md). Three kernels replace the
   and slot layout (the SDPA path needs the longest context and a slot range in the graph key).
   Long contexts at small batch are split across programs and merged (flash-decoding);
 - :func:`expand_levels`: DDTree's per-depth kept lists (``spec/tree.py``) for all depths in one
-  kernel per row, instead of a dozen small kernels per depth.
+  kernel per row, instead of a dozen small kernels per depth;
+- :func:`select_nodes`: the tree itself from those lists (best nodes over all depths, layout,
+  parents, ancestor mask) in one kernel per row, instead of about fifty small kernels;
+- :func:`accept_walk`: the accept walk (``spec/verify.py``) in one kernel per row.
 
 Arithmetic is float32 inside each kernel with one rounding to the storage dtype at the end (the
 unfused path rounds after every op), except that a q/k norm's result is rounded to the storage
@@ -174,22 +177,72 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor,
-                  max_budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int,
+                  pair_row: torch.Tensor, pair_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
-    (K best per depth, descending). Returns weights, parent places and tokens, ``[R, L, B]`` each."""
+    (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
+    ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each."""
     if top_logp.dtype != torch.float32:
         raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
     rows, depth, k = top_logp.shape
     block = _next_power_of_2(max_budget)
+    block_m = _next_power_of_2(pair_row.numel())
     weights = top_logp.new_empty(rows, depth, max_budget)
     parents = torch.empty(rows, depth, max_budget, dtype=torch.long, device=top_logp.device)
     tokens = torch.empty_like(parents)
     index_scratch = torch.empty(rows, 2, block, dtype=torch.int32, device=top_logp.device)
-    weight_scratch = top_logp.new_empty(rows, block)
+    weight_scratch = top_logp.new_empty(rows, 2, block)  # kept weights, then the same sorted descending
     _kernels()._expand_levels_kernel[(rows,)](
-        top_logp.contiguous(), top_tokens.contiguous(), weights, parents, tokens, index_scratch, weight_scratch,
-        k, max_budget, DEPTH=depth, BLOCK_B=block, LOG_K=k.bit_length(), LOG_B=max_budget.bit_length(),
-        num_warps=4 if block <= 256 else 8)
+        top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
+        weights, parents, tokens, index_scratch, weight_scratch, k, max_budget,
+        pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
+        LOG_B=max_budget.bit_length(), num_warps=4 if block_m <= 1024 else 8)
     return weights, parents, tokens
+
+
+# rows of the ancestor mask each step of select_nodes writes (a [rows, N] tile)
+SELECT_MASK_ROWS = 16
+
+
+def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, budgets: torch.Tensor,
+                 max_budget: int) -> tuple[torch.Tensor, ...]:
+    """``spec/tree.py _select_nodes`` and ``_assemble`` in one kernel per row, exactly: from the
+    kept lists (weights / parent places / tokens ``[R, L, B]``, as :func:`expand_levels` returns
+    them) and budgets ``[R]``, the tree's tokens, parents, depths, valid ``[R, B+1]``, ancestor mask
+    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order)."""
+    rows, depth, budget = weights.shape
+    size = budget + 1
+    block_f = _next_power_of_2(depth * budget)
+    block_n = _next_power_of_2(size)
+    block_l = _next_power_of_2(depth + 1)
+    device = weights.device
+    long = dict(dtype=torch.long, device=device)
+    out_tokens, out_parents, out_depths = (torch.empty(rows, size, **long) for _ in range(3))
+    valid = torch.empty(rows, size, dtype=torch.uint8, device=device)
+    log_weights = weights.new_empty(rows, size)
+    mask = torch.empty(rows, size, size, dtype=torch.uint8, device=device)
+    flat_scratch, node_scratch = (torch.empty(rows, block_f, dtype=torch.int32, device=device) for _ in range(2))
+    anc_scratch = torch.empty(rows, block_n, block_l, dtype=torch.int32, device=device)
+    _kernels()._select_nodes_kernel[(rows,)](
+        weights.contiguous(), parents.contiguous(), tokens.contiguous(), budgets.contiguous(), out_tokens, out_parents,
+        out_depths, valid, log_weights, mask, flat_scratch, node_scratch, anc_scratch, budget,
+        DEPTH=depth, BLOCK_F=block_f, BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l,
+        MASK_ROWS=SELECT_MASK_ROWS, num_warps=4 if block_f <= 1024 else 8)
+    return out_tokens, out_parents, out_depths, valid.view(torch.bool), mask.view(torch.bool), log_weights
+
+
+def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, choice: torch.Tensor,
+                max_depth: int) -> tuple[torch.Tensor, ...]:
+    """``spec/verify.py accept_walk`` in one kernel per row: tree tokens / parents / valid and the
+    target's choices ``[R, N]`` -> path and committed tokens ``[R, max_depth + 1]``, accept
+    lengths and next bonus tokens ``[R]``."""
+    rows, size = tokens.shape
+    path = torch.empty(rows, max_depth + 1, dtype=torch.long, device=tokens.device)
+    committed = torch.empty_like(path)
+    lengths = torch.empty(rows, dtype=torch.long, device=tokens.device)
+    bonus = torch.empty_like(lengths)
+    _kernels()._accept_walk_kernel[(rows,)](
+        tokens.contiguous(), parents.contiguous(), valid.contiguous().view(torch.uint8), choice.long().contiguous(),
+        path, committed, lengths, bonus, size, STEPS=max_depth, BLOCK_N=_next_power_of_2(size), num_warps=4)
+    return path, lengths, bonus, committed

@@ -194,42 +194,47 @@ def _count_at_least(w, lp_ptr, t, k, rows_ok, STRICT: tl.constexpr, LOG_K: tl.co
 
 
 @triton.jit
-def _expand_levels_kernel(logp_ptr, tokens_ptr, w_out_ptr, parent_out_ptr, token_out_ptr, index_scratch_ptr,
-                          weight_scratch_ptr, k, budget, DEPTH: tl.constexpr, BLOCK_B: tl.constexpr,
+def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_out_ptr, parent_out_ptr,
+                          token_out_ptr, index_scratch_ptr, weight_scratch_ptr, k, budget, pairs,
+                          DEPTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
                           LOG_K: tl.constexpr, LOG_B: tl.constexpr):
     """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
     the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
 
+    The budget-th best weight T is the budget-th of the prefilter list (the ``pairs`` (row, rank)
+    pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending), found by one
+    sort; the sorted list's first ``budget`` entries are also the next depth's sorted weights.
     Children of kept prefix i are non-increasing in j (l is sorted and float rounding is
-    monotone), so everything is counted per row by binary search: the budget-th best weight T by
-    bisection over float32 order, then row i keeps its first a_i + take_i children (a_i above T,
-    take_i of its ties at T, handed out in row order), laid out in (i, j) order."""
+    monotone), so row i keeps its first a_i + take_i children (a_i above T, take_i of its ties at
+    T, handed out in row order; both counted by binary search), laid out in (i, j) order."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_B)
     rows_ok = i < budget
+    m = tl.arange(0, BLOCK_M)
+    pairs_ok = m < pairs
+    pair_row = tl.load(pair_row_ptr + m, mask=pairs_ok, other=0)  # [BLOCK_M] int32
+    pair_rank = tl.load(pair_rank_ptr + m, mask=pairs_ok, other=0)  # [BLOCK_M] int32
     lp_row = logp_ptr + row * DEPTH * k
     tok_row = tokens_ptr + row * DEPTH * k
     out = row * DEPTH * budget
     scratch = index_scratch_ptr + row * 2 * BLOCK_B  # [2, BLOCK_B] int32: row ends, row starts
-    weights = weight_scratch_ptr + row * BLOCK_B  # [BLOCK_B] float32: the kept weights
+    weights = weight_scratch_ptr + row * 2 * BLOCK_B  # [BLOCK_B] float32: the kept weights
+    sorted_w = weights + BLOCK_B  # [BLOCK_B] float32: the kept weights, descending
     first = rows_ok & (i < k)
     w = tl.load(lp_row + i, mask=first, other=float("-inf"))  # depth 1: the top tokens themselves
     tl.store(w_out_ptr + out + i, w, mask=rows_ok)
     tl.store(parent_out_ptr + out + i, tl.zeros_like(i).to(tl.int64), mask=rows_ok)
     tl.store(token_out_ptr + out + i, tl.load(tok_row + i, mask=first, other=0), mask=rows_ok)
+    tl.store(sorted_w + i, w, mask=rows_ok)  # (already descending)
+    tl.debug_barrier()
     for d in range(1, DEPTH):
         lp = lp_row + d * k
-        # T: the largest float32 (as an ordered key) with at least `budget` children >= T
-        lo_key = tl.full([], -2139095041, tl.int64)  # key of -inf (bits 0xFF800000)
-        hi_key = tl.full([], 2139095040, tl.int64)  # key of +inf (bits 0x7F800000)
-        for _ in range(32):
-            mid = lo_key + (hi_key - lo_key + 1) // 2
-            bits = tl.where(mid >= 0, mid, mid ^ 0x7FFFFFFF).to(tl.int32)
-            t = bits.to(tl.float32, bitcast=True)
-            enough = tl.sum(_count_at_least(w, lp, t, k, rows_ok, False, LOG_K), axis=0) >= budget
-            lo_key = tl.where(enough, mid, lo_key)
-            hi_key = tl.where(enough, hi_key, mid - 1)
-        threshold = tl.where(lo_key >= 0, lo_key, lo_key ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        candidates = tl.load(sorted_w + pair_row, mask=pairs_ok, other=float("-inf")) + \
+            tl.load(lp + pair_rank, mask=pairs_ok, other=float("-inf"))
+        ordered = tl.sort(tl.where(pairs_ok, candidates, float("-inf")), 0, descending=True)  # [BLOCK_M]
+        threshold = tl.max(tl.where(m == budget - 1, ordered, float("-inf")), axis=0)
+        tl.debug_barrier()  # every read of sorted_w is done
+        tl.store(sorted_w + m, ordered, mask=m < budget)
         above = _count_at_least(w, lp, threshold, k, rows_ok, True, LOG_K)  # [BLOCK_B]
         ties = _count_at_least(w, lp, threshold, k, rows_ok, False, LOG_K) - above
         need = budget - tl.sum(above, axis=0)
@@ -259,3 +264,120 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, w_out_ptr, parent_out_ptr, token
         tl.store(w_out_ptr + level + i, w, mask=rows_ok)
         tl.store(parent_out_ptr + level + i, parent.to(tl.int64), mask=rows_ok)
         tl.store(token_out_ptr + level + i, tl.load(tok_row + d * k + child, mask=rows_ok, other=0), mask=rows_ok)
+
+
+@triton.jit
+def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_ptr, parents_out_ptr, depths_out_ptr,
+                         valid_out_ptr, logw_out_ptr, mask_out_ptr, flat_scratch_ptr, node_scratch_ptr, anc_scratch_ptr,
+                         budget, DEPTH: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """One row's tree from its kept lists (tree.py ``_select_nodes`` + ``_assemble``, exactly).
+
+    w / parent / token: ``[DEPTH, budget]`` per row, flat index f = (depth - 1) * budget + place.
+    1. The ``budget`` best over all depths in (weight desc, f asc) order by one sort of int64
+       keys (float32 order bits above the reversed f); the first ``budgets[row]`` that exist are
+       valid. 2. Node layout: valid nodes by depth (stable), invalid ones last, by a second sort.
+    3. Parents through a flat -> node map. 4. Each node's ancestor at every depth (anc), depth by
+    depth, then mask[i, j] = anc[i][depth j] == j."""
+    row = tl.program_id(0).to(tl.int64)
+    size = budget + 1  # N: root + nodes
+    base = row * DEPTH * budget
+    # 1. best `budget` flat entries
+    f = tl.arange(0, BLOCK_F)
+    f_ok = f < DEPTH * budget
+    wf = tl.load(w_ptr + base + f, mask=f_ok, other=float("-inf"))
+    bits = wf.to(tl.int32, bitcast=True)
+    order = tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64)  # as tree._best_flat_by_key
+    keys = tl.sort((order << 32) + (BLOCK_F - f).to(tl.int64), 0, descending=True)  # [BLOCK_F]
+    flats = BLOCK_F - (keys - ((keys >> 32) << 32)).to(tl.int32)  # flat index by rank
+    flat_scratch = flat_scratch_ptr + row * BLOCK_F
+    tl.store(flat_scratch + f, flats)
+    tl.debug_barrier()
+    # 2. layout: (valid ? depth : DEPTH + 1, rank) ascending
+    p = tl.arange(0, BLOCK_B)
+    p_ok = p < budget
+    flat_p = tl.load(flat_scratch + p, mask=p_ok, other=0)
+    w_p = tl.load(w_ptr + base + flat_p, mask=p_ok, other=float("-inf"))
+    valid_p = p_ok & (p < tl.load(budgets_ptr + row)) & (w_p > float("-inf"))
+    depth_p = flat_p // budget + 1
+    layout = tl.sort(tl.where(valid_p, depth_p, tl.where(p_ok, DEPTH + 1, DEPTH + 2)) * BLOCK_B + p, 0)
+    q = p  # node q + 1 of the layout
+    rank_q = layout % BLOCK_B
+    valid_q = (layout // BLOCK_B) <= DEPTH
+    depth_q = tl.where(valid_q, layout // BLOCK_B, 0)
+    flat_q = tl.load(flat_scratch + rank_q, mask=p_ok, other=0)
+    # 3. parents
+    node_scratch = node_scratch_ptr + row * BLOCK_F  # flat -> node
+    tl.store(node_scratch + flat_q, q + 1, mask=valid_q)
+    tl.debug_barrier()
+    place = tl.load(parent_ptr + base + flat_q, mask=valid_q, other=0).to(tl.int32)
+    parent_q = tl.load(node_scratch + (depth_q - 2) * budget + place, mask=valid_q & (depth_q > 1), other=0)
+    out = row * size
+    tl.store(tokens_out_ptr + out + 1 + q, tl.load(token_ptr + base + flat_q, mask=valid_q, other=0), mask=p_ok)
+    tl.store(parents_out_ptr + out + 1 + q, parent_q.to(tl.int64), mask=p_ok)
+    tl.store(depths_out_ptr + out + 1 + q, depth_q.to(tl.int64), mask=p_ok)
+    tl.store(valid_out_ptr + out + 1 + q, valid_q.to(tl.int8), mask=p_ok)
+    tl.store(logw_out_ptr + out + 1 + q, tl.where(valid_q, tl.load(w_ptr + base + flat_q, mask=valid_q, other=0.0),
+                                                 float("-inf")), mask=p_ok)
+    tl.store(tokens_out_ptr + out, -1)
+    tl.store(parents_out_ptr + out, -1)
+    tl.store(depths_out_ptr + out, 0)
+    tl.store(valid_out_ptr + out, 1)
+    tl.store(logw_out_ptr + out, 0.0)
+    # 4. ancestors at every depth: anc[n][k], root row all 0
+    anc = anc_scratch_ptr + row * BLOCK_N * BLOCK_L
+    k = tl.arange(0, BLOCK_L)
+    tl.store(anc + k, tl.zeros_like(k))
+    tl.debug_barrier()
+    for d in range(1, DEPTH + 1):
+        at_d = valid_q & (depth_q == d)
+        upper = tl.load(anc + parent_q[:, None] * BLOCK_L + k[None, :], mask=at_d[:, None], other=0)
+        mine = tl.where(k[None, :] < d, upper, tl.where(k[None, :] == d, q[:, None] + 1, 0))
+        tl.store(anc + (q[:, None] + 1) * BLOCK_L + k[None, :], mine, mask=at_d[:, None])
+        tl.debug_barrier()
+    j = tl.arange(0, BLOCK_N)
+    j_ok = j < size
+    depth_j = tl.load(depths_out_ptr + out + j, mask=j_ok, other=0).to(tl.int32)
+    valid_j = tl.load(valid_out_ptr + out + j, mask=j_ok, other=0) != 0
+    for start in range(0, BLOCK_N, MASK_ROWS):
+        i = start + tl.arange(0, MASK_ROWS)
+        i_ok = i < size
+        valid_i = tl.load(valid_out_ptr + out + i, mask=i_ok, other=0) != 0
+        depth_i = tl.load(depths_out_ptr + out + i, mask=i_ok, other=0).to(tl.int32)
+        seen = tl.load(anc + i[:, None] * BLOCK_L + depth_j[None, :], mask=(valid_i & i_ok)[:, None] & j_ok[None, :],
+                       other=-1)
+        visible = valid_i[:, None] & valid_j[None, :] & (depth_j[None, :] <= depth_i[:, None]) & (seen == j[None, :])
+        visible = visible | (i[:, None] == j[None, :])
+        tl.store(mask_out_ptr + row * size * size + i[:, None] * size + j[None, :], visible.to(tl.int8),
+                 mask=i_ok[:, None] & j_ok[None, :])
+
+
+@triton.jit
+def _accept_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, choice_ptr, path_ptr, committed_ptr, lengths_ptr,
+                        bonus_ptr, size, STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One row's accept walk (spec/verify.py ``accept_walk``, exactly): from the root, move to the
+    lowest-index valid child whose token is the target's choice at the current node, at most
+    STEPS times; write the path, its tokens, its length and the next bonus token."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < size
+    tree = row * size
+    tokens = tl.load(tokens_ptr + tree + n, mask=n_ok, other=0)
+    parents = tl.load(parents_ptr + tree + n, mask=n_ok, other=-1)
+    walkable = n_ok & (tl.load(valid_ptr + tree + n, mask=n_ok, other=0) != 0) & (n != 0)
+    out = row * (STEPS + 1)
+    tl.store(path_ptr + out, 0)
+    tl.store(committed_ptr + out, tl.load(tokens_ptr + tree))
+    current = tl.zeros([], tl.int64)
+    length = tl.full([], 1, tl.int64)
+    for step in range(1, STEPS + 1):
+        wanted = tl.load(choice_ptr + tree + current)
+        match = walkable & (parents == current) & (tokens == wanted)
+        child = tl.min(tl.where(match, n, BLOCK_N), axis=0).to(tl.int64)
+        found = (child < BLOCK_N) & (length == step)  # the walk is still going
+        tl.store(path_ptr + out + step, tl.where(found, child, -1))
+        tl.store(committed_ptr + out + step, tl.where(found, tl.load(tokens_ptr + tree + child, mask=found, other=0), -1))
+        current = tl.where(found, child, current)
+        length = tl.where(found, length + 1, length)
+    tl.store(lengths_ptr + row, length)
+    tl.store(bonus_ptr + row, tl.load(choice_ptr + tree + current))

@@ -62,9 +62,10 @@ def build_tree(
     draft_logits: [R, L, V] per-depth drafter logits (marginals = softmax over V).
     budgets: [R] int64 (or an int for all rows), 0 <= budget <= max_budget; 0 = root only.
     max_budget: B, the static node count.
-    kernel: compute the per-depth kept lists with one Triton kernel per row
-    (``models/gpu_kernels.expand_levels``; same result) where it can run: float32 log-probs on
-    CUDA with Triton. Off by default until it is timed on a GPU.
+    kernel: compute the per-depth kept lists, then the tree, with two Triton kernels per row
+    (``models/gpu_kernels.expand_levels`` and ``select_nodes``; same result) where they can run:
+    float32 log-probs on CUDA with Triton (or the interpreter). The engine turns it on with its
+    ``triton_tree`` option.
     """
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [R, L, V], got shape {tuple(draft_logits.shape)}")
@@ -77,11 +78,19 @@ def build_tree(
         return _root_only(num_rows, max_budget, draft_logits)
     top_logp, top_tokens = _top_tokens(draft_logits, min(max_budget, vocab))  # [R, L, K] x2
     if kernel and top_logp.dtype == torch.float32 and gpu_kernels.usable_on(top_logp):
-        weights, parents, tokens = gpu_kernels.expand_levels(top_logp, top_tokens, max_budget)  # [R, L, B] x3
+        pairs = _prefilter_pairs(max_budget, top_logp.shape[2], device)  # [M] x2
+        weights, parents, tokens = gpu_kernels.expand_levels(top_logp, top_tokens, max_budget, *pairs)  # [R, L, B] x3
+        if depth * max_budget <= SELECT_KERNEL_MAX_NODES:
+            return DraftTree(*gpu_kernels.select_nodes(weights, parents, tokens, budgets, max_budget))
         levels = [_Level(weights[:, d], parents[:, d], tokens[:, d]) for d in range(depth)]
     else:
         levels = _expand_levels(top_logp, top_tokens, max_budget)
     return _select_nodes(levels, budgets, max_budget)
+
+
+# depth x budget up to which the kernel path also selects the nodes in one kernel (one sort of
+# that many keys per row; beyond it the torch ops below do it)
+SELECT_KERNEL_MAX_NODES = 8192
 
 
 def chain_tree(draft_tokens: torch.Tensor) -> DraftTree:

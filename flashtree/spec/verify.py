@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashtree.models import gpu_kernels
 from flashtree.spec.tree import ROOT, DraftTree
 
 PATH_PAD = -1  # path / committed-token filler after the end of the accepted path
@@ -34,12 +35,14 @@ class AcceptResult(NamedTuple):
 
 
 def accept_walk(
-    tree: DraftTree, target_choice: torch.Tensor, max_depth: int | None = None
+    tree: DraftTree, target_choice: torch.Tensor, max_depth: int | None = None, kernel: bool = False
 ) -> AcceptResult:
     """Walk each row's tree along the target's choices, without host syncs.
 
     tree: a DraftTree with N nodes per row. target_choice: [R, N] int64.
     max_depth: deepest node depth (L for DDTree / DFlash); defaults to N - 1, always enough.
+    kernel: walk in one Triton kernel per row (``models/gpu_kernels.accept_walk``; same result)
+    where it can run (CUDA with Triton, or the interpreter).
     """
     num_rows, num_nodes = tree.tokens.shape
     if target_choice.shape != (num_rows, num_nodes):
@@ -50,6 +53,8 @@ def accept_walk(
     if max_depth is None:
         max_depth = num_nodes - 1
     target_choice = target_choice.long()
+    if kernel and gpu_kernels.usable_on(tree.tokens):
+        return AcceptResult(*gpu_kernels.accept_walk(tree.tokens, tree.parents, tree.valid, target_choice, max_depth))
     on_path = _path_nodes(tree, target_choice, max_depth)  # [R, N]
     # Path nodes have distinct depths 0..len-1: each goes to the slot of its depth.
     slot = torch.where(on_path, tree.depths, max_depth + 1)  # [R, N]; others to a dump slot
