@@ -177,12 +177,20 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int,
-                  pair_row: torch.Tensor, pair_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# rows of the ancestor mask each step of select_nodes writes (a [rows, N] tile)
+SELECT_MASK_ROWS = 16
+# warps per program of the tree kernels (one program per row; H200 timings by warps:
+# benchmarks/gpu_tree_kernel_warps.py)
+TREE_WARPS = 4
+
+
+def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
+                  pair_rank: torch.Tensor, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
-    ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each."""
+    ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
+    ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others)."""
     if top_logp.dtype != torch.float32:
         raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
     rows, depth, k = top_logp.shape
@@ -197,16 +205,12 @@ def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: 
         top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
         weights, parents, tokens, index_scratch, weight_scratch, k, max_budget,
         pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
-        LOG_B=max_budget.bit_length(), num_warps=4 if block_m <= 1024 else 8)
+        LOG_B=max_budget.bit_length(), num_warps=num_warps or TREE_WARPS)
     return weights, parents, tokens
 
 
-# rows of the ancestor mask each step of select_nodes writes (a [rows, N] tile)
-SELECT_MASK_ROWS = 16
-
-
 def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, budgets: torch.Tensor,
-                 max_budget: int) -> tuple[torch.Tensor, ...]:
+                 max_budget: int, num_warps: int | None = None) -> tuple[torch.Tensor, ...]:
     """``spec/tree.py _select_nodes`` and ``_assemble`` in one kernel per row, exactly: from the
     kept lists (weights / parent places / tokens ``[R, L, B]``, as :func:`expand_levels` returns
     them) and budgets ``[R]``, the tree's tokens, parents, depths, valid ``[R, B+1]``, ancestor mask
@@ -228,7 +232,7 @@ def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
         weights.contiguous(), parents.contiguous(), tokens.contiguous(), budgets.contiguous(), out_tokens, out_parents,
         out_depths, valid, log_weights, mask, flat_scratch, node_scratch, anc_scratch, budget,
         DEPTH=depth, BLOCK_F=block_f, BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l,
-        MASK_ROWS=SELECT_MASK_ROWS, num_warps=4 if block_f <= 1024 else 8)
+        MASK_ROWS=SELECT_MASK_ROWS, num_warps=num_warps or TREE_WARPS)
     return out_tokens, out_parents, out_depths, valid.view(torch.bool), mask.view(torch.bool), log_weights
 
 

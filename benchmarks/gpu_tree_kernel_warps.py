@@ -1,0 +1,77 @@
+"""H200: the DDTree tree kernels one by one, by warps per program.
+
+    PYTHONPATH=. python benchmarks/gpu_tree_kernel_warps.py --out benchmarks/results/gpu_tree_kernel_warps_h200.json
+
+Vocab 151,936, 15 draft positions, bf16 logits, budgets 16 / 64 / 256, batch 1 and 8. Each part is
+timed alone as one replayed CUDA graph (ms): the drafter's top-K tokens and log-probs
+(``tree._top_tokens``: float32 copy, log-softmax normalizer, top-k), ``gpu_kernels.expand_levels``
+and ``gpu_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
+warps), and ``gpu_kernels.accept_walk``.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_build_speed import graph_ms  # noqa: E402
+
+from flashtree.models import gpu_kernels  # noqa: E402
+from flashtree.spec import tree as tree_module  # noqa: E402
+
+WARPS = (1, 2, 4, 8)
+
+
+def timed(fn, reps):
+    return round(graph_ms(lambda _unused: fn(), torch.empty(0, device="cuda"), reps), 4)
+
+
+def case(budget, batch, vocab, depth, reps):
+    gen = torch.Generator().manual_seed(budget + batch)
+    logits = (torch.randn(batch, depth, vocab, generator=gen) * 2).to("cuda", torch.bfloat16)
+    budgets = torch.full((batch,), budget, device="cuda")
+    k = min(budget, vocab)
+    top_logp, top_tokens = tree_module._top_tokens(logits, k)
+    pairs = tree_module._prefilter_pairs(budget, k, logits.device)
+    row = {"budget": budget, "batch": batch, "prefilter_pairs": pairs[0].numel(),
+           "top_tokens_ms": timed(lambda: tree_module._top_tokens(logits, k), reps)}
+    levels, trees = [], []
+    for warps in WARPS:
+        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps))
+        row[f"expand_w{warps}_ms"] = timed(
+            lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps), reps)
+        trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps))
+        row[f"select_w{warps}_ms"] = timed(
+            lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps), reps)
+    assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "expand differs by warps"
+    assert all(torch.equal(a, b) for tr in trees[1:] for a, b in zip(tr, trees[0])), "select differs by warps"
+    tree = tree_module.DraftTree(*trees[0])
+    choice = tree.tokens.roll(-1, dims=1)
+    row["walk_ms"] = timed(lambda: gpu_kernels.accept_walk(tree.tokens, tree.parents, tree.valid, choice, depth), reps)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/gpu_tree_kernel_warps_h200.json")
+    parser.add_argument("--budgets", default="16,64,256")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    rows = [case(b, n, 151_936, 15, args.reps) for n in map(int, args.batches.split(","))
+            for b in map(int, args.budgets.split(","))]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "rows": rows}, indent=1))
+    keys = ["top_tokens_ms"] + [f"expand_w{w}_ms" for w in WARPS] + [f"select_w{w}_ms" for w in WARPS] + ["walk_ms"]
+    print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))
+    for r in rows:
+        print(f"{r['budget']:>6} {r['batch']:>5} " + " ".join(f"{r[k]:.4f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
