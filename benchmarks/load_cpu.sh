@@ -2,7 +2,7 @@
 # CPU load test of `flashtree serve` with the embedded SmolLM2-135M-Instruct: plain decoding by
 # default, or SPEC=ddtree / dflash with the shipped drafter (adaptive speculation, the serving default).
 # Starts the server, waits for /health, runs benchmarks/load_test.py, stops the server.
-#   [SPEC=none REQUESTS=16 MAX_TOKENS=64 PORT=8131 WARMUP=--warmup] bash benchmarks/load_cpu.sh [OUT_PREFIX] [extra serve flags]
+#   [SPEC=none REQUESTS=16 MAX_TOKENS=64 REPEATS=1 PORT=8131 WARMUP=--warmup] bash benchmarks/load_cpu.sh [OUT_PREFIX] [extra serve flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/load_cpu_smollm2}
@@ -17,4 +17,4 @@ for _ in $(seq 1 300); do
     sleep 1
 done
 python benchmarks/load_test.py --base-url "http://127.0.0.1:$PORT/v1" --model smollm2 \
-    --concurrency 1 4 16 32 --requests "${REQUESTS:-16}" --max-tokens "${MAX_TOKENS:-64}" --ignore-eos ${WARMUP:-} --out "$OUT"
+    --concurrency 1 4 16 32 --requests "${REQUESTS:-16}" --max-tokens "${MAX_TOKENS:-64}" --ignore-eos ${WARMUP:-} --repeats "${REPEATS:-1}" --out "$OUT"

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashtree.models import gpu_kernels
 from flashtree.models.batch import ForwardBatch, causal_mask
 from tests.helpers import make_cache, ours_from_hf, tiny_hf_model
 
@@ -158,8 +159,9 @@ def compare_engine(device: str, workdir: str) -> dict[str, float]:
 def compare_tree(device: str, cases: int) -> dict[str, float]:
     """build_tree with the Triton tree kernels (kept lists, node selection) against the torch
     path: the number of differing trees (0 expected) over random float32 / tied / bf16 logits, a
-    masked vocabulary, budgets above the vocabulary, and per-row budgets; and of differing accept
-    walks (Triton walk kernel against the torch walk) along target choices that go deep."""
+    masked vocabulary, budgets above the vocabulary, and per-row budgets; of differing accept
+    walks (Triton walk kernel against the torch walk) along target choices that go deep; and of
+    kept lists that differ between the kernel's two threshold searches."""
     import random
 
     from flashtree.spec import tree as tree_module
@@ -167,7 +169,7 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
 
     from flashtree.spec.verify import accept_walk
 
-    rng, differing, differing_walks = random.Random(0), 0, 0
+    rng, differing, differing_walks, differing_thresholds = random.Random(0), 0, 0, 0
     for case in range(cases):
         kind = ("f32", "int6", "int2", "bf16")[case % 4]
         depth, vocab, rows = rng.randint(1, 8), rng.randint(5, 300), 3
@@ -181,11 +183,25 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
             assert_same_tree(tree_module.build_tree(logits, budgets, budget, kernel=True), tree)
         except AssertionError:
             differing += 1
+        differing_thresholds += not same_kept_lists_both_ways(logits, budget)
         for seed in range(2):
             choice = walk_choices(tree, seed)
             walks = [accept_walk(tree, choice, depth, kernel=kernel) for kernel in (True, False)]
             differing_walks += any(not torch.equal(a, b) for a, b in zip(*walks))
-    return {"tree/differing_trees": float(differing), "tree/differing_walks": float(differing_walks)}
+    return {"tree/differing_trees": float(differing), "tree/differing_walks": float(differing_walks),
+            "tree/differing_kept_lists_sort_vs_bisection": float(differing_thresholds)}
+
+
+def same_kept_lists_both_ways(logits: torch.Tensor, budget: int) -> bool:
+    """The kept-list kernel finds each depth's threshold by sorting the prefilter list or by
+    bisection (chosen by the list's length): both must give the same lists."""
+    from flashtree.spec import tree as tree_module
+
+    k = min(budget, logits.shape[2])
+    top_logp, top_tokens = tree_module._top_tokens(logits, k)
+    pairs = tree_module._prefilter_pairs(budget, k, logits.device)
+    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=flag) for flag in (True, False)]
+    return all(torch.equal(a, b) for a, b in zip(*ways))
 
 
 def walk_choices(tree, seed: int) -> torch.Tensor:

@@ -182,15 +182,23 @@ SELECT_MASK_ROWS = 16
 # warps per program of the tree kernels (one program per row; H200 timings by warps:
 # benchmarks/gpu_tree_kernel_warps.py)
 TREE_WARPS = 4
+# prefilter lists (padded to a power of two) up to this length find each depth's threshold by a
+# sort, longer ones by bisection. H200, batch 1, build + walk: sorting was faster at budgets 16 and
+# 64 (0.16 / 0.21 ms against 0.21 / 0.25 ms), bisection at 256 and 1024 (0.45 / 0.88 ms against
+# 0.54 / 2.70 ms); benchmarks/results/session6/tree_build_speed_h200_session6{,_v3}.json
+SORT_LIST_MAX = 512
 
 
 def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
-                  pair_rank: torch.Tensor, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  pair_rank: torch.Tensor, num_warps: int | None = None,
+                  sort_list: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
-    ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others)."""
+    ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others).
+    ``sort_list``: find each depth's threshold by sorting the prefilter list (default: for lists
+    of up to :data:`SORT_LIST_MAX` entries) rather than by bisection; both give the same lists."""
     if top_logp.dtype != torch.float32:
         raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
     rows, depth, k = top_logp.shape
@@ -205,7 +213,8 @@ def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: 
         top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
         weights, parents, tokens, index_scratch, weight_scratch, k, max_budget,
         pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
-        LOG_B=max_budget.bit_length(), num_warps=num_warps or TREE_WARPS)
+        LOG_B=max_budget.bit_length(), SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list,
+        num_warps=num_warps or TREE_WARPS)
     return weights, parents, tokens
 
 

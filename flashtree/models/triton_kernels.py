@@ -197,14 +197,16 @@ def _count_at_least(w, lp_ptr, t, k, rows_ok, STRICT: tl.constexpr, LOG_K: tl.co
 def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_out_ptr, parent_out_ptr,
                           token_out_ptr, index_scratch_ptr, weight_scratch_ptr, k, budget, pairs,
                           DEPTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                          LOG_K: tl.constexpr, LOG_B: tl.constexpr):
+                          LOG_K: tl.constexpr, LOG_B: tl.constexpr, SORT_LIST: tl.constexpr):
     """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
     the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
 
     The budget-th best weight T is the budget-th of the prefilter list (the ``pairs`` (row, rank)
-    pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending): the largest
-    float32 t with at least ``budget`` list entries >= t, by bisection over float32 order with the
-    list held in registers (each step is one count, no memory traffic). Children of kept prefix i are non-increasing in j (l is sorted and float rounding is
+    pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending). SORT_LIST
+    (short lists): one sort of the list gives T, and its first ``budget`` entries are the next
+    depth's sorted weights. Otherwise: the largest float32 t with at least ``budget`` list entries
+    >= t, by bisection over float32 order with the list held in registers (each step is one count,
+    no memory traffic), after one sort of the kept weights. Children of kept prefix i are non-increasing in j (l is sorted and float rounding is
     monotone), so row i keeps its first a_i + take_i children (a_i above T, take_i of its ties at
     T, handed out in row order; both counted by binary search), laid out in (i, j) order."""
     row = tl.program_id(0).to(tl.int64)
@@ -225,21 +227,31 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
     tl.store(w_out_ptr + out + i, w, mask=rows_ok)
     tl.store(parent_out_ptr + out + i, tl.zeros_like(i).to(tl.int64), mask=rows_ok)
     tl.store(token_out_ptr + out + i, tl.load(tok_row + i, mask=first, other=0), mask=rows_ok)
+    if SORT_LIST:
+        tl.store(sorted_w + i, w, mask=rows_ok)  # (depth 1's weights are already descending)
+        tl.debug_barrier()
     for d in range(1, DEPTH):
         lp = lp_row + d * k
-        tl.store(sorted_w + i, tl.sort(tl.where(rows_ok, w, float("-inf")), 0, descending=True))
-        tl.debug_barrier()
+        if not SORT_LIST:
+            tl.store(sorted_w + i, tl.sort(tl.where(rows_ok, w, float("-inf")), 0, descending=True))
+            tl.debug_barrier()
         candidates = tl.load(sorted_w + pair_row, mask=pairs_ok, other=float("-inf")) + \
             tl.load(lp + pair_rank, mask=pairs_ok, other=float("-inf"))  # [BLOCK_M]
-        lo_key = tl.full([], -2139095041, tl.int64)  # order key of -inf (bits 0xFF800000)
-        hi_key = tl.full([], 2139095040, tl.int64)  # order key of +inf (bits 0x7F800000)
-        for _ in range(32):
-            mid = lo_key + (hi_key - lo_key + 1) // 2
-            t = tl.where(mid >= 0, mid, mid ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-            enough = tl.sum((candidates >= t).to(tl.int32), axis=0) >= budget
-            lo_key = tl.where(enough, mid, lo_key)
-            hi_key = tl.where(enough, hi_key, mid - 1)
-        threshold = tl.where(lo_key >= 0, lo_key, lo_key ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        if SORT_LIST:
+            ordered = tl.sort(tl.where(pairs_ok, candidates, float("-inf")), 0, descending=True)  # [BLOCK_M]
+            threshold = tl.max(tl.where(m == budget - 1, ordered, float("-inf")), axis=0)
+            tl.debug_barrier()  # every read of sorted_w is done
+            tl.store(sorted_w + m, ordered, mask=m < budget)
+        else:
+            lo_key = tl.full([], -2139095041, tl.int64)  # order key of -inf (bits 0xFF800000)
+            hi_key = tl.full([], 2139095040, tl.int64)  # order key of +inf (bits 0x7F800000)
+            for _ in range(32):
+                mid = lo_key + (hi_key - lo_key + 1) // 2
+                t = tl.where(mid >= 0, mid, mid ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+                enough = tl.sum((candidates >= t).to(tl.int32), axis=0) >= budget
+                lo_key = tl.where(enough, mid, lo_key)
+                hi_key = tl.where(enough, hi_key, mid - 1)
+            threshold = tl.where(lo_key >= 0, lo_key, lo_key ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
         above = _count_at_least(w, lp, threshold, k, rows_ok, True, LOG_K)  # [BLOCK_B]
         ties = _count_at_least(w, lp, threshold, k, rows_ok, False, LOG_K) - above
         need = budget - tl.sum(above, axis=0)
