@@ -9,7 +9,9 @@ Systems, interleaved over --repeats (the machine is shared: compare within a run
   each committed token at once (the behaviour before deferral).
 All three must give the same tokens. Also times one ``draft_logits`` call (budget-4 depth).
 
-    python benchmarks/cpu_plain_round_upkeep.py [--repeats 3] [--new-tokens 128]
+    python benchmarks/cpu_plain_round_upkeep.py [--repeats 3] [--new-tokens 128] [--batch 1] [--out FILE]
+
+``--batch N`` runs N chats at once (the same question in N wordings), as a server's batch would.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ class WithoutDefer:
         return getattr(self.proposer, name)
 
 
-def engines() -> dict[str, LLM]:
-    plain = LLM("smollm2", max_running=2, max_context=512)
-    deferred = LLM("smollm2", spec="ddtree", budget=4, max_running=2, max_context=512)
+def engines(batch: int) -> dict[str, LLM]:
+    running = max(2, batch)
+    plain = LLM("smollm2", max_running=running, max_context=512)
+    deferred = LLM("smollm2", spec="ddtree", budget=4, max_running=running, max_context=512)
     deferred.engine.policy = PlainRounds()
-    eager = LLM("smollm2", spec="ddtree", budget=4, max_running=2, max_context=512)
+    eager = LLM("smollm2", spec="ddtree", budget=4, max_running=running, max_context=512)
     eager.engine.policy = PlainRounds()
     eager.engine.proposer.lag_capacity = None  # no catch-up bookkeeping in the engine
     eager.engine.runner.proposer = WithoutDefer(eager.engine.proposer)
@@ -87,28 +90,33 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    systems = engines()
+    systems = engines(args.batch)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    chats = [[{"role": "user", "content": CHAT[0][0]["content"] + " " * (i % 2) + "Answer briefly." * (i // 2)}]
+             for i in range(args.batch)]
     rates: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(args.repeats):
         tokens = []
         for name, llm in systems.items():
             start = time.perf_counter()
-            out = llm.chat(CHAT, params)[0]
-            rates[name].append(len(out.token_ids) / (time.perf_counter() - start))
-            tokens.append(out.token_ids)
+            outs = llm.chat(chats, params)
+            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+            tokens.append([o.token_ids for o in outs])
         assert all(t == tokens[0] for t in tokens), "a system's tokens differ from plain decoding"
     drafter = LLM("smollm2", spec="ddtree", budget=4, adaptive_spec=False, max_running=2, max_context=512)
     result = {
         "machine": f"{cpu_name()}, {args.threads} threads, torch {torch.__version__}",
-        "command": "python benchmarks/cpu_plain_round_upkeep.py " + f"--repeats {args.repeats} --new-tokens {args.new_tokens}",
+        "command": "python benchmarks/cpu_plain_round_upkeep.py "
+                   + f"--repeats {args.repeats} --new-tokens {args.new_tokens} --batch {args.batch}",
         "tokens_per_s_median": {name: round(statistics.median(v), 1) for name, v in rates.items()},
         "tokens_per_s_all": {name: [round(x, 1) for x in v] for name, v in rates.items()},
         "draft_logits_ms_depth4": round(draft_ms(drafter), 2),
     }
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 
