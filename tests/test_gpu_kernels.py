@@ -159,7 +159,8 @@ def compare_engine(device: str, workdir: str) -> dict[str, float]:
 def compare_tree(device: str, cases: int) -> dict[str, float]:
     """build_tree with the Triton tree kernels (kept lists, node selection) against the torch
     path: the number of differing trees (0 expected) over random float32 / tied / bf16 logits, a
-    masked vocabulary, budgets above the vocabulary, and per-row budgets; of differing accept
+    masked vocabulary, budgets above the vocabulary, and per-row budgets (on CUDA also budgets 128
+    and 256, whose kept lists take the bisection path); of differing accept
     walks (Triton walk kernel against the torch walk) along target choices that go deep; and of
     kept lists that differ between the kernel's two threshold searches."""
     import random
@@ -176,7 +177,7 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
         logits = make_logits(kind, rows, depth, vocab, case).to(device)
         if case % 5 == 4:
             logits[:, :, 7:] = float("-inf")  # most prefixes do not exist
-        budget = rng.choice([1, depth, 3 * depth, 16, 40])
+        budget = rng.choice([1, depth, 3 * depth, 16, 40] + ([128, 256] if device == "cuda" else []))
         budgets = torch.tensor([budget, rng.randint(0, budget), 0], device=device)
         tree = tree_module.build_tree(logits, budgets, budget)
         try:
@@ -211,8 +212,12 @@ def walk_choices(tree, seed: int) -> torch.Tensor:
     tokens, parents, valid = (t.cpu() for t in (tree.tokens, tree.parents, tree.valid))
     choice = torch.full(tokens.shape, 10**6, dtype=torch.long)
     for r in range(tokens.shape[0]):
+        children_of: dict[int, list[int]] = {}
+        for c in range(1, tokens.shape[1]):
+            if valid[r, c]:
+                children_of.setdefault(int(parents[r, c]), []).append(c)
         for node in range(tokens.shape[1]):
-            children = [c for c in range(1, tokens.shape[1]) if valid[r, c] and parents[r, c] == node]
+            children = children_of.get(node, [])
             if children and torch.rand(1, generator=gen).item() < 0.75:
                 choice[r, node] = tokens[r, children[torch.randint(len(children), (1,), generator=gen).item()]]
     return choice.to(tree.tokens.device)
