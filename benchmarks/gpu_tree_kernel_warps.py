@@ -5,8 +5,10 @@
 Vocab 151,936, 15 draft positions, bf16 logits, budgets 16 / 64 / 256, batch 1 and 8. Each part is
 timed alone as one replayed CUDA graph (ms): the drafter's top-K tokens and log-probs
 (``tree._top_tokens``: float32 copy, log-softmax normalizer, top-k), ``gpu_kernels.expand_levels``
-and ``gpu_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
-warps), and ``gpu_kernels.accept_walk``.
+and ``gpu_kernels.select_nodes`` at 1, 4 and 8 warps per program (outputs checked equal across
+warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
+the kept lists' two threshold searches (sort / bisection, 4 warps; checked equal), and
+``gpu_kernels.accept_walk``.
 """
 
 import argparse
@@ -22,7 +24,7 @@ from tree_build_speed import graph_ms  # noqa: E402
 from flashtree.models import gpu_kernels  # noqa: E402
 from flashtree.spec import tree as tree_module  # noqa: E402
 
-WARPS = (1, 2, 4, 8)
+WARPS = (1, 4, 8)
 
 
 def timed(fn, reps):
@@ -38,17 +40,23 @@ def case(budget, batch, vocab, depth, reps):
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
     row = {"budget": budget, "batch": batch, "prefilter_pairs": pairs[0].numel(),
            "top_tokens_ms": timed(lambda: tree_module._top_tokens(logits, k), reps)}
+    selects = depth * budget <= tree_module.SELECT_KERNEL_MAX_NODES
     levels, trees = [], []
     for warps in WARPS:
         levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps))
         row[f"expand_w{warps}_ms"] = timed(
             lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps), reps)
-        trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps))
-        row[f"select_w{warps}_ms"] = timed(
-            lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps), reps)
-    assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "expand differs by warps"
+        if selects:
+            trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps))
+            row[f"select_w{warps}_ms"] = timed(
+                lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps), reps)
+    for name, sort_list in (("sort", True), ("bisection", False)):
+        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=sort_list))
+        row[f"expand_{name}_ms"] = timed(
+            lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=sort_list), reps)
+    assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "kept lists differ"
     assert all(torch.equal(a, b) for tr in trees[1:] for a, b in zip(tr, trees[0])), "select differs by warps"
-    tree = tree_module.DraftTree(*trees[0])
+    tree = tree_module.build_tree(logits, budgets, budget, kernel=True)
     choice = tree.tokens.roll(-1, dims=1)
     row["walk_ms"] = timed(lambda: gpu_kernels.accept_walk(tree.tokens, tree.parents, tree.valid, choice, depth), reps)
     print(json.dumps(row), flush=True)
@@ -67,10 +75,11 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))
-    keys = ["top_tokens_ms"] + [f"expand_w{w}_ms" for w in WARPS] + [f"select_w{w}_ms" for w in WARPS] + ["walk_ms"]
+    keys = (["top_tokens_ms"] + [f"expand_w{w}_ms" for w in WARPS] + ["expand_sort_ms", "expand_bisection_ms"]
+            + [f"select_w{w}_ms" for w in WARPS] + ["walk_ms"])
     print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))
     for r in rows:
-        print(f"{r['budget']:>6} {r['batch']:>5} " + " ".join(f"{r[k]:.4f}" for k in keys))
+        print(f"{r['budget']:>6} {r['batch']:>5} " + " ".join(f"{r[k]:.4f}" if k in r else "-" for k in keys))
 
 
 if __name__ == "__main__":
