@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_build_speed import graph_ms  # noqa: E402
+from tree_build_speed import graphed_ms  # noqa: E402
 
 from flashtree.models import attention  # noqa: E402
 
@@ -36,10 +36,10 @@ def layers_ms(q, keys, values, bias, reps):
     n = q.shape[2]
     padded_q = F.pad(q, (0, 0, 0, bias.shape[2] - n))
 
-    def run(_unused):
+    def run():
         for _ in range(LAYERS):
             attention.masked_attention(padded_q if bias.shape[2] > n else q, keys, values, bias)[:, :, :n]
-    return graph_ms(run, torch.empty(0, device="cuda"), reps)
+    return graphed_ms(run, reps)
 
 
 def padded_bias(mask, dtype, tile):
@@ -64,9 +64,9 @@ def measure(n, context, tiles, reps):
     for tile in tiles:
         row[f"tile_{tile}_ms"] = layers_ms(q, keys, values, padded_bias(mask, q.dtype, tile), reps)
     exact_keys = keys[:, :, :context + n]
-    row["no_mask_exact_keys_ms"] = graph_ms(
-        lambda _u: [F.scaled_dot_product_attention(q, exact_keys, values[:, :, :context + n], enable_gqa=True)
-                    for _ in range(LAYERS)], torch.empty(0, device="cuda"), reps)
+    row["no_mask_exact_keys_ms"] = graphed_ms(
+        lambda: [F.scaled_dot_product_attention(q, exact_keys, values[:, :, :context + n], enable_gqa=True)
+                 for _ in range(LAYERS)], reps)
     return row
 
 

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_rounds import start_requests, time_steps  # noqa: E402
 from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
-from tree_build_speed import graph_ms  # noqa: E402
+from tree_build_speed import graphed_ms  # noqa: E402
 
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
@@ -35,11 +35,6 @@ from flashtree.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from flashtree.models.attention import attention_bias  # noqa: E402
 from flashtree.spec.tree import build_tree  # noqa: E402
 from flashtree.spec.verify import accept_walk  # noqa: E402
-
-
-def graphed_ms(fn, reps=20):
-    """ms per replay of ``fn()`` captured as one CUDA graph (tree_build_speed's timer)."""
-    return graph_ms(lambda _unused: fn(), torch.empty(0, device="cuda"), reps)
 
 
 def matmul_floor(tokens_list):

@@ -109,6 +109,11 @@ def graph_ms(work, logits, reps):
     return (time.perf_counter() - t0) * 1000 / reps
 
 
+def graphed_ms(fn, reps=20):
+    """ms per replay of ``fn()`` (no arguments) captured as one CUDA graph, by :func:`graph_ms`."""
+    return graph_ms(lambda _unused: fn(), torch.empty(0, device="cuda"), reps)
+
+
 def check_same(a, b):
     for x, y in zip([*a[0], *a[1]], [*b[0], *b[1]]):
         if not torch.equal(x, y):

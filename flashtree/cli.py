@@ -45,7 +45,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "of scattered rows; one CUDA graph for every context length) instead of SDPA "
                              "(default: off, except in regenerate)")
     parser.add_argument("--triton-tree", action=argparse.BooleanOptionalAction, default=True,
-                        help="CUDA: DDTree tree work (kept lists, node selection, accept walk) in Triton kernels (same trees; default: on)")
+                        help="CUDA: DDTree tree work (kept lists, node selection, accept walk) in Triton kernels "
+                             "(same trees; default: on)")
 
 
 def add_trace_arg(parser: argparse.ArgumentParser) -> None:

@@ -257,5 +257,5 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor
     bonus = torch.empty_like(lengths)
     _kernels()._accept_walk_kernel[(rows,)](
         tokens.contiguous(), parents.contiguous(), valid.contiguous().view(torch.uint8), choice.long().contiguous(),
-        path, committed, lengths, bonus, size, STEPS=max_depth, BLOCK_N=_next_power_of_2(size), num_warps=4)
+        path, committed, lengths, bonus, size, STEPS=max_depth, BLOCK_N=_next_power_of_2(size), num_warps=TREE_WARPS)
     return path, lengths, bonus, committed

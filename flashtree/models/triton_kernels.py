@@ -206,9 +206,10 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
     (short lists): one sort of the list gives T, and its first ``budget`` entries are the next
     depth's sorted weights. Otherwise: the largest float32 t with at least ``budget`` list entries
     >= t, by bisection over float32 order with the list held in registers (each step is one count,
-    no memory traffic), after one sort of the kept weights. Children of kept prefix i are non-increasing in j (l is sorted and float rounding is
-    monotone), so row i keeps its first a_i + take_i children (a_i above T, take_i of its ties at
-    T, handed out in row order; both counted by binary search), laid out in (i, j) order."""
+    no memory traffic), after one sort of the kept weights. Children of kept prefix i are
+    non-increasing in j (l is sorted and float rounding is monotone), so row i keeps its first
+    a_i + take_i children (a_i above T, take_i of its ties at T, handed out in row order; both
+    counted by binary search), laid out in (i, j) order."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_B)
     rows_ok = i < budget
@@ -393,7 +394,8 @@ def _accept_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, choice_ptr, path_ptr
         child = tl.min(tl.where(match, n, BLOCK_N), axis=0).to(tl.int64)
         found = (child < BLOCK_N) & (length == step)  # the walk is still going
         tl.store(path_ptr + out + step, tl.where(found, child, -1))
-        tl.store(committed_ptr + out + step, tl.where(found, tl.load(tokens_ptr + tree + child, mask=found, other=0), -1))
+        token = tl.load(tokens_ptr + tree + child, mask=found, other=0)
+        tl.store(committed_ptr + out + step, tl.where(found, token, -1))
         current = tl.where(found, child, current)
         length = tl.where(found, length + 1, length)
     tl.store(lengths_ptr + row, length)
