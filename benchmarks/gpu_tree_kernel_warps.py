@@ -4,10 +4,11 @@
 
 Vocab 151,936, 15 draft positions, bf16 logits, budgets 16 / 64 / 256, batch 1 and 8. Each part is
 timed alone as one replayed CUDA graph (ms): the drafter's top-K tokens and log-probs
-(``tree._top_tokens``: float32 copy, log-softmax normalizer, top-k), ``gpu_kernels.expand_levels``
+(``tree._top_tokens``: top-k on the bf16 logits and the Triton log-normalizer; and, for comparison,
+the torch ops it replaced: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
 and ``gpu_kernels.select_nodes`` at 1, 4 and 8 warps per program (outputs checked equal across
 warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
-the kept lists' two threshold searches (sort / bisection, 4 warps; checked equal), and
+the kept lists' three threshold searches (sort / bisection / radix, 4 warps; checked equal), and
 ``gpu_kernels.accept_walk``.
 """
 
@@ -31,6 +32,14 @@ def timed(fn, reps):
     return round(graphed_ms(fn, reps), 4)
 
 
+def torch_top_tokens(logits, k):
+    """The top-k log-probs as torch ops alone (the sixth session's ``tree._top_tokens``): a float32
+    copy of the logits, logsumexp and top-k over it."""
+    logits = logits.float()
+    top = torch.topk(logits, k, dim=-1)
+    return top.values - torch.logsumexp(logits, dim=-1, keepdim=True), top.indices
+
+
 def case(budget, batch, vocab, depth, reps):
     gen = torch.Generator().manual_seed(budget + batch)
     logits = (torch.randn(batch, depth, vocab, generator=gen) * 2).to("cuda", torch.bfloat16)
@@ -39,7 +48,8 @@ def case(budget, batch, vocab, depth, reps):
     top_logp, top_tokens = tree_module._top_tokens(logits, k)
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
     row = {"budget": budget, "batch": batch, "prefilter_pairs": pairs[0].numel(),
-           "top_tokens_ms": timed(lambda: tree_module._top_tokens(logits, k), reps)}
+           "top_tokens_ms": timed(lambda: tree_module._top_tokens(logits, k), reps),
+           "top_tokens_torch_ms": timed(lambda: torch_top_tokens(logits, k), reps)}
     selects = depth * budget <= tree_module.SELECT_KERNEL_MAX_NODES
     levels, trees = [], []
     for warps in WARPS:
@@ -50,10 +60,10 @@ def case(budget, batch, vocab, depth, reps):
             trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps))
             row[f"select_w{warps}_ms"] = timed(
                 lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps), reps)
-    for name, sort_list in (("sort", True), ("bisection", False)):
-        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=sort_list))
-        row[f"expand_{name}_ms"] = timed(
-            lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=sort_list), reps)
+    for way in gpu_kernels.THRESHOLDS:
+        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, threshold=way))
+        row[f"expand_{way}_ms"] = timed(
+            lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, threshold=way), reps)
     assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "kept lists differ"
     assert all(torch.equal(a, b) for tr in trees[1:] for a, b in zip(tr, trees[0])), "select differs by warps"
     tree = tree_module.build_tree(logits, budgets, budget, kernel=True)
@@ -75,7 +85,8 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))
-    keys = (["top_tokens_ms"] + [f"expand_w{w}_ms" for w in WARPS] + ["expand_sort_ms", "expand_bisection_ms"]
+    keys = (["top_tokens_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in WARPS]
+            + [f"expand_{way}_ms" for way in gpu_kernels.THRESHOLDS]
             + [f"select_w{w}_ms" for w in WARPS] + ["walk_ms"])
     print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))
     for r in rows:

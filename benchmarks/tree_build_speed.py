@@ -7,7 +7,10 @@ Vocab 151,936, 15 draft positions, budgets 16/64/256/1024, batch 1 and 8. "befor
 copy in tests/test_tree_reference.py; "after" is flashtree.spec. Reported per call: median
 wall time (CPU: eager; CUDA: eager and one replayed CUDA graph of the whole build + walk) and
 the number of ATen ops dispatched (a TorchDispatchMode counter; views included, so it bounds
-the GPU kernel launches from above). Both versions are checked to give identical outputs.
+the GPU kernel launches from above). The Triton kernels must give the torch ops' outputs exactly;
+whether "after" equals the frozen "before" is recorded per row (``after_matches_before``): on CUDA
+they differ in how the drafter's log-normalizer is computed (rounding) and may order tied top-k
+tokens differently.
 """
 
 from __future__ import annotations
@@ -114,10 +117,19 @@ def graphed_ms(fn, reps=20):
     return graph_ms(lambda _unused: fn(), torch.empty(0, device="cuda"), reps)
 
 
-def check_same(a, b):
-    for x, y in zip([*a[0], *a[1]], [*b[0], *b[1]]):
-        if not torch.equal(x, y):
-            raise AssertionError("before and after differ")
+def same_outputs(a, b, weight_tolerance=0.0):
+    """Equal trees and walks; log weights within ``weight_tolerance`` (where the Triton kernels run,
+    "after" takes the drafter's log-normalizer from gpu_kernels.log_normalize_top and "before" from
+    torch.logsumexp: the same float32 value up to rounding)."""
+    for name, x, y in zip([*a[0]._fields, *a[1]._fields], [*a[0], *a[1]], [*b[0], *b[1]]):
+        if name == "log_weights" and weight_tolerance:
+            finite = torch.isfinite(y)
+            if not (torch.equal(finite, torch.isfinite(x)) and torch.equal(x[~finite], y[~finite])
+                    and torch.allclose(x[finite], y[finite], rtol=0.0, atol=weight_tolerance)):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
 
 
 def bench_case(device, budget, batch, vocab, depth, reps, dtype):
@@ -134,9 +146,11 @@ def bench_case(device, budget, batch, vocab, depth, reps, dtype):
             row[f"{impl}_graph_ms"] = round(graph_ms(work, logits, max(reps, 20)), 4)
         for key, value in count_ops(work, logits).items():
             row[f"{impl}_{key}"] = value
-    check_same(outputs["before"], outputs["after"])
+    # top-k tie order and normalizer rounding may differ from the frozen reference: recorded, not asserted
+    row["after_matches_before"] = same_outputs(outputs["before"], outputs["after"], weight_tolerance=1e-4)
     if "kernel" in outputs:
-        check_same(outputs["after"], outputs["kernel"])
+        if not same_outputs(outputs["after"], outputs["kernel"]):
+            raise AssertionError("the tree kernels and the torch ops differ")
         row["kernel_speedup_graph"] = round(row["after_graph_ms"] / row["kernel_graph_ms"], 2)
     row["speedup_eager"] = round(row["before_eager_ms"] / row["after_eager_ms"], 2)
     if device.type == "cuda":
@@ -166,8 +180,13 @@ def main():
     parser.add_argument("--depth", type=int, default=15)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default=None, help="logits dtype (default: bf16 on CUDA, f32 on CPU)")
+    parser.add_argument("--long-list-threshold", choices=gpu_kernels.THRESHOLDS, default=None,
+                        help="the kept-list kernel's threshold search for long prefilter lists "
+                             f"(default: gpu_kernels.LONG_LIST_THRESHOLD = {gpu_kernels.LONG_LIST_THRESHOLD!r})")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.long_list_threshold:
+        gpu_kernels.LONG_LIST_THRESHOLD = args.long_list_threshold
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -181,6 +200,7 @@ def main():
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "vocab": args.vocab, "depth": args.depth, "logits_dtype": str(dtype),
+        "sort_list_max": gpu_kernels.SORT_LIST_MAX, "long_list_threshold": gpu_kernels.LONG_LIST_THRESHOLD,
         "reps": args.reps, "rows": rows,
     }
     if args.out:

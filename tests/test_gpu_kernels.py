@@ -162,7 +162,7 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
     masked vocabulary, budgets above the vocabulary, and per-row budgets (on CUDA also budgets 128
     and 256, whose kept lists take the bisection path); of differing accept
     walks (Triton walk kernel against the torch walk) along target choices that go deep; and of
-    kept lists that differ between the kernel's two threshold searches."""
+    kept lists that differ between the kernel's three threshold searches."""
     import random
 
     from flashtree.spec import tree as tree_module
@@ -184,25 +184,46 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
             assert_same_tree(tree_module.build_tree(logits, budgets, budget, kernel=True), tree)
         except AssertionError:
             differing += 1
-        differing_thresholds += not same_kept_lists_both_ways(logits, budget)
+        differing_thresholds += not same_kept_lists_every_way(logits, budget)
         for seed in range(2):
             choice = walk_choices(tree, seed)
             walks = [accept_walk(tree, choice, depth, kernel=kernel) for kernel in (True, False)]
             differing_walks += any(not torch.equal(a, b) for a, b in zip(*walks))
     return {"tree/differing_trees": float(differing), "tree/differing_walks": float(differing_walks),
-            "tree/differing_kept_lists_sort_vs_bisection": float(differing_thresholds)}
+            "tree/differing_kept_lists_by_threshold_search": float(differing_thresholds)}
 
 
-def same_kept_lists_both_ways(logits: torch.Tensor, budget: int) -> bool:
-    """The kept-list kernel finds each depth's threshold by sorting the prefilter list or by
-    bisection (chosen by the list's length): both must give the same lists."""
+def compare_top_tokens(device: str) -> dict[str, float]:
+    """The drafter logits' top-k log-probs with the Triton log-normalizer (read in the logits' own
+    dtype, chunked over the vocabulary) against torch's float32 logsumexp: the largest difference,
+    and the number of differing tokens (0 expected), over float32 and bf16 logits spanning several
+    chunks, one depth with a vocabulary chunk of -inf only."""
+    from flashtree.spec import tree as tree_module
+
+    worst, differing = 0.0, 0
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(3)
+        logits = (torch.randn(2, 3, 9000, generator=gen) * 4).to(device, dtype)
+        logits[0, 1, 4096:8192] = float("-inf")  # the second chunk holds nothing
+        logp, tokens = tree_module._top_tokens(logits, 50)
+        ref = logits.float()
+        ref_top = torch.topk(ref, 50, dim=-1)
+        worst = max(worst, (logp - (ref_top.values - torch.logsumexp(ref, -1, keepdim=True))).abs().max().item())
+        differing += int((ref.gather(-1, tokens) != ref_top.values).sum())  # same values in rank order
+    return {"top_tokens/log_prob_max_diff": worst, "top_tokens/differing_ranked_values": float(differing)}
+
+
+def same_kept_lists_every_way(logits: torch.Tensor, budget: int) -> bool:
+    """The kept-list kernel finds each depth's threshold by sorting the prefilter list, by
+    bisection or by radix select (chosen by the list's length): all must give the same lists."""
     from flashtree.spec import tree as tree_module
 
     k = min(budget, logits.shape[2])
     top_logp, top_tokens = tree_module._top_tokens(logits, k)
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
-    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=flag) for flag in (True, False)]
-    return all(torch.equal(a, b) for a, b in zip(*ways))
+    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, threshold=way)
+            for way in gpu_kernels.THRESHOLDS]
+    return all(torch.equal(a, b) for other in ways[1:] for a, b in zip(ways[0], other))
 
 
 def walk_choices(tree, seed: int) -> torch.Tensor:
@@ -234,7 +255,7 @@ def test_fused_kernels_match_torch_ops_on_cuda(dtype, tolerance, tmp_path):
     diffs = compare("cuda", dtype) | compare_drafter("cuda", dtype, str(tmp_path)) | compare_attention("cuda", dtype)
     diffs |= compare_engine("cuda", str(tmp_path))  # exact in either dtype
     if dtype == torch.float32:
-        diffs |= compare_tree("cuda", cases=200)
+        diffs |= compare_tree("cuda", cases=200) | compare_top_tokens("cuda")
     _check(diffs, tolerance)
 
 
@@ -258,4 +279,4 @@ def test_kernels_stay_off_without_cuda_or_interpreter():
 if __name__ == "__main__":  # run by the interpreter test above, with TRITON_INTERPRET=1
     diffs = compare("cpu", torch.float32) | compare_drafter("cpu", torch.float32, sys.argv[1])
     diffs |= compare_attention("cpu", torch.float32) | compare_engine("cpu", sys.argv[1])
-    print(json.dumps(diffs | compare_tree("cpu", cases=12)))
+    print(json.dumps(diffs | compare_tree("cpu", cases=12) | compare_top_tokens("cpu")))

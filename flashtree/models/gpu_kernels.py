@@ -183,27 +183,33 @@ SELECT_MASK_ROWS = 16
 # benchmarks/gpu_tree_kernel_warps.py)
 TREE_WARPS = 4
 # prefilter lists (padded to a power of two) up to this length find each depth's threshold by a
-# sort, longer ones by bisection. H200, batch 1, build + walk: sorting was faster at budgets 16 and
-# 64 (0.16 / 0.21 ms against 0.21 / 0.25 ms), bisection at 256 and 1024 (0.45 / 0.88 ms against
-# 0.54 / 2.70 ms); benchmarks/results/session6/tree_build_speed_h200_session6{,_v3}.json
+# sort, longer ones by LONG_LIST_THRESHOLD. H200, batch 1, build + walk: sorting was faster at
+# budgets 16 and 64 (0.16 / 0.21 ms against 0.21 / 0.25 ms), bisection at 256 and 1024 (0.45 /
+# 0.88 ms against 0.54 / 2.70 ms); benchmarks/results/session6/tree_build_speed_h200_session6{,_v3}.json
 SORT_LIST_MAX = 512
+LONG_LIST_THRESHOLD = "bisection"
+THRESHOLDS = ("sort", "bisection", "radix")  # expand_levels' threshold searches (triton_kernels.THRESHOLD_*)
 
 
 def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
                   pair_rank: torch.Tensor, num_warps: int | None = None,
-                  sort_list: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  threshold: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
     ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others).
-    ``sort_list``: find each depth's threshold by sorting the prefilter list (default: for lists
-    of up to :data:`SORT_LIST_MAX` entries) rather than by bisection; both give the same lists."""
+    ``threshold``: how each depth's threshold is found, one of :data:`THRESHOLDS` (all give the
+    same lists); default: "sort" for lists of up to :data:`SORT_LIST_MAX` entries, else
+    :data:`LONG_LIST_THRESHOLD`."""
     if top_logp.dtype != torch.float32:
         raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
     rows, depth, k = top_logp.shape
     block = _next_power_of_2(max_budget)
     block_m = _next_power_of_2(pair_row.numel())
+    threshold = threshold or ("sort" if block_m <= SORT_LIST_MAX else LONG_LIST_THRESHOLD)
+    if threshold not in THRESHOLDS:
+        raise ValueError(f"threshold must be one of {THRESHOLDS}, got {threshold!r}")
     weights = top_logp.new_empty(rows, depth, max_budget)
     parents = torch.empty(rows, depth, max_budget, dtype=torch.long, device=top_logp.device)
     tokens = torch.empty_like(parents)
@@ -213,7 +219,7 @@ def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: 
         top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
         weights, parents, tokens, index_scratch, weight_scratch, k, max_budget,
         pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
-        LOG_B=max_budget.bit_length(), SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list,
+        LOG_B=max_budget.bit_length(), THRESHOLD=THRESHOLDS.index(threshold),
         num_warps=num_warps or TREE_WARPS)
     return weights, parents, tokens
 
@@ -259,3 +265,22 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor
         tokens.contiguous(), parents.contiguous(), valid.contiguous().view(torch.uint8), choice.long().contiguous(),
         path, committed, lengths, bonus, size, STEPS=max_depth, BLOCK_N=_next_power_of_2(size), num_warps=TREE_WARPS)
     return path, lengths, bonus, committed
+
+
+LOGSUMEXP_CHUNK = 4096  # vocabulary entries per program of log_normalize_top's first kernel
+
+
+def log_normalize_top(logits: torch.Tensor, top_values: torch.Tensor) -> torch.Tensor:
+    """``top_values - logsumexp(logits)`` per row in float32, reading the logits once in their own
+    dtype (no float32 copy): logits ``[..., V]``, top_values ``[..., K]`` (any K values of each
+    row, e.g. its top-k) -> ``[..., K]`` float32 log-probabilities."""
+    vocab, k = logits.shape[-1], top_values.shape[-1]
+    rows = logits.numel() // vocab
+    chunks = -(-vocab // LOGSUMEXP_CHUNK)
+    parts = torch.empty(rows, chunks, 2, dtype=torch.float32, device=logits.device)
+    out = torch.empty(*top_values.shape, dtype=torch.float32, device=logits.device)
+    _kernels()._partial_logsumexp_kernel[(rows, chunks)](logits.contiguous(), parts, vocab, chunks,
+                                                         BLOCK=LOGSUMEXP_CHUNK, num_warps=8)
+    _kernels()._normalize_top_kernel[(rows,)](parts, top_values.contiguous(), out, k, chunks,
+                                              BLOCK_C=_next_power_of_2(chunks), BLOCK_K=_next_power_of_2(k))
+    return out

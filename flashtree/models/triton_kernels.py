@@ -193,20 +193,53 @@ def _count_at_least(w, lp_ptr, t, k, rows_ok, STRICT: tl.constexpr, LOG_K: tl.co
     return tl.where(rows_ok, lo, 0)
 
 
+THRESHOLD_SORT: tl.constexpr = tl.constexpr(0)  # how _expand_levels_kernel finds each depth's threshold
+THRESHOLD_BISECTION: tl.constexpr = tl.constexpr(1)
+THRESHOLD_RADIX: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _kth_largest(values, count, BLOCK_M: tl.constexpr):
+    """The ``count``-th largest of ``values`` ([BLOCK_M] float32, no NaN; 1 <= count <= BLOCK_M),
+    by radix select: MSB first, 8 bits of the order key per pass, each pass one histogram of the
+    digit over the values that share the digits found so far."""
+    bits = values.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64) + 2147483648  # [0, 2^32), float order
+    bins = tl.arange(0, 512)  # digits 0..255; 256 collects the values whose higher digits differ
+    digits_ok = bins < 256
+    prefix = tl.zeros([], tl.int64)  # the higher digits of the answer's key, found so far
+    remaining = tl.zeros([], tl.int32) + count  # its rank among the values that share them
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        digit = ((key >> shift) & 255).to(tl.int32)
+        hist = tl.histogram(tl.where((key >> (shift + 8)) == prefix, digit, 256), 512)  # [512]
+        hist = tl.where(digits_ok, hist, 0)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [512] values with digit >= bin
+        chosen = tl.max(tl.where(digits_ok & (at_least >= remaining), bins, -1), axis=0)
+        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+        prefix = prefix * 256 + chosen
+    order = (prefix - 2147483648).to(tl.int32)
+    return tl.where(order >= 0, order, (-order) | -2147483648).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_out_ptr, parent_out_ptr,
                           token_out_ptr, index_scratch_ptr, weight_scratch_ptr, k, budget, pairs,
                           DEPTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                          LOG_K: tl.constexpr, LOG_B: tl.constexpr, SORT_LIST: tl.constexpr):
+                          LOG_K: tl.constexpr, LOG_B: tl.constexpr, THRESHOLD: tl.constexpr):
     """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
     the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
 
     The budget-th best weight T is the budget-th of the prefilter list (the ``pairs`` (row, rank)
-    pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending). SORT_LIST
-    (short lists): one sort of the list gives T, and its first ``budget`` entries are the next
-    depth's sorted weights. Otherwise: the largest float32 t with at least ``budget`` list entries
-    >= t, by bisection over float32 order with the list held in registers (each step is one count,
-    no memory traffic), after one sort of the kept weights. Children of kept prefix i are
+    pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending), found one of
+    three ways (THRESHOLD; all give the same T):
+    - THRESHOLD_SORT (short lists): one sort of the list gives T, and its first ``budget``
+      entries are the next depth's sorted weights;
+    - THRESHOLD_BISECTION: the largest float32 t with at least ``budget`` list entries >= t, by
+      32 bisection steps over float32 order with the list held in registers (each step is one
+      count, no memory traffic), after one sort of the kept weights;
+    - THRESHOLD_RADIX: a radix select over the list's float32 order keys, 8 bits per pass (4
+      histograms instead of 32 counts; :func:`_kth_largest`), after one sort of the kept weights. Children of kept prefix i are
     non-increasing in j (l is sorted and float rounding is monotone), so row i keeps its first
     a_i + take_i children (a_i above T, take_i of its ties at T, handed out in row order; both
     counted by binary search), laid out in (i, j) order."""
@@ -228,21 +261,23 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
     tl.store(w_out_ptr + out + i, w, mask=rows_ok)
     tl.store(parent_out_ptr + out + i, tl.zeros_like(i).to(tl.int64), mask=rows_ok)
     tl.store(token_out_ptr + out + i, tl.load(tok_row + i, mask=first, other=0), mask=rows_ok)
-    if SORT_LIST:
+    if THRESHOLD == THRESHOLD_SORT:
         tl.store(sorted_w + i, w, mask=rows_ok)  # (depth 1's weights are already descending)
         tl.debug_barrier()
     for d in range(1, DEPTH):
         lp = lp_row + d * k
-        if not SORT_LIST:
+        if THRESHOLD != THRESHOLD_SORT:
             tl.store(sorted_w + i, tl.sort(tl.where(rows_ok, w, float("-inf")), 0, descending=True))
             tl.debug_barrier()
         candidates = tl.load(sorted_w + pair_row, mask=pairs_ok, other=float("-inf")) + \
             tl.load(lp + pair_rank, mask=pairs_ok, other=float("-inf"))  # [BLOCK_M]
-        if SORT_LIST:
+        if THRESHOLD == THRESHOLD_SORT:
             ordered = tl.sort(tl.where(pairs_ok, candidates, float("-inf")), 0, descending=True)  # [BLOCK_M]
             threshold = tl.max(tl.where(m == budget - 1, ordered, float("-inf")), axis=0)
             tl.debug_barrier()  # every read of sorted_w is done
             tl.store(sorted_w + m, ordered, mask=m < budget)
+        elif THRESHOLD == THRESHOLD_RADIX:
+            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, BLOCK_M)
         else:
             lo_key = tl.full([], -2139095041, tl.int64)  # order key of -inf (bits 0xFF800000)
             hi_key = tl.full([], 2139095040, tl.int64)  # order key of +inf (bits 0x7F800000)
@@ -400,3 +435,36 @@ def _accept_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, choice_ptr, path_ptr
         length = tl.where(found, length + 1, length)
     tl.store(lengths_ptr + row, length)
     tl.store(bonus_ptr + row, tl.load(choice_ptr + tree + current))
+
+
+@triton.jit
+def _partial_logsumexp_kernel(x_ptr, part_ptr, vocab, chunks, BLOCK: tl.constexpr):
+    """One (row, vocabulary chunk): the chunk's max and its sum of exp(x - max), in float32."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < vocab
+    x = tl.load(x_ptr + row * vocab + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, axis=0)
+    safe = tl.where(top == float("-inf"), 0.0, top)  # a chunk of -inf only sums to 0
+    total = tl.sum(tl.where(inside, tl.exp(x - safe), 0.0), axis=0)
+    part = part_ptr + (row * chunks + chunk) * 2
+    tl.store(part, top)
+    tl.store(part + 1, total)
+
+
+@triton.jit
+def _normalize_top_kernel(part_ptr, top_ptr, out_ptr, k, chunks, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row: its log-normalizer from the chunks' (max, sum) pairs, then the top values minus it."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < chunks
+    tops = tl.load(part_ptr + (row * chunks + c) * 2, mask=c_ok, other=float("-inf"))
+    sums = tl.load(part_ptr + (row * chunks + c) * 2 + 1, mask=c_ok, other=0.0)
+    top = tl.max(tops, axis=0)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    log_norm = safe + tl.log(tl.sum(sums * tl.exp(tops - safe), axis=0))
+    j = tl.arange(0, BLOCK_K)
+    j_ok = j < k
+    values = tl.load(top_ptr + row * k + j, mask=j_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * k + j, values - log_norm, mask=j_ok)

@@ -121,12 +121,18 @@ def _as_budgets(budgets: torch.Tensor | int, num_rows: int, device: torch.device
 
 
 def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k tokens per depth with their log-probabilities, best first (rank order)."""
+    """Top-k tokens per depth with their log-probabilities, best first (rank order).
+
+    The top-k runs on the logits' own dtype (widening to float32 keeps their order). Where the
+    Triton kernels run, the log-normalizer is computed from the logits as they are, in float32
+    (``gpu_kernels.log_normalize_top``), without the float32 copy of every logit the torch ops
+    make; both tree paths (kernel or not) then use it, so they see the same log-probs."""
+    top = torch.topk(draft_logits, k, dim=-1, largest=True, sorted=True)  # [R, L, K] x2
+    if gpu_kernels.usable_on(draft_logits) and draft_logits.dtype != torch.float64:
+        return gpu_kernels.log_normalize_top(draft_logits, top.values), top.indices
     dtype = torch.promote_types(draft_logits.dtype, torch.float32)
-    logits = draft_logits.to(dtype)  # [R, L, V]
-    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, L, 1]
-    top = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
-    return top.values - log_norm, top.indices  # [R, L, K] float, [R, L, K] int64
+    log_norm = torch.logsumexp(draft_logits.to(dtype), dim=-1, keepdim=True)  # [R, L, 1]
+    return top.values.to(dtype) - log_norm, top.indices  # [R, L, K] float, [R, L, K] int64
 
 
 def _expand_levels(
