@@ -13,6 +13,9 @@
 # SmolLM2 tokenizer files in $TOKENIZER.
 #   WHEELS=dir TOKENIZER=dir [REQUESTS=32 MAX_TOKENS=128 METHODS="none dflash ddtree" LEVELS="1 4 16 32"
 #   EXTRA="--trace-policy FILE"] bash benchmarks/gpu_load.sh OUT_DIR
+# PAIRED=1 starts every method's server at once (ports PORT, PORT+1, ...) and measures them in
+# alternation with benchmarks/load_paired.py (REPEATS repeats, PAIRED_REQUESTS and WAVES per pass),
+# so drift of the machine hits all of them alike.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:?usage: gpu_load.sh OUT_DIR}
@@ -54,19 +57,46 @@ for f in Path(tokenizer).iterdir():
     shutil.copy(f, Path(model) / f.name)
 EOF
 
-for method in $METHODS; do
-  draft_flags=()
+start_server() {  # start_server METHOD PORT: a server in the background, its pid in $server
+  local method=$1 port=$2 draft_flags=()
   [[ $method != none ]] && draft_flags=(--draft "$DRAFT" --budget "$BUDGET")
-  log="${LOG_DIR:-$OUT_DIR}/serve_$method.log"
   python3 -m flashtree.cli serve --model "$MODEL" --random-weights --spec "$method" "${draft_flags[@]}" \
-    --max-running 32 --max-context 1024 --port "$PORT" --log-level warning $EXTRA >"$log" 2>&1 &
+    --max-running 32 --max-context 1024 --port "$port" --log-level warning $EXTRA \
+    >"${LOG_DIR:-$OUT_DIR}/serve_$method.log" 2>&1 &
   server=$!
-  for _ in $(seq 1 240); do
-    [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/health")" == 200 ]] && break
-    kill -0 $server 2>/dev/null || { echo "server for $method died:"; tail -20 "$log"; exit 1; }
+}
+
+wait_healthy() {  # wait_healthy METHOD PORT PID
+  for _ in $(seq 1 300); do
+    [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$2/health")" == 200 ]] && break
+    kill -0 "$3" 2>/dev/null || { echo "server for $1 died:"; tail -20 "${LOG_DIR:-$OUT_DIR}/serve_$1.log"; exit 1; }
     sleep 1
   done
-  echo "== $method: server up after $SECONDS s"
+  echo "== $1: server up after $SECONDS s"
+}
+
+if [[ -n "${PAIRED:-}" ]]; then  # every server up at once, measured in alternation (load_paired.py)
+  pids=() servers=() port=$PORT
+  for method in $METHODS; do
+    start_server "$method" "$port"
+    pids+=("$server") servers+=(--server "$method=http://127.0.0.1:$port/v1")
+    port=$((port + 1))
+  done
+  port=$PORT i=0
+  for method in $METHODS; do
+    wait_healthy "$method" "$port" "${pids[$i]}"
+    port=$((port + 1)) i=$((i + 1))
+  done
+  python3 benchmarks/load_paired.py "${servers[@]}" --model "$MODEL" --concurrency $LEVELS \
+    --requests "${PAIRED_REQUESTS:-12}" --waves "${WAVES:-4}" --max-tokens "$MAX_TOKENS" --ignore-eos \
+    --repeats "$REPEATS" --out "$OUT_DIR/load_paired_h200_qwen3_8b_shape" 2>&1 | tail -40
+  kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null || true
+  exit 0
+fi
+
+for method in $METHODS; do
+  start_server "$method" "$PORT"
+  wait_healthy "$method" "$PORT" "$server"
   python3 benchmarks/load_test.py --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
     --concurrency $LEVELS --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP --repeats "$REPEATS" \
     --out "$OUT_DIR/load_h200_qwen3_8b_shape_$method" 2>&1 | tail -8

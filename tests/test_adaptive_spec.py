@@ -132,7 +132,6 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, monke
 
     monkeypatch.setattr(proposer_module, "LAG_CAPACITY", lag_capacity)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)
-    monkeypatch.setattr(llm.engine.proposer, "lag_capacity", lag_capacity)
     ladder = llm.engine.policy.ladder
     llm.engine.policy = ScriptedPolicy(ladder, [0, 0, ladder[0], 0, ladder[-2], ladder[0], 0, 0, 0])
     reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=100, ignore_eos=True)) for p in PROMPTS[:3]]
@@ -154,11 +153,42 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, monke
         length, context = drafter_context(llm, req.slot)
         twin = reference.engine.add_request(committed, SamplingParams(max_tokens=2, ignore_eos=True))
         reference.engine.step()  # one prefill chunk holds the whole text
+        if twin.drafter_lag:  # a prompt that fits the lag is deferred at prefill too
+            reference.engine.proposer.catch_up([twin.slot], width=twin.drafter_lag)
+            twin.drafter_lag = 0
         ref_length, ref_context = drafter_context(reference, twin.slot)
         reference.engine.run_until_done([twin])
         assert length == ref_length == len(committed)
         torch.testing.assert_close(context, ref_context, atol=1e-4, rtol=1e-4)
     assert max(lags) >= min(2, lag_capacity - 1)  # the check above ran on a drafter that had deferred tokens
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_short_prompts_defer_the_drafter_at_prefill(pair, plain, method):
+    """A prompt that fits one prefill chunk and the drafter's lag is not projected at prefill (the
+    first token does not wait for the drafter): the drafter's context stays empty and the request's
+    lag holds the prompt. A catch-up then gives the context that a prefill projecting at once gives
+    (a prompt in two chunks), and the outputs are still plain decoding's."""
+    prompt = PROMPTS[1]  # 17 tokens
+    deferring = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET,
+                    **{**ENGINE, "prefill_chunk": 32})
+    chunked = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET,
+                  **{**ENGINE, "prefill_chunk": 9})
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    req, twin = deferring.engine.add_request(prompt, params), chunked.engine.add_request(prompt, params)
+    deferring.engine.step()  # the whole prompt
+    chunked.engine.step(), chunked.engine.step()  # 9 + 8 tokens, each projected at once
+    assert req.drafter_lag == len(prompt) and drafter_context(deferring, req.slot)[0] == 0
+    assert twin.drafter_lag == 0
+    deferring.engine.proposer.catch_up([req.slot], width=req.drafter_lag)
+    req.drafter_lag = 0
+    (length, context), (twin_length, twin_context) = drafter_context(deferring, req.slot), drafter_context(chunked, twin.slot)
+    assert length == twin_length == len(prompt)
+    torch.testing.assert_close(context, twin_context, atol=1e-4, rtol=1e-4)
+    deferring.engine.run_until_done([req]), chunked.engine.run_until_done([twin])
+    many = [PROMPTS[i] for i in (0, 1, 3, 4, 6)] + [[i % 20 for i in range(40)]]  # deferred ones, one of two chunks
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(many)
+    assert [o.token_ids for o in deferring.generate(many, params)] == [o.token_ids for o in plain.generate(many, params)]
 
 
 def rstrip_zeros(sizes: list[int]) -> list[int]:

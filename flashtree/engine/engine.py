@@ -108,8 +108,11 @@ class LLMEngine:
                 req.stats.tree_sizes.append(size)
                 events.append(append_tokens(req, tokens, self.tracker, self.config.max_context))
         if scheduled.prefill:
-            firsts = self.runner.prefill(scheduled.prefill, self.config.prefill_chunk)
-            for req, first in zip(scheduled.prefill, firsts):
+            defer = self._prompts_fitting_drafter_lag(scheduled.prefill)
+            firsts = self.runner.prefill(scheduled.prefill, self.config.prefill_chunk, defer=defer)
+            for req, first, deferred in zip(scheduled.prefill, firsts, defer):
+                if deferred:
+                    req.drafter_lag = len(req.prompt_ids)
                 req.prefilled = min(len(req.prompt_ids), req.prefilled + self.config.prefill_chunk)
                 if first is not None:
                     req.status = Status.RUNNING
@@ -134,6 +137,15 @@ class LLMEngine:
         self.rounds_by_nodes[nodes] += 1
         self.last_round_nodes = nodes
         return result
+
+    def _prompts_fitting_drafter_lag(self, rows: Sequence[Request]) -> list[bool]:
+        """Per row: its whole prompt is in this prefill chunk and fits the drafter's lag. The
+        drafter then defers the prompt's features like a plain round's (projected at the row's
+        first drafted round, batched), and the first token does not wait for the drafter."""
+        capacity = getattr(self.proposer, "lag_capacity", None)
+        if capacity is None:
+            return [False] * len(rows)
+        return [r.prefilled == 0 and len(r.prompt_ids) <= min(capacity, self.config.prefill_chunk) for r in rows]
 
     def _catch_up_drafter(self, rows: Sequence[Request], nodes: int) -> None:
         """Before a drafted round, or when a row's lag is full, the drafter projects the context

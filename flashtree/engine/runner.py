@@ -93,9 +93,11 @@ class ModelRunner:
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def prefill(self, rows: Sequence[Request], chunk: int) -> list[int | None]:
+    def prefill(self, rows: Sequence[Request], chunk: int, defer: Sequence[bool] | None = None) -> list[int | None]:
         """Run the next prompt chunk of every row; returns the first output token of rows whose
-        prompt completed (None for rows still prefilling)."""
+        prompt completed (None for rows still prefilling). ``defer[i]``: the proposer keeps row
+        i's context features for a later catch-up instead of projecting them now (the caller
+        checked that they fit its lag)."""
         t0 = self.timer.mark()
         pieces = [r.prompt_ids[r.prefilled:r.prefilled + chunk] for r in rows]
         width = max(len(p) for p in pieces)
@@ -112,12 +114,24 @@ class ModelRunner:
         out = self.model(batch, self.cache, logits_index=last, capture_layers=self.proposer.capture_layers)
         self.cache.advance(slots, counts)
         if out.hidden is not None:
-            self.proposer.observe(slots, out.hidden, counts, starts)
+            self._hand_features(slots, out.hidden, counts, starts, defer)
         sampling = SamplingTensors.build([r.params for r in rows], self.device)
         first = choose_tokens(out.logits, sampling, torch.zeros_like(last))[:, 0].tolist()  # the one sync
         self.timer.add("prefill", t0)
         done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
         return [tok if d else None for tok, d in zip(first, done)]
+
+    def _hand_features(self, slots: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
+                       defer: Sequence[bool] | None) -> None:
+        """A prefill chunk's context features ``[B, W, F]`` to the proposer: deferred for the rows
+        ``defer`` marks, projected now for the others (each call sees the other rows' counts as 0)."""
+        if not defer or not any(defer):
+            self.proposer.observe(slots, hidden, counts, starts)
+            return
+        deferred = self._tensor([int(d) for d in defer])  # [B] 1: deferred
+        self.proposer.defer(slots, hidden, counts * deferred)
+        if not all(defer):
+            self.proposer.observe(slots, hidden, counts * (1 - deferred), starts)
 
     def round(self, rows: Sequence[Request], nodes: int | None = None) -> RoundResult:
         """One round for the running rows verifying ``nodes`` drafted nodes per row (default and

@@ -17,7 +17,9 @@ Glossary
   at once; it keeps them (``defer``, up to ``LAG_CAPACITY`` per slot) and projects them all in
   one pass (``catch_up``) before the slot's next drafted round, or when the lag is full. A
   server that settles on plain rounds (a drafter that rarely matches) then pays one batched
-  projection per ``LAG_CAPACITY`` tokens instead of a drafter pass per token.
+  projection per ``LAG_CAPACITY`` tokens instead of a drafter pass per token. A prompt short
+  enough to fit the lag is deferred the same way at prefill, so the first token does not wait
+  for the drafter.
 """
 
 from __future__ import annotations
@@ -67,21 +69,31 @@ class DrafterRunner:
         self.drafter, self.cache = drafter, cache
         slots, width = cache.spec.max_slots, drafter.fc.in_features
         weight = drafter.fc.weight
-        self.lagging = torch.zeros(slots, LAG_CAPACITY, width, dtype=weight.dtype, device=weight.device)  # [S, W, F]
+        # [S, W + 1, F]: W = LAG_CAPACITY deferred tokens per slot, then a column that takes the
+        # writes of padding (positions past a row's count, the pad slot's excess)
+        self.lag_capacity = LAG_CAPACITY
+        self.lagging = torch.zeros(slots, LAG_CAPACITY + 1, width, dtype=weight.dtype, device=weight.device)
         self.lag = torch.zeros(slots, dtype=torch.long, device=weight.device)  # [S] deferred tokens per slot
 
-    def defer(self, slots: torch.Tensor, features: torch.Tensor) -> None:
-        """Keep the context features ``[B, 1, F]`` of each row's one newly committed token (a
-        plain round) for a later :meth:`catch_up`. Capturable; the host keeps every real slot's
-        lag under LAG_CAPACITY (the clamp only keeps the pad slot's writes in bounds)."""
-        at = self.lag[slots].clamp(max=LAG_CAPACITY - 1)  # [B]
-        self.lagging[slots, at] = features[:, 0].to(self.lagging.dtype)
-        self.lag[slots] = (self.lag[slots] + 1).clamp(max=LAG_CAPACITY)
+    def defer(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Keep the context features ``[B, P, F]`` of each row's ``counts[b]`` newly committed
+        tokens (default: all P; a plain round has P = 1) for a later :meth:`catch_up`. Capturable;
+        the host keeps every real slot's lag within LAG_CAPACITY (the clamps only keep the pad
+        slot's writes in bounds)."""
+        width = features.shape[1]
+        j = torch.arange(width, device=slots.device)  # [P]
+        counts = torch.full_like(slots, width) if counts is None else counts  # [B]
+        capacity = self.lag_capacity
+        at = self.lag[slots][:, None] + j  # [B, P]
+        at = torch.where((j < counts[:, None]) & (at < capacity), at, capacity)  # [B, P]
+        self.lagging[slots[:, None], at] = features.to(self.lagging.dtype)
+        self.lag[slots] = (self.lag[slots] + counts).clamp(max=capacity)
 
-    def catch_up(self, slots: Sequence[int], width: int = LAG_CAPACITY) -> None:
+    def catch_up(self, slots: Sequence[int], width: int | None = None) -> None:
         """Project the deferred features of ``slots`` (at most ``width`` each: pass the largest lag,
         so nothing is written past the committed tokens) into the drafter's context, in one pass."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.lag.device)  # [B]
+        width = self.lag_capacity if width is None else width
         self.drafter.observe(self.cache, index, self.lagging[index, :width], self.lag[index],
                              self.cache.lengths[index])
         self.lag[index] = 0
@@ -132,15 +144,17 @@ class _DrafterProposer:
         self.max_depth = config.block_size - 1
         self.max_nodes = max_nodes
 
-    lag_capacity = LAG_CAPACITY
+    @property
+    def lag_capacity(self) -> int:
+        return self.runner.lag_capacity
 
     def observe(self, slots, features, counts, starts) -> None:
         self.runner.observe(slots, features, counts, starts)
 
-    def defer(self, slots: torch.Tensor, features: torch.Tensor) -> None:
-        self.runner.defer(slots, features)
+    def defer(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        self.runner.defer(slots, features, counts)
 
-    def catch_up(self, slots: Sequence[int], width: int = LAG_CAPACITY) -> None:
+    def catch_up(self, slots: Sequence[int], width: int | None = None) -> None:
         self.runner.catch_up(slots, width)
 
     def release(self, slots: Sequence[int]) -> None:
