@@ -191,6 +191,32 @@ def test_short_prompts_defer_the_drafter_at_prefill(pair, plain, method):
     assert [o.token_ids for o in deferring.generate(many, params)] == [o.token_ids for o in plain.generate(many, params)]
 
 
+class TimesKeepingPolicy(ScriptedPolicy):
+    """A scripted policy that keeps the round times it is fed."""
+
+    def __init__(self, ladder, script):
+        super().__init__(ladder, script)
+        self.seconds: list[float | None] = []
+
+    def record(self, rows, nodes, seconds, acceptance) -> None:
+        self.seconds.append(seconds)
+
+
+def test_the_first_round_after_an_idle_pause_is_not_timed(pair):
+    """The engine feeds the policy every round's wall time except a round that starts more than
+    IDLE_GAP_S after the previous one ended (the first rounds of a server after a pause)."""
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, **ENGINE)
+    policy = llm.engine.policy = TimesKeepingPolicy(llm.engine.policy.ladder, [0])
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm.generate([PROMPTS[0]], [params])
+    time.sleep(2 * engine_module.IDLE_GAP_S)
+    llm.generate([PROMPTS[1]], [params])
+    first, second = policy.seconds[:5], policy.seconds[5:]
+    assert len(first) == len(second) == 5  # 6 tokens: the first from the prefill, 5 rounds
+    assert first[0] is None and second[0] is None  # the engine's first round, and the first after the pause
+    assert all(s is not None and s < engine_module.IDLE_GAP_S for s in first[1:] + second[1:])
+
+
 def rstrip_zeros(sizes: list[int]) -> list[int]:
     while sizes and sizes[-1] == 0:
         sizes = sizes[:-1]
@@ -274,8 +300,10 @@ def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool) -> Count
     policy = llm.engine.policy = RecordingPolicy(llm.engine.policy)
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
-    explore = len(policy.ladder)
-    assert sorted(policy.chosen[:explore]) == sorted(policy.ladder)  # one round of each option first
+    # one timed round of each option first; the engine's very first round is not timed (it follows
+    # an idle engine, IDLE_GAP_S), so its option runs twice
+    explore = len(policy.ladder) + 1
+    assert policy.chosen[0] == policy.chosen[1] and sorted(policy.chosen[1:explore]) == sorted(policy.ladder)
     return Counter(policy.chosen[explore:])
 
 

@@ -109,7 +109,8 @@ def test_prefers_the_big_tree_when_acceptance_is_high_and_cost_flat():
     policy = SpecPolicy(LADDER)
     chosen = drive(policy, 300, 2, growing_acceptance, lambda rows, nodes: 0.01)
     assert policy.best(2) == 256
-    assert chosen[-100:].count(256) >= 100 - 2 * policy.config.probe_rounds  # two probes at most
+    # two neighbour probes and one plain recheck (every plain_recheck_interval rounds) at most
+    assert chosen[-100:].count(256) >= 100 - 3 * policy.config.probe_rounds
 
 
 def test_the_choice_adapts_to_the_batch_and_unseen_buckets_explore():
@@ -240,6 +241,25 @@ def test_a_few_slow_rounds_cost_one_recheck_not_an_interval_of_worse_rounds():
     assert after[:config.probe_rounds] == [0] * config.probe_rounds, after  # plain rechecked at once
     assert policy.best(1) == 0
     assert sum(1 for n in after if n) <= 2 * config.probe_rounds, after  # a regular probe or two at most
+
+
+def test_a_slow_stretch_of_plain_rounds_does_not_leave_a_never_matching_drafter_on_trees():
+    """Settled on plain (5.6 ms; trees 7.8-9.5 ms, never accepted), a stretch of plain rounds at
+    twice their cost (the device busy elsewhere) moves the choice to the cheapest tree (8 nodes,
+    mid-ladder: its neighbours are trees). Once the stretch ends, plain must come back: the
+    neighbour probes alone never re-measured it (the tree stayed chosen for 3,000 rounds of
+    3,000); the plain recheck brings it back within ``plain_recheck_interval`` rounds."""
+    config = SpecPolicyConfig()
+    policy = SpecPolicy((64, 32, 16, 8, 4, 0), config)
+    quiet = {0: 0.0056, 4: 0.0095, 8: 0.0078, 16: 0.0083, 32: 0.0085, 64: 0.0092}
+    drive(policy, 2000, 1, lambda n: 1.0, lambda rows, n: quiet[n])
+    assert policy.best(1) == 0
+    drive(policy, 200, 1, lambda n: 1.0, lambda rows, n: quiet[n] * (2.0 if n == 0 else 1.0))
+    assert policy.best(1) == 8
+    after = drive(policy, 3000, 1, lambda n: 1.0, lambda rows, n: quiet[n])
+    back = next(i for i in range(len(after)) if after[i:i + 50] == [0] * 50)  # plain for good
+    assert back <= config.plain_recheck_interval and policy.best(1) == 0, back
+    assert after[back:].count(0) >= len(after[back:]) - 10 * config.probe_rounds  # only probes after that
 
 
 def test_probes_average_rounds_so_a_few_unlucky_rounds_do_not_evict_a_better_option():

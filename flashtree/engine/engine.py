@@ -3,7 +3,8 @@
 ``step()`` is the whole loop: schedule -> one round for the running rows -> one prefill chunk
 for the admitted rows -> append committed tokens (stop conditions) -> free finished slots.
 Each round's node count comes from the speculation policy (``engine/spec_policy.py``), which
-is fed the round's wall time and acceptance afterwards.
+is fed the round's wall time and acceptance afterwards (not the wall time of a round after an
+idle pause, see ``IDLE_GAP_S``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self.policy = make_policy(config, self.proposer)
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
+        self._last_round_end = float("-inf")  # perf_counter() when the last round ended
         self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
         self.policy_tracer = PolicyTracer(config.trace_policy) if config.trace_policy else None
         self.tracker = TextTracker(self.tokenizer, config.incremental_text)
@@ -127,13 +129,16 @@ class LLMEngine:
         acceptance go back to the policy."""
         nodes = fit_to_budgets(self.policy.choose(len(rows)), rows, self.policy.ladder)
         t0 = time.perf_counter()
+        after_idle = t0 - self._last_round_end > IDLE_GAP_S
         self._catch_up_drafter(rows, nodes)  # part of the round's cost
         result = self.runner.round(rows, nodes)
-        seconds = None if result.captured_graph else time.perf_counter() - t0
+        self._last_round_end = time.perf_counter()
+        wall = self._last_round_end - t0
+        seconds = None if result.captured_graph or after_idle else wall
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
         if self.policy_tracer is not None:
-            self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy)
+            self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy, wall)
         self.rounds_by_nodes[nodes] += 1
         self.last_round_nodes = nodes
         return result
@@ -165,6 +170,12 @@ class LLMEngine:
     def run_until_done(self, requests: list[Request]) -> None:
         while any(not r.finished for r in requests):
             self.step()
+
+
+# A round that starts this long after the previous one ended (the engine sat idle: no requests) is
+# not timed for the speculation policy: the first round after a pause runs on a cold host and
+# device, and its wall time says little about its node count.
+IDLE_GAP_S = 0.05
 
 
 def make_policy(config: EngineConfig, proposer) -> SpecPolicy | FixedNodes:

@@ -18,10 +18,13 @@ class PolicyTracer:
         self.file = self.path.open("a", encoding="utf-8")
         self.start = time.perf_counter()
 
-    def write(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None, policy) -> None:
-        """``seconds`` None: not timed (the round captured a CUDA graph)."""
+    def write(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None, policy,
+              wall: float | None = None) -> None:
+        """``seconds``: what the policy was fed (None: not timed, e.g. the round captured a CUDA
+        graph or followed an idle pause); ``wall``: the round's wall time either way."""
         line = {"t": round(time.perf_counter() - self.start, 6), "rows": rows, "nodes": nodes,
-                "ms": None if seconds is None else round(seconds * 1000, 4), "acceptance": acceptance}
+                "ms": None if seconds is None else round(seconds * 1000, 4), "acceptance": acceptance,
+                "wall_ms": None if wall is None else round(wall * 1000, 4)}
         snapshot = getattr(policy, "snapshot", None)
         if snapshot is not None:
             line["estimates"] = snapshot(rows)

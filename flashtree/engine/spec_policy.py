@@ -46,6 +46,13 @@ H200: a server with a drafter that never matched ran 73 drafted rounds in 3,048)
 confirms the change (the slowness lasted), the probe interval resets and the next probe
 re-measures the displaced option once more (instead of a neighbour of the new best, which may not
 be it), so the choice comes back soon after the slowness ends.
+Plain rechecks: plain rounds are the fallback, so their estimate must not go stale. From a tree
+in the middle of the ladder the neighbour probes reach plain only by way of the smallest tree, and
+a high estimate of plain left by a slow stretch (seen on the H200: a server idle between the
+passes of a paired load test) could then keep a drafter that never matches on trees for good.
+So while the best option is a tree, plain is probed whenever it has gone ``plain_recheck_interval``
+rounds of the bucket unmeasured; the probe interval is left alone unless the recheck moves the
+best option.
 Everything is deterministic given the same measurements.
 
 The node count only changes the shape of a round, never which tokens are committed: every
@@ -79,12 +86,14 @@ class SpecPolicyConfig:
     max_probe_interval: int = 800  # the interval doubles after each probe that changes nothing, up to this
     min_tree_nodes: int = 4  # smallest non-zero tree in a DDTree ladder (halving stops above it)
     probe_rounds: int = 4  # consecutive rounds of a probe, averaged into one measurement
+    plain_recheck_interval: int = 200  # rounds of a bucket on trees after which plain is re-measured
 
     def __post_init__(self) -> None:
         for name in ("smoothing", "acceptance_smoothing"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
-        for name in ("explore_rounds", "probe_interval", "max_probe_interval", "min_tree_nodes", "probe_rounds"):
+        for name in ("explore_rounds", "probe_interval", "max_probe_interval", "min_tree_nodes", "probe_rounds",
+                     "plain_recheck_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -143,7 +152,8 @@ class _Probe:
     bucket: int
     best_before: int
     rounds_left: int
-    recheck: int = 0  # 1: the immediate recheck of a displaced option, 2: the later one, 0: a plain probe
+    recheck: int = 0  # 1: the immediate recheck of a displaced option, 2: the later one, 3: a plain recheck,
+    # 0: a neighbour probe
     seconds: list[float] = dataclasses.field(default_factory=list)
     acceptance: list[float] = dataclasses.field(default_factory=list)
 
@@ -165,6 +175,7 @@ class SpecPolicy:
         self._probe: _Probe | None = None  # the probe in progress
         self._recheck: dict[int, tuple[int, int]] = {}  # rows bucket -> (displaced option the next probe
         # re-measures, which recheck that is: 1 immediate, 2 later)
+        self._plain_timed_at: dict[int, int] = {}  # rows bucket -> its round count when plain was last timed
 
     # ------------------------------------------------------------------ decisions
     def choose(self, rows: int) -> int:
@@ -181,6 +192,11 @@ class SpecPolicy:
         if unexplored:
             return min(unexplored, key=lambda n: self._timed(bucket, n))  # ladder order breaks ties
         best = self.best(rows)
+        if best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
+                self._rounds[bucket] - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval):
+            self._plain_timed_at[bucket] = self._rounds[bucket]
+            self._probe = _Probe(PLAIN_NODES, bucket, best, rounds_left=self.config.probe_rounds - 1, recheck=3)
+            return PLAIN_NODES
         if self._rounds[bucket] >= self._next_probe.setdefault(bucket, self._rounds[bucket] + self.config.probe_interval):
             self._probes[bucket] += 1
             displaced, recheck = self._recheck.pop(bucket, (None, 0))
@@ -282,6 +298,8 @@ class SpecPolicy:
                  weight: float, rows: int = 1) -> None:
         """Feed one measurement (``weight``: the least EMA weight it gets; ``rows``: rows whose mean
         acceptance it is) to the estimates."""
+        if seconds is not None and nodes == PLAIN_NODES:
+            self._plain_timed_at[bucket] = self._rounds[bucket]
         if seconds is not None:
             self._seconds.setdefault((bucket, nodes), _Ema(self.config.smoothing, OUTLIER_FACTOR)).add(seconds, weight)
         if acceptance is not None and nodes != PLAIN_NODES:
@@ -295,6 +313,8 @@ class SpecPolicy:
         probe, self._probe = self._probe, None
         mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
         self._measure(probe.bucket, probe.nodes, mean(probe.seconds), mean(probe.acceptance), PROBE_WEIGHT)
+        if probe.recheck == 3 and self.best(probe.bucket) == probe.best_before:
+            return  # a plain recheck that changed nothing: the neighbour probes keep their schedule
         self._schedule_next_probe(probe.bucket, probe.nodes, probe.best_before, probe.recheck)
 
     def _schedule_next_probe(self, bucket: int, probed: int, best_before: int, recheck: int = 0) -> None:

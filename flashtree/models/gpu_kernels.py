@@ -177,39 +177,48 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-# rows of the ancestor mask each step of select_nodes writes (a [rows, N] tile)
-SELECT_MASK_ROWS = 16
+# mask entries select_nodes zeroes per store before it sets each node's ancestors
+SELECT_ZERO_BLOCK = 4096
 # warps per program of the tree kernels (one program per row; H200 timings by warps:
 # benchmarks/gpu_tree_kernel_warps.py)
 TREE_WARPS = 4
 # prefilter lists (padded to a power of two) up to this length find each depth's threshold by a
-# sort, longer ones by LONG_LIST_THRESHOLD. H200, batch 1, build + walk: sorting was faster at
+# sort, longer ones by a search (_kth_largest). H200, batch 1, build + walk: sorting was faster at
 # budgets 16 and 64 (0.16 / 0.21 ms against 0.21 / 0.25 ms), bisection at 256 and 1024 (0.45 /
 # 0.88 ms against 0.54 / 2.70 ms); benchmarks/results/session6/tree_build_speed_h200_session6{,_v3}.json
+# (a radix select by 8-bit histograms was slower still: 0.215 against 0.145 ms for the kept lists
+# at budget 256; benchmarks/results/session7/gpu_next_checks_output.txt)
 SORT_LIST_MAX = 512
-LONG_LIST_THRESHOLD = "bisection"
-THRESHOLDS = ("sort", "bisection", "radix")  # expand_levels' threshold searches (triton_kernels.THRESHOLD_*)
+# keys counted per step of the tree kernels' threshold search (triton_kernels._kth_largest; 2 is
+# bisection; benchmarks/gpu_tree_kernel_warps.py times others)
+SEARCH_WAYS = 2
+
+
+def _search_steps(ways: int) -> int:
+    """Steps of a WAYS-ary search that narrow 2^32 float32 order keys to one (+2 for rounding)."""
+    if ways < 2 or ways & (ways - 1):
+        raise ValueError(f"search ways must be a power of two >= 2, got {ways}")
+    return 32 // (ways.bit_length() - 1) + 2
 
 
 def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
                   pair_rank: torch.Tensor, num_warps: int | None = None,
-                  threshold: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  sort_list: bool | None = None, search_ways: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
     ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others).
-    ``threshold``: how each depth's threshold is found, one of :data:`THRESHOLDS` (all give the
-    same lists); default: "sort" for lists of up to :data:`SORT_LIST_MAX` entries, else
-    :data:`LONG_LIST_THRESHOLD`."""
+    ``sort_list``: find each depth's threshold by sorting the prefilter list (default: for lists
+    of up to :data:`SORT_LIST_MAX` entries) rather than by a ``search_ways``-ary search (default
+    :data:`SEARCH_WAYS`); all give the same lists."""
     if top_logp.dtype != torch.float32:
         raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
     rows, depth, k = top_logp.shape
     block = _next_power_of_2(max_budget)
     block_m = _next_power_of_2(pair_row.numel())
-    threshold = threshold or ("sort" if block_m <= SORT_LIST_MAX else LONG_LIST_THRESHOLD)
-    if threshold not in THRESHOLDS:
-        raise ValueError(f"threshold must be one of {THRESHOLDS}, got {threshold!r}")
+    ways = search_ways or SEARCH_WAYS
     weights = top_logp.new_empty(rows, depth, max_budget)
     parents = torch.empty(rows, depth, max_budget, dtype=torch.long, device=top_logp.device)
     tokens = torch.empty_like(parents)
@@ -219,17 +228,20 @@ def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: 
         top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
         weights, parents, tokens, index_scratch, weight_scratch, k, max_budget,
         pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
-        LOG_B=max_budget.bit_length(), THRESHOLD=THRESHOLDS.index(threshold),
+        LOG_B=max_budget.bit_length(), SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list,
+        SEARCH_WAYS=ways, SEARCH_STEPS=_search_steps(ways),
         num_warps=num_warps or TREE_WARPS)
     return weights, parents, tokens
 
 
 def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, budgets: torch.Tensor,
-                 max_budget: int, num_warps: int | None = None) -> tuple[torch.Tensor, ...]:
+                 max_budget: int, num_warps: int | None = None,
+                 search_ways: int | None = None) -> tuple[torch.Tensor, ...]:
     """``spec/tree.py _select_nodes`` and ``_assemble`` in one kernel per row, exactly: from the
     kept lists (weights / parent places / tokens ``[R, L, B]``, as :func:`expand_levels` returns
     them) and budgets ``[R]``, the tree's tokens, parents, depths, valid ``[R, B+1]``, ancestor mask
-    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order)."""
+    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order). ``search_ways``: of
+    the best-B threshold search (default :data:`SEARCH_WAYS`)."""
     rows, depth, budget = weights.shape
     size = budget + 1
     block_f = _next_power_of_2(depth * budget)
@@ -247,7 +259,8 @@ def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
         weights.contiguous(), parents.contiguous(), tokens.contiguous(), budgets.contiguous(), out_tokens, out_parents,
         out_depths, valid, log_weights, mask, flat_scratch, node_scratch, anc_scratch, budget,
         DEPTH=depth, BLOCK_F=block_f, BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l,
-        MASK_ROWS=SELECT_MASK_ROWS, num_warps=num_warps or TREE_WARPS)
+        ZERO_BLOCK=SELECT_ZERO_BLOCK, SEARCH_WAYS=search_ways or SEARCH_WAYS,
+        SEARCH_STEPS=_search_steps(search_ways or SEARCH_WAYS), num_warps=num_warps or TREE_WARPS)
     return out_tokens, out_parents, out_depths, valid.view(torch.bool), mask.view(torch.bool), log_weights
 
 

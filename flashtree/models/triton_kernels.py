@@ -193,54 +193,49 @@ def _count_at_least(w, lp_ptr, t, k, rows_ok, STRICT: tl.constexpr, LOG_K: tl.co
     return tl.where(rows_ok, lo, 0)
 
 
-THRESHOLD_SORT: tl.constexpr = tl.constexpr(0)  # how _expand_levels_kernel finds each depth's threshold
-THRESHOLD_BISECTION: tl.constexpr = tl.constexpr(1)
-THRESHOLD_RADIX: tl.constexpr = tl.constexpr(2)
+@triton.jit
+def _float_of_key(key):
+    """The float32 whose order key (see tree._best_flat_by_key) is ``key`` (int64, in int32 range)."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _kth_largest(values, count, BLOCK_M: tl.constexpr):
-    """The ``count``-th largest of ``values`` ([BLOCK_M] float32, no NaN; 1 <= count <= BLOCK_M),
-    by radix select: MSB first, 8 bits of the order key per pass, each pass one histogram of the
-    digit over the values that share the digits found so far."""
-    bits = values.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64) + 2147483648  # [0, 2^32), float order
-    bins = tl.arange(0, 512)  # digits 0..255; 256 collects the values whose higher digits differ
-    digits_ok = bins < 256
-    prefix = tl.zeros([], tl.int64)  # the higher digits of the answer's key, found so far
-    remaining = tl.zeros([], tl.int32) + count  # its rank among the values that share them
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        digit = ((key >> shift) & 255).to(tl.int32)
-        hist = tl.histogram(tl.where((key >> (shift + 8)) == prefix, digit, 256), 512)  # [512]
-        hist = tl.where(digits_ok, hist, 0)
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [512] values with digit >= bin
-        chosen = tl.max(tl.where(digits_ok & (at_least >= remaining), bins, -1), axis=0)
-        remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-        prefix = prefix * 256 + chosen
-    order = (prefix - 2147483648).to(tl.int32)
-    return tl.where(order >= 0, order, (-order) | -2147483648).to(tl.float32, bitcast=True)
+def _kth_largest(values, count, WAYS: tl.constexpr, STEPS: tl.constexpr):
+    """The ``count``-th largest of ``values`` (float32, no NaN; ``count`` <= their number): the
+    largest float32 t with at least ``count`` values >= t, searched over float32 order keys. Each
+    step counts the values at WAYS evenly spaced keys of the interval left (one [n, WAYS] compare
+    and sum) and keeps the piece holding the answer, so 32 bits take STEPS = 32 / log2(WAYS) steps
+    (+ 2 for rounding; WAYS = 2 is bisection). The values stay in registers: no memory traffic."""
+    t = tl.arange(0, WAYS)
+    lo = tl.full([], -2139095041, tl.int64)  # order key of -inf (bits 0xFF800000): count(>= -inf) = all
+    hi = tl.full([], 2139095040, tl.int64)  # order key of +inf: the answer is in [lo, hi]
+    for _ in tl.static_range(STEPS):  # the interval's width: 2^32 -> 1
+        width = hi - lo + 1
+        keys = lo + ((t + 1).to(tl.int64) * width) // WAYS  # [WAYS] ascending; the last is hi + 1 (too big)
+        counts = tl.sum((values[:, None] >= _float_of_key(keys)[None, :]).to(tl.int32), axis=0)  # [WAYS]
+        best = tl.max(tl.where(counts >= count, t, -1), axis=0)  # the last piece start still holding count
+        lo = tl.where(best >= 0, tl.max(tl.where(t == best, keys, lo), axis=0), lo)
+        hi = tl.min(tl.where(t == best + 1, keys, hi + 1), axis=0) - 1
+    return _float_of_key(lo)
 
 
 @triton.jit
 def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_out_ptr, parent_out_ptr,
                           token_out_ptr, index_scratch_ptr, weight_scratch_ptr, k, budget, pairs,
                           DEPTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                          LOG_K: tl.constexpr, LOG_B: tl.constexpr, THRESHOLD: tl.constexpr):
+                          LOG_K: tl.constexpr, LOG_B: tl.constexpr, SORT_LIST: tl.constexpr,
+                          SEARCH_WAYS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
     the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
 
     The budget-th best weight T is the budget-th of the prefilter list (the ``pairs`` (row, rank)
     pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending), found one of
-    three ways (THRESHOLD; all give the same T):
-    - THRESHOLD_SORT (short lists): one sort of the list gives T, and its first ``budget``
-      entries are the next depth's sorted weights;
-    - THRESHOLD_BISECTION: the largest float32 t with at least ``budget`` list entries >= t, by
-      32 bisection steps over float32 order with the list held in registers (each step is one
-      count, no memory traffic), after one sort of the kept weights;
-    - THRESHOLD_RADIX: a radix select over the list's float32 order keys, 8 bits per pass (4
-      histograms instead of 32 counts; :func:`_kth_largest`), after one sort of the kept weights. Children of kept prefix i are
-    non-increasing in j (l is sorted and float rounding is monotone), so row i keeps its first
+    two ways (both give the same T):
+    - SORT_LIST (short lists): one sort of the list gives T, and its first ``budget`` entries are
+      the next depth's sorted weights;
+    - otherwise a search over float32 order keys with the list held in registers
+      (:func:`_kth_largest`, SEARCH_WAYS keys counted per step), after one sort of the kept weights.
+    Children of kept prefix i are non-increasing in j (l is sorted and float rounding is monotone), so row i keeps its first
     a_i + take_i children (a_i above T, take_i of its ties at T, handed out in row order; both
     counted by binary search), laid out in (i, j) order."""
     row = tl.program_id(0).to(tl.int64)
@@ -261,33 +256,23 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
     tl.store(w_out_ptr + out + i, w, mask=rows_ok)
     tl.store(parent_out_ptr + out + i, tl.zeros_like(i).to(tl.int64), mask=rows_ok)
     tl.store(token_out_ptr + out + i, tl.load(tok_row + i, mask=first, other=0), mask=rows_ok)
-    if THRESHOLD == THRESHOLD_SORT:
+    if SORT_LIST:
         tl.store(sorted_w + i, w, mask=rows_ok)  # (depth 1's weights are already descending)
         tl.debug_barrier()
     for d in range(1, DEPTH):
         lp = lp_row + d * k
-        if THRESHOLD != THRESHOLD_SORT:
+        if not SORT_LIST:
             tl.store(sorted_w + i, tl.sort(tl.where(rows_ok, w, float("-inf")), 0, descending=True))
             tl.debug_barrier()
         candidates = tl.load(sorted_w + pair_row, mask=pairs_ok, other=float("-inf")) + \
             tl.load(lp + pair_rank, mask=pairs_ok, other=float("-inf"))  # [BLOCK_M]
-        if THRESHOLD == THRESHOLD_SORT:
+        if SORT_LIST:
             ordered = tl.sort(tl.where(pairs_ok, candidates, float("-inf")), 0, descending=True)  # [BLOCK_M]
             threshold = tl.max(tl.where(m == budget - 1, ordered, float("-inf")), axis=0)
             tl.debug_barrier()  # every read of sorted_w is done
             tl.store(sorted_w + m, ordered, mask=m < budget)
-        elif THRESHOLD == THRESHOLD_RADIX:
-            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, BLOCK_M)
         else:
-            lo_key = tl.full([], -2139095041, tl.int64)  # order key of -inf (bits 0xFF800000)
-            hi_key = tl.full([], 2139095040, tl.int64)  # order key of +inf (bits 0x7F800000)
-            for _ in range(32):
-                mid = lo_key + (hi_key - lo_key + 1) // 2
-                t = tl.where(mid >= 0, mid, mid ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-                enough = tl.sum((candidates >= t).to(tl.int32), axis=0) >= budget
-                lo_key = tl.where(enough, mid, lo_key)
-                hi_key = tl.where(enough, hi_key, mid - 1)
-            threshold = tl.where(lo_key >= 0, lo_key, lo_key ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, SEARCH_WAYS, SEARCH_STEPS)
         above = _count_at_least(w, lp, threshold, k, rows_ok, True, LOG_K)  # [BLOCK_B]
         ties = _count_at_least(w, lp, threshold, k, rows_ok, False, LOG_K) - above
         need = budget - tl.sum(above, axis=0)
@@ -323,15 +308,18 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
 def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_ptr, parents_out_ptr, depths_out_ptr,
                          valid_out_ptr, logw_out_ptr, mask_out_ptr, flat_scratch_ptr, node_scratch_ptr, anc_scratch_ptr,
                          budget, DEPTH: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, MASK_ROWS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+                         SEARCH_WAYS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """One row's tree from its kept lists (tree.py ``_select_nodes`` + ``_assemble``, exactly).
 
     w / parent / token: ``[DEPTH, budget]`` per row, flat index f = (depth - 1) * budget + place.
-    1. The ``budget`` best over all depths in (weight desc, f asc) order by one sort of int64
-       keys (float32 order bits above the reversed f); the first ``budgets[row]`` that exist are
-       valid. 2. Node layout: valid nodes by depth (stable), invalid ones last, by a second sort.
-    3. Parents through a flat -> node map. 4. Each node's ancestor at every depth (anc), depth by
-    depth, then mask[i, j] = anc[i][depth j] == j."""
+    1. The ``budget`` best over all depths: the budget-th best weight T (:func:`_kth_largest`),
+       then everything above it and the first ties at it (lowest f), compacted in f order; then
+       their (weight desc, f asc) order by one sort of ``budget`` int64 keys (float32 order bits
+       above the reversed f). The first ``budgets[row]`` that exist are valid. 2. Node layout:
+       valid nodes by depth (stable), invalid ones last, by a second sort. 3. Parents through a
+       flat -> node map. 4. Each node's ancestor at every depth (anc), depth by depth; the mask is
+       zeroed, then mask[i, anc[i][k]] is set for k <= depth i (and mask[i, i] for every i)."""
     row = tl.program_id(0).to(tl.int64)
     size = budget + 1  # N: root + nodes
     base = row * DEPTH * budget
@@ -339,12 +327,23 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
     f = tl.arange(0, BLOCK_F)
     f_ok = f < DEPTH * budget
     wf = tl.load(w_ptr + base + f, mask=f_ok, other=float("-inf"))
-    bits = wf.to(tl.int32, bitcast=True)
-    order = tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64)  # as tree._best_flat_by_key
-    keys = tl.sort((order << 32) + (BLOCK_F - f).to(tl.int64), 0, descending=True)  # [BLOCK_F]
-    flats = BLOCK_F - (keys - ((keys >> 32) << 32)).to(tl.int32)  # flat index by rank
+    threshold = _kth_largest(wf, budget, SEARCH_WAYS, SEARCH_STEPS)
+    tied = wf == threshold
+    need = budget - tl.sum((wf > threshold).to(tl.int32), axis=0)  # ties to keep, lowest f first
+    keep = (wf > threshold) | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))  # exactly `budget`
     flat_scratch = flat_scratch_ptr + row * BLOCK_F
-    tl.store(flat_scratch + f, flats)
+    tl.store(flat_scratch + tl.cumsum(keep.to(tl.int32), axis=0) - 1, f, mask=keep)
+    tl.debug_barrier()
+    p = tl.arange(0, BLOCK_B)
+    p_ok = p < budget
+    kept_f = tl.load(flat_scratch + p, mask=p_ok, other=0)  # the kept flat indices, ascending
+    bits = tl.load(w_ptr + base + kept_f, mask=p_ok, other=float("-inf")).to(tl.int32, bitcast=True)
+    order = tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64)  # as tree._best_flat_by_key
+    keys = tl.where(p_ok, (order << 32) + (BLOCK_F - kept_f).to(tl.int64), -9223372036854775807)
+    keys = tl.sort(keys, 0, descending=True)  # [BLOCK_B]
+    flats = BLOCK_F - (keys - ((keys >> 32) << 32)).to(tl.int32)  # flat index by rank
+    tl.debug_barrier()  # every read of the compacted list is done
+    tl.store(flat_scratch + p, flats, mask=p_ok)
     tl.debug_barrier()
     # 2. layout: (valid ? depth : DEPTH + 1, rank) ascending
     p = tl.arange(0, BLOCK_B)
@@ -388,21 +387,19 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
         mine = tl.where(k[None, :] < d, upper, tl.where(k[None, :] == d, q[:, None] + 1, 0))
         tl.store(anc + (q[:, None] + 1) * BLOCK_L + k[None, :], mine, mask=at_d[:, None])
         tl.debug_barrier()
-    j = tl.arange(0, BLOCK_N)
-    j_ok = j < size
-    depth_j = tl.load(depths_out_ptr + out + j, mask=j_ok, other=0).to(tl.int32)
-    valid_j = tl.load(valid_out_ptr + out + j, mask=j_ok, other=0) != 0
-    for start in range(0, BLOCK_N, MASK_ROWS):
-        i = start + tl.arange(0, MASK_ROWS)
-        i_ok = i < size
-        valid_i = tl.load(valid_out_ptr + out + i, mask=i_ok, other=0) != 0
-        depth_i = tl.load(depths_out_ptr + out + i, mask=i_ok, other=0).to(tl.int32)
-        seen = tl.load(anc + i[:, None] * BLOCK_L + depth_j[None, :], mask=(valid_i & i_ok)[:, None] & j_ok[None, :],
-                       other=-1)
-        visible = valid_i[:, None] & valid_j[None, :] & (depth_j[None, :] <= depth_i[:, None]) & (seen == j[None, :])
-        visible = visible | (i[:, None] == j[None, :])
-        tl.store(mask_out_ptr + row * size * size + i[:, None] * size + j[None, :], visible.to(tl.int8),
-                 mask=i_ok[:, None] & j_ok[None, :])
+    cell = tl.arange(0, ZERO_BLOCK)
+    mask_row = mask_out_ptr + row * size * size
+    for start in range(0, size * size, ZERO_BLOCK):
+        tl.store(mask_row + start + cell, tl.zeros_like(cell).to(tl.int8), mask=start + cell < size * size)
+    tl.debug_barrier()  # zeros first, then the ones
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < size
+    depth_n = tl.load(depths_out_ptr + out + n, mask=n_ok, other=0).to(tl.int32)
+    valid_n = tl.load(valid_out_ptr + out + n, mask=n_ok, other=0) != 0
+    on_path = (valid_n & n_ok)[:, None] & (k[None, :] <= depth_n[:, None])  # [BLOCK_N, BLOCK_L]
+    seen = tl.load(anc + n[:, None] * BLOCK_L + k[None, :], mask=on_path, other=0)  # ancestors, self included
+    tl.store(mask_row + n[:, None] * size + seen, tl.full(on_path.shape, 1, tl.int8), mask=on_path)
+    tl.store(mask_row + n * size + n, tl.full(n.shape, 1, tl.int8), mask=n_ok)  # invalid nodes: themselves
 
 
 @triton.jit

@@ -80,10 +80,14 @@ class DrafterRunner:
         tokens (default: all P; a plain round has P = 1) for a later :meth:`catch_up`. Capturable;
         the host keeps every real slot's lag within LAG_CAPACITY (the clamps only keep the pad
         slot's writes in bounds)."""
-        width = features.shape[1]
+        width, capacity = features.shape[1], self.lag_capacity
+        if counts is None and width == 1:  # a plain round (inside its CUDA graph): three small ops
+            at = self.lag[slots].clamp(max=capacity - 1)  # [B]
+            self.lagging[slots, at] = features[:, 0].to(self.lagging.dtype)
+            self.lag[slots] = (self.lag[slots] + 1).clamp(max=capacity)
+            return
         j = torch.arange(width, device=slots.device)  # [P]
         counts = torch.full_like(slots, width) if counts is None else counts  # [B]
-        capacity = self.lag_capacity
         at = self.lag[slots][:, None] + j  # [B, P]
         at = torch.where((j < counts[:, None]) & (at < capacity), at, capacity)  # [B, P]
         self.lagging[slots[:, None], at] = features.to(self.lagging.dtype)
