@@ -22,9 +22,12 @@ with online estimates the engine feeds it after every round (:meth:`SpecPolicy.r
   fault) barely moves it while a lasting change still gets through in a few rounds.
 
 Exploration: every option of a bucket is tried ``explore_rounds`` times before the estimates
-decide (round robin, fewest measurements first), so an unseen bucket explores on its own; an
-option already measured at under ``DOMINATED`` of the best estimate is not tried again (big
-trees at a big batch can cost many plain steps).
+decide (round robin, fewest measurements first, smaller trees first), so an unseen bucket explores
+on its own; an option already measured at under ``DOMINATED`` of the best estimate is not tried
+again (big trees at a big batch can cost many plain steps), nor is one whose bound is: its
+acceptance (known from other buckets) over the round time of a smaller tree timed in the bucket
+(a round that verifies more nodes never costs less), so a big batch that finds its small trees
+clearly worse never pays a round of the big ones.
 Tracking: after ``probe_interval`` rounds of a bucket, a neighbour of the best option in the
 ladder is tried for ``probe_rounds`` rounds in a row (alternately the larger and the smaller), so
 drift in acceptance or cost moves the choice. The probe's rounds are averaged and go into the
@@ -176,6 +179,8 @@ class SpecPolicy:
         self._recheck: dict[int, tuple[int, int]] = {}  # rows bucket -> (displaced option the next probe
         # re-measures, which recheck that is: 1 immediate, 2 later)
         self._plain_timed_at: dict[int, int] = {}  # rows bucket -> its round count when plain was last timed
+        self._measurements = 0  # estimates fed so far (the score cache's version)
+        self._score_cache: dict[int, tuple] = {}  # rows bucket -> (version, scores, best option)
 
     # ------------------------------------------------------------------ decisions
     def choose(self, rows: int) -> int:
@@ -190,7 +195,7 @@ class SpecPolicy:
             self._finish_probe()  # done, or the batch moved to another bucket: use what it measured
         unexplored = self._unexplored(bucket)
         if unexplored:
-            return min(unexplored, key=lambda n: self._timed(bucket, n))  # ladder order breaks ties
+            return min(unexplored, key=lambda n: (self._timed(bucket, n), n))  # smaller first: it bounds the rest
         best = self.best(rows)
         if best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
                 self._rounds[bucket] - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval):
@@ -209,12 +214,19 @@ class SpecPolicy:
     def best(self, rows: int) -> int:
         """The option with the highest estimated tokens/s (ties: fewer nodes); options without
         estimates are skipped (plain always has one once timed)."""
-        bucket = rows_bucket(rows)
-        scored = [(self._per_row(bucket, n), -n) for n in self.ladder]
-        known = [(score, neg) for score, neg in scored if score is not None]
-        if not known:
-            return self.ladder[-1]
-        return -max(known)[1]
+        return self._scores(rows_bucket(rows))[1]
+
+    def _scores(self, bucket: int) -> tuple[dict[int, float | None], int]:
+        """Per option of ``bucket`` its tokens/s per row (None while unmeasured), and the best
+        option; recomputed only after a measurement (a round asks for them several times)."""
+        cached = self._score_cache.get(bucket)
+        if cached is not None and cached[0] == self._measurements:
+            return cached[1], cached[2]
+        scores = {n: self._per_row(bucket, n) for n in self.ladder}
+        known = [(score, -n) for n, score in scores.items() if score is not None]
+        best = -max(known)[1] if known else self.ladder[-1]
+        self._score_cache[bucket] = (self._measurements, scores, best)
+        return scores, best
 
     def tokens_per_second(self, rows: int, nodes: int) -> float | None:
         """Expected throughput of a round of ``nodes`` nodes, None while unmeasured."""
@@ -248,11 +260,23 @@ class SpecPolicy:
         return ema.value if ema is not None else None
 
     def _unexplored(self, bucket: int) -> list[int]:
-        """Options still to try in ``bucket``: too few timed rounds and not clearly worse."""
-        scores = {n: self._per_row(bucket, n) for n in self.ladder}
+        """Options still to try in ``bucket``: too few timed rounds and not clearly worse, measured
+        or bounded (:meth:`_bound`)."""
+        scores = self._scores(bucket)[0]
         top = max((s for s in scores.values() if s is not None), default=0.0)
         return [n for n in self.ladder if self._timed(bucket, n) < self.config.explore_rounds
-                and (scores[n] is None or scores[n] >= DOMINATED * top)]
+                and (scores[n] if scores[n] is not None else self._bound(bucket, n)) >= DOMINATED * top]
+
+    def _bound(self, bucket: int, nodes: int) -> float:
+        """An upper bound on the tokens/s per row of an option not yet timed in ``bucket``: its
+        acceptance (known from other buckets) over the round time of the largest smaller option
+        timed here (verifying more nodes never costs less); infinite without both."""
+        acceptance = self.acceptance(nodes)
+        smaller = [self._seconds[(bucket, n)].value for n in self.ladder
+                   if n < nodes and (bucket, n) in self._seconds]
+        if acceptance is None or not smaller:
+            return float("inf")
+        return acceptance / max(smaller[0], 1e-9)  # ladder order: the largest smaller option first
 
     def _explored(self, bucket: int) -> bool:
         """Exploration of ``bucket`` is over (the estimates, not round robin, pick its options)."""
@@ -298,6 +322,7 @@ class SpecPolicy:
                  weight: float, rows: int = 1) -> None:
         """Feed one measurement (``weight``: the least EMA weight it gets; ``rows``: rows whose mean
         acceptance it is) to the estimates."""
+        self._measurements += 1
         if seconds is not None and nodes == PLAIN_NODES:
             self._plain_timed_at[bucket] = self._rounds[bucket]
         if seconds is not None:
