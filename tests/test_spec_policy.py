@@ -159,6 +159,20 @@ def test_probes_back_off_while_the_neighbour_stays_clearly_worse():
     assert {option for _, _, option in runs} == {4} and len(runs) <= 15
 
 
+def test_a_far_worse_neighbour_is_probed_only_every_max_interval():
+    """At 32 rows a tree round costs 4 plain rounds and accepts 1.2 tokens (a CPU whose verify is
+    compute-bound): after one probe shows it under DOMINATED of plain, the next comes
+    max_probe_interval rounds later (doubling from 50 would have spent four more probes first),
+    and each probe is a single round (32 rows' acceptance in one; 4 rounds at one row)."""
+    config = SpecPolicyConfig(probe_interval=50, max_probe_interval=800)
+    policy = SpecPolicy((4, 0), config)
+    chosen = drive(policy, 2000, 32, lambda n: 1.2, lambda rows, n: 0.04 if n else 0.01)
+    runs = probe_runs(chosen, usual=0, start=10)
+    gaps = [b[0] - a[0] - (a[1] - 1) for a, b in zip(runs, runs[1:])]
+    assert len(runs) <= 3 and all(gap == config.max_probe_interval for gap in gaps), runs
+    assert all(length == 1 for _, length, _ in runs), runs
+
+
 def test_follows_drift_down_to_plain():
     """The drafter stops matching (e.g. the conversation changed): the policy walks down the
     ladder as each option's acceptance estimate is refreshed, and settles on plain rounds (at

@@ -32,13 +32,18 @@ Tracking: after ``probe_interval`` rounds of a bucket, a neighbour of the best o
 ladder is tried for ``probe_rounds`` rounds in a row (alternately the larger and the smaller), so
 drift in acceptance or cost moves the choice. The probe's rounds are averaged and go into the
 estimates as one measurement of weight ``PROBE_WEIGHT`` (the old estimate is stale). One round
-is too few: a round's acceptance length is a small integer that scatters widely (a real
+of one row is too few: a row's acceptance length is a small integer that scatters widely (a real
 drafter's rounds accept 1 to 5 tokens around a mean of 2.5), so single-round probes that happened
-to accept nothing could push a better option out for good (seen with SmolLM2 on the CPU).
+to accept nothing could push a better option out for good (seen with SmolLM2 on the CPU). A round
+of many rows already averages their acceptance, so a probe lasts ``probe_rounds`` rows' worth of
+rounds: 4 rounds at one row, one round from 4 rows on (a tree round at 32 rows on a CPU cost 3.7
+plain rounds; four of them per probe were most of what adaptive serving lost there).
 A probe whose option stays clearly worse (under ``BACKOFF_BELOW`` of the best estimate)
-doubles that bucket's interval (up to ``max_probe_interval``); one that changes the best option
-resets it: a settled choice (e.g. plain rounds with a drafter that never matches) pays for few
-probes, a drifting one is followed fast.
+doubles that bucket's interval (up to ``max_probe_interval``), one far worse (under ``DOMINATED``:
+it would take a 2x change to matter, e.g. a tree at a big batch on a compute-bound CPU) sets it to
+``max_probe_interval`` at once; one that changes the best option resets it: a settled choice
+(e.g. plain rounds with a drafter that never matches) pays for few probes, a drifting one is
+followed fast.
 Rechecks: only the chosen option gets measured, so a run of slow rounds (another thread holding
 the interpreter, a burst of HTTP work in a server) can lift its estimate above an option that
 was timed long ago under quiet conditions, and that stale estimate would then win for up to
@@ -88,7 +93,7 @@ class SpecPolicyConfig:
     probe_interval: int = 50  # rounds of a bucket between tries of a neighbour of the best option
     max_probe_interval: int = 800  # the interval doubles after each probe that changes nothing, up to this
     min_tree_nodes: int = 4  # smallest non-zero tree in a DDTree ladder (halving stops above it)
-    probe_rounds: int = 4  # consecutive rounds of a probe, averaged into one measurement
+    probe_rounds: int = 4  # rows x rounds of a probe (consecutive rounds, averaged into one measurement)
     plain_recheck_interval: int = 200  # rounds of a bucket on trees after which plain is re-measured
 
     def __post_init__(self) -> None:
@@ -200,16 +205,21 @@ class SpecPolicy:
         if best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
                 self._rounds[bucket] - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval):
             self._plain_timed_at[bucket] = self._rounds[bucket]
-            self._probe = _Probe(PLAIN_NODES, bucket, best, rounds_left=self.config.probe_rounds - 1, recheck=3)
+            self._probe = _Probe(PLAIN_NODES, bucket, best, rounds_left=self._probe_rounds(rows) - 1, recheck=3)
             return PLAIN_NODES
         if self._rounds[bucket] >= self._next_probe.setdefault(bucket, self._rounds[bucket] + self.config.probe_interval):
             self._probes[bucket] += 1
             displaced, recheck = self._recheck.pop(bucket, (None, 0))
             if displaced in (None, best):
                 displaced, recheck = self._neighbour(best, larger=self._probes[bucket] % 2 == 1), 0
-            self._probe = _Probe(displaced, bucket, best, rounds_left=self.config.probe_rounds - 1, recheck=recheck)
+            self._probe = _Probe(displaced, bucket, best, rounds_left=self._probe_rounds(rows) - 1, recheck=recheck)
             return displaced
         return best
+
+    def _probe_rounds(self, rows: int) -> int:
+        """Rounds of a probe at ``rows`` rows: enough for ``probe_rounds`` rows' worth of rounds
+        (each row's acceptance is one sample), at least one."""
+        return max(1, -(-self.config.probe_rounds // rows))
 
     def best(self, rows: int) -> int:
         """The option with the highest estimated tokens/s (ties: fewer nodes); options without
@@ -354,6 +364,8 @@ class SpecPolicy:
             interval = self.config.probe_interval
         elif best != best_before:
             interval = self.config.probe_interval
+        elif probed_rate is not None and best_rate is not None and probed_rate < DOMINATED * best_rate:
+            interval = self.config.max_probe_interval  # it would take a 2x change to matter
         elif probed_rate is not None and best_rate is not None and probed_rate < BACKOFF_BELOW * best_rate:
             interval = min(2 * interval, self.config.max_probe_interval)
         self._interval[bucket] = interval
