@@ -8,9 +8,11 @@ Four measurements, each a CUDA-graph replay unless it is a profile:
    verify pass of M - 1 drafted nodes cannot go below at batch 1.
 2. attention: 36 layers of SDPA over a 1k context for ``M`` queries, with the additive tree bias
    (what the engine runs; cuDNN picks it) and without a mask (the flash kernel's floor).
-3. plain rounds with a drafter loaded: ms per graphed step of a plain engine vs a DDTree engine
-   pinned to plain rounds (budget 0: no drafter pass, the drafter's context still kept), batch
-   1 and 8. The gap is what a served DDTree pays on every plain round.
+3. plain rounds with a drafter loaded: ms per graphed step of a plain engine, a DDTree engine
+   pinned to plain rounds (budget 0: no drafter pass, the drafter's context still kept) and
+   DDTree-64 under the adaptive policy (a drafter that never matches), sharing the weights,
+   interleaved over ``--upkeep-repeats``, at ``--upkeep-batches`` (default 1 and 8). The gaps are
+   what a served DDTree pays on every plain round, and what its policy adds.
 4. kernel-time tables (torch.profiler, eager) of one DDTree round at budget 256 and of the tree
    work alone (build with the kept-list kernel + walk + commit), to say what to fuse next.
 """
@@ -30,7 +32,8 @@ from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
 from tree_build_speed import graphed_ms  # noqa: E402
 
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
-from flashtree.engine.engine import LLMEngine  # noqa: E402
+from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
+from flashtree.models.build import resolve_dtype  # noqa: E402
 from flashtree.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from flashtree.models.attention import attention_bias  # noqa: E402
 from flashtree.spec.tree import build_tree  # noqa: E402
@@ -95,18 +98,40 @@ def attention_floor(tokens_list, context=1024):
     return rows
 
 
-def plain_round_upkeep(target, drafter, batches, context=1024, steps=30):
-    rows = []
-    for method, budget in (("none", None), ("ddtree", 0), ("none", None)):
+UPKEEP_ENGINES = {  # name -> (method, budget, adaptive policy)
+    "plain": ("none", None, False),
+    "ddtree pinned to plain rounds": ("ddtree", 0, False),
+    "ddtree-64 adaptive": ("ddtree", 64, True),
+}
+
+
+def plain_round_upkeep(target, drafter, batches, repeats=1, context=1024, steps=30, warmup_steps=150,
+                       device="cuda"):
+    """ms per step of the UPKEEP_ENGINES, sharing the target's weights, interleaved over ``repeats``
+    (drift hits all alike): a plain engine; a DDTree engine pinned to plain rounds (budget 0: no
+    drafter pass, the drafter's context still kept); and DDTree-64 under the adaptive policy, as a
+    server runs it (its random drafter never matches: after exploring, plain rounds and rare
+    probes). Pinned minus plain is the device and host upkeep of a loaded drafter; adaptive minus
+    pinned is the policy's (host work, probes). The adaptive engine explores each batch's bucket
+    first, in ``warmup_steps`` unmeasured steps."""
+    loaded = load_target(EngineConfig(model=str(target), random_weights=True, device=device),
+                         torch.device(device), resolve_dtype("auto", torch.device(device)))
+    engines = {}
+    for name, (method, budget, adaptive) in UPKEEP_ENGINES.items():
         spec = SpecConfig(method=method, draft=None if method == "none" else str(drafter), budget=budget)
-        engine = LLMEngine(EngineConfig(model=str(target), spec=spec, random_weights=True, device="cuda",
-                                        max_running=max(batches), max_context=2048, adaptive_spec=False))
+        config = EngineConfig(model=str(target), spec=spec, random_weights=True, device=device,
+                              max_running=max(batches), max_context=context + 1024, adaptive_spec=adaptive)
+        engines[name] = LLMEngine(config, target=loaded)
+    for batch in batches:
+        time_steps(engines["ddtree-64 adaptive"], batch, context, warmup_steps)
+    rows = []
+    for repeat in range(repeats):
         for batch in batches:
-            ms, _ = time_steps(engine, batch, context, steps)
-            rows.append({"engine": f"{method}:{budget}", "batch": batch, "ms_per_step": ms})
-            print(json.dumps(rows[-1]), flush=True)
-        del engine
-        torch.cuda.empty_cache()
+            for name, engine in engines.items():
+                ms, _ = time_steps(engine, batch, context, steps)
+                rows.append({"engine": name, "batch": batch, "repeat": repeat, "ms_per_step": ms,
+                             "rounds_by_nodes": dict(engine.rounds_by_nodes)})
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -159,6 +184,8 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/gpu_round_anatomy_h200.json")
     parser.add_argument("--tokens", default="1,17,65,257")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul,attention,upkeep,profile")
+    parser.add_argument("--upkeep-batches", default="1,8", help="batches of the plain-round upkeep part")
+    parser.add_argument("--upkeep-repeats", type=int, default=1, help="interleaved repeats of the upkeep part")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -170,7 +197,8 @@ def main():
     if "attention" not in skip:
         out["attention"] = attention_floor(tokens)
     if "upkeep" not in skip:
-        out["plain_round_upkeep"] = plain_round_upkeep(target, drafter, [1, 8])
+        out["plain_round_upkeep"] = plain_round_upkeep(target, drafter, [int(b) for b in args.upkeep_batches.split(",")],
+                                                       repeats=args.upkeep_repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     if "profile" not in skip:
