@@ -203,8 +203,9 @@ class TimesKeepingPolicy(ScriptedPolicy):
 
 
 def test_the_first_round_after_an_idle_pause_is_not_timed(pair):
-    """The engine feeds the policy every round's wall time except a round that starts more than
-    IDLE_GAP_S after the previous one ended (the first rounds of a server after a pause)."""
+    """The engine feeds the policy every round's wall time except the first round after a pause of
+    more than IDLE_GAP_S between engine steps (the first round of a server after a pause); rounds
+    after a long prefill step are timed."""
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, **ENGINE)
     policy = llm.engine.policy = TimesKeepingPolicy(llm.engine.policy.ladder, [0])
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -215,6 +216,19 @@ def test_the_first_round_after_an_idle_pause_is_not_timed(pair):
     assert len(first) == len(second) == 5  # 6 tokens: the first from the prefill, 5 rounds
     assert first[0] is None and second[0] is None  # the engine's first round, and the first after the pause
     assert all(s is not None and s < engine_module.IDLE_GAP_S for s in first[1:] + second[1:])
+    slow_prefill = llm.engine.runner.prefill
+
+    def prefill_taking_a_while(*args, **kwargs):
+        time.sleep(2 * engine_module.IDLE_GAP_S)
+        return slow_prefill(*args, **kwargs)
+
+    llm.engine.runner.prefill = prefill_taking_a_while  # a busy server: a long prefill between rounds
+    reqs = [llm.engine.add_request(PROMPTS[0], params)]
+    llm.engine.step(), llm.engine.step()  # its prefill, then a round
+    reqs.append(llm.engine.add_request(PROMPTS[1], params))
+    llm.engine.step()  # a round of the first request, then the second's long prefill
+    llm.engine.step()  # a round right after that prefill step: timed
+    assert policy.seconds[-1] is not None
 
 
 def rstrip_zeros(sizes: list[int]) -> list[int]:

@@ -71,7 +71,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self.policy = make_policy(config, self.proposer)
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
-        self._last_round_end = float("-inf")  # perf_counter() when the last round ended
+        self._last_step_end = float("-inf")  # perf_counter() when the last step ended
+        self._untimed_round = False  # the next round follows an idle pause: not timed for the policy
         self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
         self.policy_tracer = PolicyTracer(config.trace_policy) if config.trace_policy else None
         self.tracker = TextTracker(self.tokenizer, config.incremental_text)
@@ -99,6 +100,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[StepEvent]:
+        if time.perf_counter() - self._last_step_end > IDLE_GAP_S:  # the engine sat idle before this step
+            self._untimed_round = True
         scheduled = self.scheduler.schedule()
         events: list[StepEvent] = []
         self.last_round_nodes = None
@@ -122,18 +125,18 @@ class LLMEngine:
         for req in self.scheduler.release_finished():
             self.cache.free(torch.tensor([req.slot], device=self.device))
             self.proposer.release([req.slot])
+        self._last_step_end = time.perf_counter()
         return events
 
     def _round(self, rows: Sequence[Request]) -> RoundResult:
         """One round with the policy's node count; its wall time (the host sync included) and
         acceptance go back to the policy."""
         nodes = fit_to_budgets(self.policy.choose(len(rows)), rows, self.policy.ladder)
+        after_idle, self._untimed_round = self._untimed_round, False
         t0 = time.perf_counter()
-        after_idle = t0 - self._last_round_end > IDLE_GAP_S
         self._catch_up_drafter(rows, nodes)  # part of the round's cost
         result = self.runner.round(rows, nodes)
-        self._last_round_end = time.perf_counter()
-        wall = self._last_round_end - t0
+        wall = time.perf_counter() - t0
         seconds = None if result.captured_graph or after_idle else wall
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
@@ -172,9 +175,10 @@ class LLMEngine:
             self.step()
 
 
-# A round that starts this long after the previous one ended (the engine sat idle: no requests) is
-# not timed for the speculation policy: the first round after a pause runs on a cold host and
-# device, and its wall time says little about its node count.
+# The first round after a pause of this long between engine steps (the engine sat idle: no
+# requests) is not timed for the speculation policy: it runs on a cold host and device, and its
+# wall time says little about its node count. Steps that follow each other (a long prefill
+# included) do not count as a pause.
 IDLE_GAP_S = 0.05
 
 
