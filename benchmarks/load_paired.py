@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import one_request, run_level  # noqa: E402
+from load_test import one_request, run_level, write_report  # noqa: E402
 
 
 def parse_servers(entries: list[str]) -> dict[str, str]:
@@ -165,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline not in servers:
         raise SystemExit(f"--baseline {args.baseline!r} is not one of the servers: {list(servers)}")
     report = asyncio.run(run(args, servers))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report))
     return 0
 
 

@@ -268,14 +268,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def write_report(out_prefix: str, report: dict, table: str) -> None:
+    """``OUT.json`` (the report) and ``OUT.md`` (its markdown ``table``), and the table printed."""
+    out = Path(out_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(table)
+    print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = asyncio.run(run(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown(report))
     return 0
 
 

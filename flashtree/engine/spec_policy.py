@@ -81,6 +81,11 @@ OUTLIER_FACTOR = 2.0  # round-time samples are clipped to this multiple of the c
 DOMINATED = 0.5  # exploration skips options measured below this fraction of the best tokens/s
 BACKOFF_BELOW = 0.8  # a probe below this fraction of the best tokens/s doubles the probe interval
 PROBE_WEIGHT = 0.75  # EMA weight of a probe's measurements (at least; the estimate it refreshes is old)
+# what a probe is (see "Rechecks" and "Plain rechecks" above)
+NEIGHBOUR_PROBE = 0  # a regular probe of a ladder neighbour of the best option
+RECHECK_NOW = 1  # the immediate recheck of the option an ordinary round displaced
+RECHECK_LATER = 2  # the next probe's recheck of it, after the immediate one confirmed the change
+PLAIN_RECHECK = 3  # plain rounds, re-measured while a tree is chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +165,7 @@ class _Probe:
     bucket: int
     best_before: int
     rounds_left: int
-    recheck: int = 0  # 1: the immediate recheck of a displaced option, 2: the later one, 3: a plain recheck,
-    # 0: a neighbour probe
+    recheck: int = NEIGHBOUR_PROBE  # or RECHECK_NOW, RECHECK_LATER, PLAIN_RECHECK
     seconds: list[float] = dataclasses.field(default_factory=list)
     acceptance: list[float] = dataclasses.field(default_factory=list)
 
@@ -182,7 +186,7 @@ class SpecPolicy:
         self._probes: Counter[int] = Counter()  # rows bucket -> probes so far (alternates up / down)
         self._probe: _Probe | None = None  # the probe in progress
         self._recheck: dict[int, tuple[int, int]] = {}  # rows bucket -> (displaced option the next probe
-        # re-measures, which recheck that is: 1 immediate, 2 later)
+        # re-measures, RECHECK_NOW or RECHECK_LATER)
         self._plain_timed_at: dict[int, int] = {}  # rows bucket -> its round count when plain was last timed
         self._measurements = 0  # estimates fed so far (the score cache's version)
         self._score_cache: dict[int, tuple] = {}  # rows bucket -> (version, scores, best option)
@@ -204,14 +208,15 @@ class SpecPolicy:
         best = self.best(rows)
         if best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
                 self._rounds[bucket] - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval):
-            self._plain_timed_at[bucket] = self._rounds[bucket]
-            self._probe = _Probe(PLAIN_NODES, bucket, best, rounds_left=self._probe_rounds(rows) - 1, recheck=3)
+            self._plain_timed_at[bucket] = self._rounds[bucket]  # (also if its rounds go untimed: no retry each round)
+            self._probe = _Probe(PLAIN_NODES, bucket, best, rounds_left=self._probe_rounds(rows) - 1,
+                                 recheck=PLAIN_RECHECK)
             return PLAIN_NODES
         if self._rounds[bucket] >= self._next_probe.setdefault(bucket, self._rounds[bucket] + self.config.probe_interval):
             self._probes[bucket] += 1
-            displaced, recheck = self._recheck.pop(bucket, (None, 0))
+            displaced, recheck = self._recheck.pop(bucket, (None, NEIGHBOUR_PROBE))
             if displaced in (None, best):
-                displaced, recheck = self._neighbour(best, larger=self._probes[bucket] % 2 == 1), 0
+                displaced, recheck = self._neighbour(best, larger=self._probes[bucket] % 2 == 1), NEIGHBOUR_PROBE
             self._probe = _Probe(displaced, bucket, best, rounds_left=self._probe_rounds(rows) - 1, recheck=recheck)
             return displaced
         return best
@@ -324,7 +329,7 @@ class SpecPolicy:
         best_before = self.best(rows) if self._explored(bucket) else None
         self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows)
         if best_before is not None and self.best(rows) != best_before:  # see "Rechecks" above
-            self._recheck[bucket] = (best_before, 1)
+            self._recheck[bucket] = (best_before, RECHECK_NOW)
             self._interval[bucket] = self.config.probe_interval
             self._next_probe[bucket] = self._rounds[bucket]  # the next round
 
@@ -348,19 +353,19 @@ class SpecPolicy:
         probe, self._probe = self._probe, None
         mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
         self._measure(probe.bucket, probe.nodes, mean(probe.seconds), mean(probe.acceptance), PROBE_WEIGHT)
-        if probe.recheck == 3 and self.best(probe.bucket) == probe.best_before:
+        if probe.recheck == PLAIN_RECHECK and self.best(probe.bucket) == probe.best_before:
             return  # a plain recheck that changed nothing: the neighbour probes keep their schedule
         self._schedule_next_probe(probe.bucket, probe.nodes, probe.best_before, probe.recheck)
 
-    def _schedule_next_probe(self, bucket: int, probed: int, best_before: int, recheck: int = 0) -> None:
+    def _schedule_next_probe(self, bucket: int, probed: int, best_before: int, recheck: int = NEIGHBOUR_PROBE) -> None:
         """Back off after a probe of a clearly worse option; probe again soon after one that
         changed the best option, or after an immediate recheck that confirmed a change (then the
         next probe rechecks the displaced option again); keep the interval otherwise."""
         interval = self._interval.get(bucket, self.config.probe_interval)
         best = self.best(bucket)
         probed_rate, best_rate = self._per_row(bucket, probed), self._per_row(bucket, best)
-        if recheck == 1 and best == best_before:
-            self._recheck[bucket] = (probed, 2)
+        if recheck == RECHECK_NOW and best == best_before:
+            self._recheck[bucket] = (probed, RECHECK_LATER)
             interval = self.config.probe_interval
         elif best != best_before:
             interval = self.config.probe_interval

@@ -244,6 +244,7 @@ def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
     the best-B threshold search (default :data:`SEARCH_WAYS`)."""
     rows, depth, budget = weights.shape
     size = budget + 1
+    ways = search_ways or SEARCH_WAYS
     block_f = _next_power_of_2(depth * budget)
     block_n = _next_power_of_2(size)
     block_l = _next_power_of_2(depth + 1)
@@ -259,8 +260,8 @@ def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
         weights.contiguous(), parents.contiguous(), tokens.contiguous(), budgets.contiguous(), out_tokens, out_parents,
         out_depths, valid, log_weights, mask, flat_scratch, node_scratch, anc_scratch, budget,
         DEPTH=depth, BLOCK_F=block_f, BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l,
-        ZERO_BLOCK=SELECT_ZERO_BLOCK, SEARCH_WAYS=search_ways or SEARCH_WAYS,
-        SEARCH_STEPS=_search_steps(search_ways or SEARCH_WAYS), num_warps=num_warps or TREE_WARPS)
+        ZERO_BLOCK=SELECT_ZERO_BLOCK, SEARCH_WAYS=ways, SEARCH_STEPS=_search_steps(ways),
+        num_warps=num_warps or TREE_WARPS)
     return out_tokens, out_parents, out_depths, valid.view(torch.bool), mask.view(torch.bool), log_weights
 
 

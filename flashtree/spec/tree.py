@@ -88,8 +88,8 @@ def build_tree(
     return _select_nodes(levels, budgets, max_budget)
 
 
-# depth x budget up to which the kernel path also selects the nodes in one kernel (one sort of
-# that many keys per row; beyond it the torch ops below do it)
+# depth x budget up to which the kernel path also selects the nodes in one kernel (it holds that
+# many weights per row in registers; beyond it the torch ops below do it)
 SELECT_KERNEL_MAX_NODES = 8192
 
 
