@@ -8,8 +8,8 @@ timed alone as one replayed CUDA graph (ms): the drafter's top-K tokens and log-
 the torch ops it replaced: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
 and ``gpu_kernels.select_nodes`` at 1, 4 and 8 warps per program (outputs checked equal across
 warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
-the threshold searches (the kept lists': sort, or a search over float32 keys counting 2 / 4 / 8 /
-16 keys per step; the node selection's search by the same ways; 4 warps; checked equal), and
+the kept lists' two threshold searches (sort of the prefilter list, bisection; 4 warps; checked
+equal), and
 ``gpu_kernels.accept_walk``.
 """
 
@@ -27,7 +27,6 @@ from flashtree.models import gpu_kernels  # noqa: E402
 from flashtree.spec import tree as tree_module  # noqa: E402
 
 WARPS = (1, 4, 8)
-SEARCH_WAYS = (2, 4, 8, 16)  # keys counted per step of the threshold search (gpu_kernels.SEARCH_WAYS)
 
 
 def timed(fn, reps):
@@ -65,15 +64,9 @@ def case(budget, batch, vocab, depth, reps):
     levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True))
     row["expand_sort_ms"] = timed(
         lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True), reps)
-    for ways in SEARCH_WAYS:
-        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False,
-                                                search_ways=ways))
-        row[f"expand_search{ways}_ms"] = timed(lambda: gpu_kernels.expand_levels(
-            top_logp, top_tokens, budget, *pairs, sort_list=False, search_ways=ways), reps)
-        if selects:
-            trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, search_ways=ways))
-            row[f"select_search{ways}_ms"] = timed(
-                lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, search_ways=ways), reps)
+    levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False))
+    row["expand_bisect_ms"] = timed(
+        lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False), reps)
     assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "kept lists differ"
     assert all(torch.equal(a, b) for tr in trees[1:] for a, b in zip(tr, trees[0])), "select differs by warps"
     tree = tree_module.build_tree(logits, budgets, budget, kernel=True)
@@ -96,8 +89,7 @@ def main():
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))
     keys = (["top_tokens_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in WARPS]
-            + ["expand_sort_ms"] + [f"expand_search{w}_ms" for w in SEARCH_WAYS]
-            + [f"select_search{w}_ms" for w in SEARCH_WAYS]
+            + ["expand_sort_ms", "expand_bisect_ms"]
             + [f"select_w{w}_ms" for w in WARPS] + ["walk_ms"])
     print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))
     for r in rows:

@@ -180,13 +180,8 @@ def main():
     parser.add_argument("--depth", type=int, default=15)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default=None, help="logits dtype (default: bf16 on CUDA, f32 on CPU)")
-    parser.add_argument("--search-ways", type=int, default=None,
-                        help="keys counted per step of the tree kernels' threshold search "
-                             f"(default: gpu_kernels.SEARCH_WAYS = {gpu_kernels.SEARCH_WAYS})")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.search_ways:
-        gpu_kernels.SEARCH_WAYS = args.search_ways
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -200,7 +195,7 @@ def main():
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "vocab": args.vocab, "depth": args.depth, "logits_dtype": str(dtype),
-        "sort_list_max": gpu_kernels.SORT_LIST_MAX, "search_ways": gpu_kernels.SEARCH_WAYS,
+        "sort_list_max": gpu_kernels.SORT_LIST_MAX,
         "reps": args.reps, "rows": rows,
     }
     if args.out:

@@ -162,7 +162,7 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
     masked vocabulary, budgets above the vocabulary, and per-row budgets (on CUDA also budgets 128
     and 256, whose kept lists take the bisection path); of differing accept
     walks (Triton walk kernel against the torch walk) along target choices that go deep; and of
-    kept lists or trees that differ between the kernels' threshold searches."""
+    kept lists that differ between the kept-list kernel's two threshold searches (sort, bisection)."""
     import random
 
     from flashtree.spec import tree as tree_module
@@ -213,27 +213,16 @@ def compare_top_tokens(device: str) -> dict[str, float]:
     return {"top_tokens/log_prob_max_diff": worst, "top_tokens/differing_ranked_values": float(differing)}
 
 
-SEARCH_WAYS = (2, 16)  # the tree kernels' threshold searches compared with each other
-
-
 def same_kept_lists_every_way(logits: torch.Tensor, budget: int) -> bool:
-    """The tree kernels find thresholds by sorting the prefilter list or by a k-ary search over
-    float32 order keys (the kept lists: chosen by the list's length; the node selection: always
-    the search): every way must give the same kept lists and the same tree."""
+    """The kept-list kernel finds each depth's threshold by sorting the prefilter list or by
+    bisection (chosen by the list's length): both must give the same kept lists."""
     from flashtree.spec import tree as tree_module
 
     k = min(budget, logits.shape[2])
     top_logp, top_tokens = tree_module._top_tokens(logits, k)
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
-    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True)]
-    ways += [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False, search_ways=w)
-             for w in SEARCH_WAYS]
-    same = all(torch.equal(a, b) for other in ways[1:] for a, b in zip(ways[0], other))
-    if logits.shape[1] * budget > tree_module.SELECT_KERNEL_MAX_NODES:
-        return same
-    budgets = torch.full((logits.shape[0],), budget, device=logits.device)
-    trees = [gpu_kernels.select_nodes(*ways[0], budgets, budget, search_ways=w) for w in SEARCH_WAYS]
-    return same and all(torch.equal(a, b) for other in trees[1:] for a, b in zip(trees[0], other))
+    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=sort) for sort in (True, False)]
+    return all(torch.equal(a, b) for a, b in zip(*ways))
 
 
 def walk_choices(tree, seed: int) -> torch.Tensor:

@@ -187,64 +187,63 @@ TREE_WARPS = 4
 # budgets 16 and 64 (0.16 / 0.21 ms against 0.21 / 0.25 ms), bisection at 256 and 1024 (0.45 /
 # 0.88 ms against 0.54 / 2.70 ms); benchmarks/results/session6/tree_build_speed_h200_session6{,_v3}.json
 # (a radix select by 8-bit histograms was slower still: 0.215 against 0.145 ms for the kept lists
-# at budget 256; benchmarks/results/session7/gpu_next_checks_output.txt)
+# at budget 256; benchmarks/results/session7/gpu_next_checks_output.txt; and a search counting 16
+# keys per step, 10 steps instead of 32, doubled build + walk at budget 256: 0.71 against 0.35 ms,
+# benchmarks/results/session8/call1/tree_build_speed_ways16.json)
 SORT_LIST_MAX = 512
-# keys counted per step of the tree kernels' threshold search (triton_kernels._kth_largest; 2 is
-# bisection; benchmarks/gpu_tree_kernel_warps.py times others)
-SEARCH_WAYS = 2
-
-
-def _search_steps(ways: int) -> int:
-    """Steps of a WAYS-ary search that narrow 2^32 float32 order keys to one (+2 for rounding)."""
-    if ways < 2 or ways & (ways - 1):
-        raise ValueError(f"search ways must be a power of two >= 2, got {ways}")
-    return 32 // (ways.bit_length() - 1) + 2
 
 
 def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
-                  pair_rank: torch.Tensor, num_warps: int | None = None,
-                  sort_list: bool | None = None, search_ways: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  pair_rank: torch.Tensor, num_warps: int | None = None, sort_list: bool | None = None,
+                  stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
     ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others).
     ``sort_list``: find each depth's threshold by sorting the prefilter list (default: for lists
-    of up to :data:`SORT_LIST_MAX` entries) rather than by a ``search_ways``-ary search (default
-    :data:`SEARCH_WAYS`); all give the same lists."""
+    of up to :data:`SORT_LIST_MAX` entries) rather than by bisection; both give the same lists.
+    ``stage_clocks``: an int64 ``[R, 8]`` tensor that receives SM cycles per stage of the kernel
+    (CUDA only; ``triton_kernels._expand_levels_kernel`` names the stages)."""
     if top_logp.dtype != torch.float32:
         raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
     rows, depth, k = top_logp.shape
     block = _next_power_of_2(max_budget)
     block_m = _next_power_of_2(pair_row.numel())
-    ways = search_ways or SEARCH_WAYS
     weights = top_logp.new_empty(rows, depth, max_budget)
     parents = torch.empty(rows, depth, max_budget, dtype=torch.long, device=top_logp.device)
     tokens = torch.empty_like(parents)
-    index_scratch = torch.empty(rows, 2, block, dtype=torch.int32, device=top_logp.device)
+    index_scratch = torch.empty(rows, 2, block, dtype=torch.int32, device=top_logp.device)  # slot marks, row starts
     weight_scratch = top_logp.new_empty(rows, 2, block)  # kept weights, then the same sorted descending
     _kernels()._expand_levels_kernel[(rows,)](
         top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
-        weights, parents, tokens, index_scratch, weight_scratch, k, max_budget,
-        pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
-        LOG_B=max_budget.bit_length(), SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list,
-        SEARCH_WAYS=ways, SEARCH_STEPS=_search_steps(ways),
+        weights, parents, tokens, index_scratch, weight_scratch, _clocks_or_dummy(stage_clocks, tokens), k,
+        max_budget, pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
+        SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list, CLOCKS=stage_clocks is not None,
         num_warps=num_warps or TREE_WARPS)
     return weights, parents, tokens
 
 
+def _clocks_or_dummy(stage_clocks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The stage-clock output, or any int64 tensor for the unused pointer when clocks are off."""
+    if stage_clocks is None:
+        return like
+    if stage_clocks.dtype != torch.int64 or stage_clocks.shape != (like.shape[0], 8):
+        raise ValueError(f"stage_clocks must be int64 [{like.shape[0]}, 8], got {stage_clocks.dtype} "
+                         f"{tuple(stage_clocks.shape)}")
+    return stage_clocks
+
+
 def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, budgets: torch.Tensor,
                  max_budget: int, num_warps: int | None = None,
-                 search_ways: int | None = None) -> tuple[torch.Tensor, ...]:
+                 stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``spec/tree.py _select_nodes`` and ``_assemble`` in one kernel per row, exactly: from the
     kept lists (weights / parent places / tokens ``[R, L, B]``, as :func:`expand_levels` returns
     them) and budgets ``[R]``, the tree's tokens, parents, depths, valid ``[R, B+1]``, ancestor mask
-    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order). ``search_ways``: of
-    the best-B threshold search (default :data:`SEARCH_WAYS`)."""
+    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order). ``stage_clocks``: as
+    in :func:`expand_levels`."""
     rows, depth, budget = weights.shape
     size = budget + 1
-    ways = search_ways or SEARCH_WAYS
     block_f = _next_power_of_2(depth * budget)
     block_n = _next_power_of_2(size)
     block_l = _next_power_of_2(depth + 1)
@@ -258,10 +257,10 @@ def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
     anc_scratch = torch.empty(rows, block_n, block_l, dtype=torch.int32, device=device)
     _kernels()._select_nodes_kernel[(rows,)](
         weights.contiguous(), parents.contiguous(), tokens.contiguous(), budgets.contiguous(), out_tokens, out_parents,
-        out_depths, valid, log_weights, mask, flat_scratch, node_scratch, anc_scratch, budget,
-        DEPTH=depth, BLOCK_F=block_f, BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l,
-        ZERO_BLOCK=SELECT_ZERO_BLOCK, SEARCH_WAYS=ways, SEARCH_STEPS=_search_steps(ways),
-        num_warps=num_warps or TREE_WARPS)
+        out_depths, valid, log_weights, mask, flat_scratch, node_scratch, anc_scratch,
+        _clocks_or_dummy(stage_clocks, out_tokens), budget, DEPTH=depth, BLOCK_F=block_f,
+        BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l, ZERO_BLOCK=SELECT_ZERO_BLOCK,
+        CLOCKS=stage_clocks is not None, num_warps=num_warps or TREE_WARPS)
     return out_tokens, out_parents, out_depths, valid.view(torch.bool), mask.view(torch.bool), log_weights
 
 

@@ -194,50 +194,82 @@ def _count_at_least(w, lp_ptr, t, k, rows_ok, STRICT: tl.constexpr, LOG_K: tl.co
 
 
 @triton.jit
+def _key_of_float(x):
+    """A float32's order key (int64): keys compare as the floats do (-0.0 sits just below +0.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+
+
+@triton.jit
 def _float_of_key(key):
-    """The float32 whose order key (see tree._best_flat_by_key) is ``key`` (int64, in int32 range)."""
+    """The float32 whose order key (see :func:`_key_of_float`) is ``key``."""
     return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _kth_largest(values, count, WAYS: tl.constexpr, STEPS: tl.constexpr):
-    """The ``count``-th largest of ``values`` (float32, no NaN; ``count`` <= their number): the
-    largest float32 t with at least ``count`` values >= t, searched over float32 order keys. Each
-    step counts the values at WAYS evenly spaced keys of the interval left (one [n, WAYS] compare
-    and sum) and keeps the piece holding the answer, so 32 bits take STEPS = 32 / log2(WAYS) steps
-    (+ 2 for rounding; WAYS = 2 is bisection). The values stay in registers: no memory traffic."""
-    t = tl.arange(0, WAYS)
-    lo = tl.full([], -2139095041, tl.int64)  # order key of -inf (bits 0xFF800000): count(>= -inf) = all
-    hi = tl.full([], 2139095040, tl.int64)  # order key of +inf: the answer is in [lo, hi]
-    for _ in tl.static_range(STEPS):  # the interval's width: 2^32 -> 1
-        width = hi - lo + 1
-        keys = lo + ((t + 1).to(tl.int64) * width) // WAYS  # [WAYS] ascending; the last is hi + 1 (too big)
-        counts = tl.sum((values[:, None] >= _float_of_key(keys)[None, :]).to(tl.int32), axis=0)  # [WAYS]
-        best = tl.max(tl.where(counts >= count, t, -1), axis=0)  # the last piece start still holding count
-        lo = tl.where(best >= 0, tl.max(tl.where(t == best, keys, lo), axis=0), lo)
-        hi = tl.min(tl.where(t == best + 1, keys, hi + 1), axis=0) - 1
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+CLOCK_STAGES = tl.constexpr(8)  # stage clock slots per program (the tree kernels' CLOCKS option)
+
+
+@triton.jit
+def _clock():
+    """The SM's cycle counter (CUDA only; read for benchmarks/gpu_tree_kernel_stages.py)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tl.zeros([], tl.int32)],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _lap(spent, last, STAGE: tl.constexpr):
+    """Adds the cycles since ``last`` to ``spent[STAGE]`` ([CLOCK_STAGES] int64); returns the new
+    ``spent`` and the time."""
+    now = _clock()
+    return spent + tl.where(tl.arange(0, CLOCK_STAGES) == STAGE, now - last, 0), now
+
+
+@triton.jit
+def _kth_largest(values, count, lower):
+    """The ``count``-th largest of ``values`` (float32, no NaN), given ``lower``: a float32 that at
+    least ``count`` values reach (so the answer is >= it). Bisection over float32 order keys
+    between ``lower`` and the largest value, one count per step, with the values in registers: the
+    answer is the largest key that ``count`` values reach. A tight ``lower`` saves steps (32 for
+    the whole float32 range, about 24 for log-probs within a few binades)."""
+    lo = _key_of_float(lower)
+    hi = _key_of_float(tl.max(values, axis=0))
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((values >= _float_of_key(mid)).to(tl.int32), axis=0) >= count
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
     return _float_of_key(lo)
 
 
 @triton.jit
 def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_out_ptr, parent_out_ptr,
-                          token_out_ptr, index_scratch_ptr, weight_scratch_ptr, k, budget, pairs,
+                          token_out_ptr, index_scratch_ptr, weight_scratch_ptr, clocks_ptr, k, budget, pairs,
                           DEPTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                          LOG_K: tl.constexpr, LOG_B: tl.constexpr, SORT_LIST: tl.constexpr,
-                          SEARCH_WAYS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+                          LOG_K: tl.constexpr, SORT_LIST: tl.constexpr, CLOCKS: tl.constexpr):
     """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
     the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
 
     The budget-th best weight T is the budget-th of the prefilter list (the ``pairs`` (row, rank)
-    pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending), found one of
+    pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending, s), found one of
     two ways (both give the same T):
     - SORT_LIST (short lists): one sort of the list gives T, and its first ``budget`` entries are
       the next depth's sorted weights;
-    - otherwise a search over float32 order keys with the list held in registers
-      (:func:`_kth_largest`, SEARCH_WAYS keys counted per step), after one sort of the kept weights.
-    Children of kept prefix i are non-increasing in j (l is sorted and float rounding is monotone), so row i keeps its first
-    a_i + take_i children (a_i above T, take_i of its ties at T, handed out in row order; both
-    counted by binary search), laid out in (i, j) order."""
+    - otherwise a bisection over float32 order keys with the list held in registers
+      (:func:`_kth_largest`), after one sort of the kept weights. It starts from a lower bound:
+      s_i + l_c with c = ceil(budget / (i + 1)) - 1 heads a rectangle of (i + 1)(c + 1) >= budget
+      matrix entries that are all >= it (rows and columns are sorted and float rounding is monotone).
+    Children of kept prefix i are non-increasing in j, so row i keeps its first a_i + take_i
+    children (a_i above T, take_i of its ties at T, handed out in row order; both counted by
+    binary search), laid out in (i, j) order. Output slot o belongs to the last row with children
+    kept whose first slot is at or before o: each such row marks its first slot (with the depth
+    in the mark, so older marks are smaller) and a running maximum over the slots reads the owner.
+    CLOCKS: SM cycles per stage, summed over depths, to ``clocks_ptr`` [R, CLOCK_STAGES]: sort of the
+    kept weights, candidates, threshold, counts, slot owners, new weights and stores."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_B)
     rows_ok = i < budget
@@ -248,7 +280,8 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
     lp_row = logp_ptr + row * DEPTH * k
     tok_row = tokens_ptr + row * DEPTH * k
     out = row * DEPTH * budget
-    scratch = index_scratch_ptr + row * 2 * BLOCK_B  # [2, BLOCK_B] int32: row ends, row starts
+    marks = index_scratch_ptr + row * 2 * BLOCK_B  # [BLOCK_B] int32: row marks at their first slot
+    starts_at = marks + BLOCK_B  # [BLOCK_B] int32: each row's first slot
     weights = weight_scratch_ptr + row * 2 * BLOCK_B  # [BLOCK_B] float32: the kept weights
     sorted_w = weights + BLOCK_B  # [BLOCK_B] float32: the kept weights, descending
     first = rows_ok & (i < k)
@@ -256,44 +289,54 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
     tl.store(w_out_ptr + out + i, w, mask=rows_ok)
     tl.store(parent_out_ptr + out + i, tl.zeros_like(i).to(tl.int64), mask=rows_ok)
     tl.store(token_out_ptr + out + i, tl.load(tok_row + i, mask=first, other=0), mask=rows_ok)
+    tl.store(marks + i, tl.full(i.shape, -1, tl.int32))  # no marks yet
     if SORT_LIST:
         tl.store(sorted_w + i, w, mask=rows_ok)  # (depth 1's weights are already descending)
-        tl.debug_barrier()
+    tl.debug_barrier()
+    corner = (budget + i) // (i + 1) - 1  # [BLOCK_B] c_i of the lower bound
+    corner_ok = rows_ok & (corner < k)
+    if CLOCKS:
+        spent, last = tl.zeros([CLOCK_STAGES], tl.int64), _clock()
     for d in range(1, DEPTH):
         lp = lp_row + d * k
         if not SORT_LIST:
-            tl.store(sorted_w + i, tl.sort(tl.where(rows_ok, w, float("-inf")), 0, descending=True))
+            s = tl.sort(tl.where(rows_ok, w, float("-inf")), 0, descending=True)  # [BLOCK_B]
+            tl.store(sorted_w + i, s)
+            lower = tl.max(tl.where(corner_ok, s + tl.load(lp + corner, mask=corner_ok, other=float("-inf")),
+                                    float("-inf")), axis=0)
             tl.debug_barrier()
+        if CLOCKS:
+            spent, last = _lap(spent, last, 0)
         candidates = tl.load(sorted_w + pair_row, mask=pairs_ok, other=float("-inf")) + \
             tl.load(lp + pair_rank, mask=pairs_ok, other=float("-inf"))  # [BLOCK_M]
+        if CLOCKS:
+            spent, last = _lap(spent, last, 1)
         if SORT_LIST:
             ordered = tl.sort(tl.where(pairs_ok, candidates, float("-inf")), 0, descending=True)  # [BLOCK_M]
             threshold = tl.max(tl.where(m == budget - 1, ordered, float("-inf")), axis=0)
             tl.debug_barrier()  # every read of sorted_w is done
             tl.store(sorted_w + m, ordered, mask=m < budget)
         else:
-            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, SEARCH_WAYS, SEARCH_STEPS)
+            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, lower)
+        if CLOCKS:
+            spent, last = _lap(spent, last, 2)
         above = _count_at_least(w, lp, threshold, k, rows_ok, True, LOG_K)  # [BLOCK_B]
         ties = _count_at_least(w, lp, threshold, k, rows_ok, False, LOG_K) - above
         need = budget - tl.sum(above, axis=0)
         ties_before = tl.cumsum(ties, axis=0) - ties
         kept = above + tl.minimum(tl.maximum(need - ties_before, 0), ties)  # children kept per row
-        ends = tl.cumsum(kept, axis=0)
-        tl.store(scratch + i, ends)
-        tl.store(scratch + BLOCK_B + i, ends - kept)
+        if CLOCKS:
+            spent, last = _lap(spent, last, 3)
+        starts = tl.cumsum(kept, axis=0) - kept
+        tl.store(marks + starts, d * BLOCK_B + i, mask=rows_ok & (kept > 0))
+        tl.store(starts_at + i, starts)
         tl.store(weights + i, w)
         tl.debug_barrier()
-        # output slot o belongs to the first row whose end is past o
-        lo = tl.zeros_like(i)
-        hi = tl.zeros_like(i) + budget
-        for _ in range(LOG_B):
-            mid = (lo + hi) // 2
-            past = tl.load(scratch + mid, mask=rows_ok & (mid < budget), other=0) > i
-            go_right = (~past) & (mid < hi)
-            lo = tl.where(go_right, mid + 1, lo)
-            hi = tl.where(go_right, hi, mid)
-        parent = tl.minimum(lo, budget - 1)
-        child = i - tl.load(scratch + BLOCK_B + parent, mask=rows_ok, other=0)
+        parent = tl.associative_scan(tl.load(marks + i), 0, _maximum) - d * BLOCK_B  # owner of slot i
+        parent = tl.minimum(tl.maximum(parent, 0), budget - 1)  # (clamps only the padding slots)
+        if CLOCKS:
+            spent, last = _lap(spent, last, 4)
+        child = i - tl.load(starts_at + parent, mask=rows_ok, other=0)
         w = tl.load(weights + parent, mask=rows_ok, other=float("-inf")) + \
             tl.load(lp + child, mask=rows_ok, other=float("-inf"))
         w = tl.where(rows_ok, w, float("-inf"))
@@ -302,32 +345,50 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
         tl.store(w_out_ptr + level + i, w, mask=rows_ok)
         tl.store(parent_out_ptr + level + i, parent.to(tl.int64), mask=rows_ok)
         tl.store(token_out_ptr + level + i, tl.load(tok_row + d * k + child, mask=rows_ok, other=0), mask=rows_ok)
+        if CLOCKS:
+            spent, last = _lap(spent, last, 5)
+    if CLOCKS:
+        tl.store(clocks_ptr + row * CLOCK_STAGES + tl.arange(0, CLOCK_STAGES), spent)
 
 
 @triton.jit
 def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_ptr, parents_out_ptr, depths_out_ptr,
                          valid_out_ptr, logw_out_ptr, mask_out_ptr, flat_scratch_ptr, node_scratch_ptr, anc_scratch_ptr,
-                         budget, DEPTH: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr,
+                         clocks_ptr, budget, DEPTH: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-                         SEARCH_WAYS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+                         CLOCKS: tl.constexpr):
     """One row's tree from its kept lists (tree.py ``_select_nodes`` + ``_assemble``, exactly).
 
     w / parent / token: ``[DEPTH, budget]`` per row, flat index f = (depth - 1) * budget + place.
-    1. The ``budget`` best over all depths: the budget-th best weight T (:func:`_kth_largest`),
+    1. The ``budget`` best over all depths: the budget-th best weight T (:func:`_kth_largest`, from
+       the lower bound max over depths of the depth's worst kept weight: each depth keeps ``budget``),
        then everything above it and the first ties at it (lowest f), compacted in f order; then
        their (weight desc, f asc) order by one sort of ``budget`` int64 keys (float32 order bits
        above the reversed f). The first ``budgets[row]`` that exist are valid. 2. Node layout:
        valid nodes by depth (stable), invalid ones last, by a second sort. 3. Parents through a
        flat -> node map. 4. Each node's ancestor at every depth (anc), depth by depth; the mask is
-       zeroed, then mask[i, anc[i][k]] is set for k <= depth i (and mask[i, i] for every i)."""
+       zeroed, then mask[i, anc[i][k]] is set for k <= depth i (and mask[i, i] for every i).
+    CLOCKS: SM cycles per stage to ``clocks_ptr`` [R, CLOCK_STAGES]: loads and lower bound,
+    threshold, compaction, rank sort, layout and parents, ancestors, mask zeroing, mask ones."""
     row = tl.program_id(0).to(tl.int64)
     size = budget + 1  # N: root + nodes
     base = row * DEPTH * budget
+    if CLOCKS:
+        spent, last = tl.zeros([CLOCK_STAGES], tl.int64), _clock()
     # 1. best `budget` flat entries
     f = tl.arange(0, BLOCK_F)
     f_ok = f < DEPTH * budget
     wf = tl.load(w_ptr + base + f, mask=f_ok, other=float("-inf"))
-    threshold = _kth_largest(wf, budget, SEARCH_WAYS, SEARCH_STEPS)
+    d = tl.arange(0, BLOCK_L)
+    b = tl.arange(0, BLOCK_B)
+    by_depth = tl.load(w_ptr + base + d[:, None] * budget + b[None, :],
+                       mask=(d < DEPTH)[:, None] & (b < budget)[None, :], other=float("inf"))  # [BLOCK_L, BLOCK_B]
+    lower = tl.max(tl.where(d < DEPTH, tl.min(by_depth, axis=1), float("-inf")), axis=0)
+    if CLOCKS:
+        spent, last = _lap(spent, last, 0)
+    threshold = _kth_largest(wf, budget, lower)
+    if CLOCKS:
+        spent, last = _lap(spent, last, 1)
     tied = wf == threshold
     need = budget - tl.sum((wf > threshold).to(tl.int32), axis=0)  # ties to keep, lowest f first
     keep = (wf > threshold) | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))  # exactly `budget`
@@ -337,6 +398,8 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
     p = tl.arange(0, BLOCK_B)
     p_ok = p < budget
     kept_f = tl.load(flat_scratch + p, mask=p_ok, other=0)  # the kept flat indices, ascending
+    if CLOCKS:
+        spent, last = _lap(spent, last, 2)
     bits = tl.load(w_ptr + base + kept_f, mask=p_ok, other=float("-inf")).to(tl.int32, bitcast=True)
     order = tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(tl.int64)  # as tree._best_flat_by_key
     keys = tl.where(p_ok, (order << 32) + (BLOCK_F - kept_f).to(tl.int64), -9223372036854775807)
@@ -345,6 +408,8 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
     tl.debug_barrier()  # every read of the compacted list is done
     tl.store(flat_scratch + p, flats, mask=p_ok)
     tl.debug_barrier()
+    if CLOCKS:
+        spent, last = _lap(spent, last, 3)
     # 2. layout: (valid ? depth : DEPTH + 1, rank) ascending
     p = tl.arange(0, BLOCK_B)
     p_ok = p < budget
@@ -376,22 +441,28 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
     tl.store(depths_out_ptr + out, 0)
     tl.store(valid_out_ptr + out, 1)
     tl.store(logw_out_ptr + out, 0.0)
+    if CLOCKS:
+        spent, last = _lap(spent, last, 4)
     # 4. ancestors at every depth: anc[n][k], root row all 0
     anc = anc_scratch_ptr + row * BLOCK_N * BLOCK_L
     k = tl.arange(0, BLOCK_L)
     tl.store(anc + k, tl.zeros_like(k))
     tl.debug_barrier()
-    for d in range(1, DEPTH + 1):
-        at_d = valid_q & (depth_q == d)
+    for level in range(1, DEPTH + 1):
+        at_d = valid_q & (depth_q == level)
         upper = tl.load(anc + parent_q[:, None] * BLOCK_L + k[None, :], mask=at_d[:, None], other=0)
-        mine = tl.where(k[None, :] < d, upper, tl.where(k[None, :] == d, q[:, None] + 1, 0))
+        mine = tl.where(k[None, :] < level, upper, tl.where(k[None, :] == level, q[:, None] + 1, 0))
         tl.store(anc + (q[:, None] + 1) * BLOCK_L + k[None, :], mine, mask=at_d[:, None])
         tl.debug_barrier()
+    if CLOCKS:
+        spent, last = _lap(spent, last, 5)
     cell = tl.arange(0, ZERO_BLOCK)
     mask_row = mask_out_ptr + row * size * size
     for start in range(0, size * size, ZERO_BLOCK):
         tl.store(mask_row + start + cell, tl.zeros_like(cell).to(tl.int8), mask=start + cell < size * size)
     tl.debug_barrier()  # zeros first, then the ones
+    if CLOCKS:
+        spent, last = _lap(spent, last, 6)
     n = tl.arange(0, BLOCK_N)
     n_ok = n < size
     depth_n = tl.load(depths_out_ptr + out + n, mask=n_ok, other=0).to(tl.int32)
@@ -400,6 +471,9 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
     seen = tl.load(anc + n[:, None] * BLOCK_L + k[None, :], mask=on_path, other=0)  # ancestors, self included
     tl.store(mask_row + n[:, None] * size + seen, tl.full(on_path.shape, 1, tl.int8), mask=on_path)
     tl.store(mask_row + n * size + n, tl.full(n.shape, 1, tl.int8), mask=n_ok)  # invalid nodes: themselves
+    if CLOCKS:
+        spent, last = _lap(spent, last, 7)
+        tl.store(clocks_ptr + row * CLOCK_STAGES + tl.arange(0, CLOCK_STAGES), spent)
 
 
 @triton.jit
