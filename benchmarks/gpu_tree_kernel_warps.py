@@ -4,12 +4,13 @@
 
 Vocab 151,936, 15 draft positions, bf16 logits, budgets 16 / 64 / 256, batch 1 and 8. Each part is
 timed alone as one replayed CUDA graph (ms): the drafter's top-K tokens and log-probs
-(``tree._top_tokens``: top-k on the bf16 logits and the Triton log-normalizer; and, for comparison,
-the torch ops it replaced: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
-and ``gpu_kernels.select_nodes`` at 1, 4 and 8 warps per program (outputs checked equal across
+(``tree._top_tokens``: the Triton radix select of ``gpu_kernels.top_log_probs``; for comparison,
+torch.topk on the bf16 logits with the Triton log-normalizer (seventh session), and the torch ops
+alone: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
+and ``gpu_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
 warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
-the kept lists' two threshold searches (sort of the prefilter list, bisection; 4 warps; checked
-equal), and
+the threshold searches (the kept lists': sort of the prefilter list, bisection, four-way search;
+the node selection's: bisection, four-way; 4 warps; checked equal), and
 ``gpu_kernels.accept_walk``.
 """
 
@@ -26,7 +27,7 @@ from tree_build_speed import graphed_ms  # noqa: E402
 from flashtree.models import gpu_kernels  # noqa: E402
 from flashtree.spec import tree as tree_module  # noqa: E402
 
-WARPS = (1, 4, 8)
+WARPS = (1, 2, 4, 8)
 
 
 def timed(fn, reps):
@@ -41,6 +42,13 @@ def torch_top_tokens(logits, k):
     return top.values - torch.logsumexp(logits, dim=-1, keepdim=True), top.indices
 
 
+def topk_then_normalizer(logits, k):
+    """The seventh session's ``tree._top_tokens``: torch.topk on the bf16 logits, then the Triton
+    log-normalizer."""
+    top = torch.topk(logits, k, dim=-1)
+    return gpu_kernels.log_normalize_top(logits, top.values), top.indices
+
+
 def case(budget, batch, vocab, depth, reps):
     gen = torch.Generator().manual_seed(budget + batch)
     logits = (torch.randn(batch, depth, vocab, generator=gen) * 2).to("cuda", torch.bfloat16)
@@ -50,6 +58,7 @@ def case(budget, batch, vocab, depth, reps):
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
     row = {"budget": budget, "batch": batch, "prefilter_pairs": pairs[0].numel(),
            "top_tokens_ms": timed(lambda: tree_module._top_tokens(logits, k), reps),
+           "top_tokens_topk_ms": timed(lambda: topk_then_normalizer(logits, k), reps),
            "top_tokens_torch_ms": timed(lambda: torch_top_tokens(logits, k), reps)}
     selects = depth * budget <= tree_module.SELECT_KERNEL_MAX_NODES
     levels, trees = [], []
@@ -64,9 +73,15 @@ def case(budget, batch, vocab, depth, reps):
     levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True))
     row["expand_sort_ms"] = timed(
         lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True), reps)
-    levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False))
-    row["expand_bisect_ms"] = timed(
-        lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False), reps)
+    for four in (False, True):
+        name = "four_way" if four else "bisect"
+        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False, four_way=four))
+        row[f"expand_{name}_ms"] = timed(lambda: gpu_kernels.expand_levels(
+            top_logp, top_tokens, budget, *pairs, sort_list=False, four_way=four), reps)
+        if selects:
+            trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, four_way=four))
+            row[f"select_{name}_ms"] = timed(
+                lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, four_way=four), reps)
     assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "kept lists differ"
     assert all(torch.equal(a, b) for tr in trees[1:] for a, b in zip(tr, trees[0])), "select differs by warps"
     tree = tree_module.build_tree(logits, budgets, budget, kernel=True)
@@ -88,8 +103,8 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))
-    keys = (["top_tokens_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in WARPS]
-            + ["expand_sort_ms", "expand_bisect_ms"]
+    keys = (["top_tokens_ms", "top_tokens_topk_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in WARPS]
+            + ["expand_sort_ms", "expand_bisect_ms", "expand_four_way_ms", "select_bisect_ms", "select_four_way_ms"]
             + [f"select_w{w}_ms" for w in WARPS] + ["walk_ms"])
     print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))
     for r in rows:

@@ -162,7 +162,7 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
     masked vocabulary, budgets above the vocabulary, and per-row budgets (on CUDA also budgets 128
     and 256, whose kept lists take the bisection path); of differing accept
     walks (Triton walk kernel against the torch walk) along target choices that go deep; and of
-    kept lists that differ between the kept-list kernel's two threshold searches (sort, bisection)."""
+    kept lists or trees that differ between the kernels' threshold searches."""
     import random
 
     from flashtree.spec import tree as tree_module
@@ -194,35 +194,51 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
 
 
 def compare_top_tokens(device: str) -> dict[str, float]:
-    """The drafter logits' top-k log-probs with the Triton log-normalizer (read in the logits' own
-    dtype, chunked over the vocabulary) against torch's float32 logsumexp: the largest difference,
-    and the number of differing tokens (0 expected), over float32 and bf16 logits spanning several
-    chunks, one depth with a vocabulary chunk of -inf only."""
+    """The drafter logits' top-k log-probs as the tree builds them (``tree._top_tokens``: for
+    bf16 / fp16 the Triton radix select, for float32 torch.topk and the Triton log-normalizer)
+    against torch's float32 sort and logsumexp: the largest log-prob difference, the number of
+    differing ranked values, and for 16-bit logits the number of differing tokens against a stable
+    sort (ties in token order). Logits span several vocabulary chunks; one depth has a chunk of
+    -inf only, one has many ties, one keeps every token (k = V)."""
     from flashtree.spec import tree as tree_module
 
-    worst, differing = 0.0, 0
-    for dtype in (torch.float32, torch.bfloat16):
+    worst, differing, differing_tokens = 0.0, 0, 0
+    for dtype, vocab, k in ((torch.float32, 9000, 50), (torch.bfloat16, 9000, 50), (torch.float16, 9000, 256),
+                            (torch.bfloat16, 300, 300)):
         gen = torch.Generator().manual_seed(3)
-        logits = (torch.randn(2, 3, 9000, generator=gen) * 4).to(device, dtype)
+        logits = (torch.randn(2, 3, vocab, generator=gen) * 4)
+        logits[1, 2] = logits[1, 2].round()  # many ties
+        logits = logits.to(device, dtype)
         logits[0, 1, 4096:8192] = float("-inf")  # the second chunk holds nothing
-        logp, tokens = tree_module._top_tokens(logits, 50)
+        logp, tokens = tree_module._top_tokens(logits, k)
         ref = logits.float()
-        ref_top = torch.topk(ref, 50, dim=-1)
-        worst = max(worst, (logp - (ref_top.values - torch.logsumexp(ref, -1, keepdim=True))).abs().max().item())
-        differing += int((ref.gather(-1, tokens) != ref_top.values).sum())  # same values in rank order
-    return {"top_tokens/log_prob_max_diff": worst, "top_tokens/differing_ranked_values": float(differing)}
+        ranked = torch.sort(ref, dim=-1, descending=True, stable=True)
+        worst = max(worst, (logp - (ranked.values[..., :k] - torch.logsumexp(ref, -1, keepdim=True))).abs().max().item())
+        differing += int((ref.gather(-1, tokens) != ranked.values[..., :k]).sum())  # same values in rank order
+        if dtype != torch.float32:
+            differing_tokens += int((tokens != ranked.indices[..., :k]).sum())
+    return {"top_tokens/log_prob_max_diff": worst, "top_tokens/differing_ranked_values": float(differing),
+            "top_tokens/differing_tokens_16bit": float(differing_tokens)}
 
 
 def same_kept_lists_every_way(logits: torch.Tensor, budget: int) -> bool:
-    """The kept-list kernel finds each depth's threshold by sorting the prefilter list or by
-    bisection (chosen by the list's length): both must give the same kept lists."""
+    """The kept-list kernel finds each depth's threshold by sorting the prefilter list or by a
+    search (chosen by the list's length), bisecting or four-way; the node selection always searches:
+    every way must give the same kept lists and the same tree."""
     from flashtree.spec import tree as tree_module
 
     k = min(budget, logits.shape[2])
     top_logp, top_tokens = tree_module._top_tokens(logits, k)
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
-    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=sort) for sort in (True, False)]
-    return all(torch.equal(a, b) for a, b in zip(*ways))
+    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True)]
+    ways += [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False, four_way=four)
+             for four in (False, True)]
+    same = all(torch.equal(a, b) for other in ways[1:] for a, b in zip(ways[0], other))
+    if logits.shape[1] * budget > tree_module.SELECT_KERNEL_MAX_NODES:
+        return same
+    budgets = torch.full((logits.shape[0],), budget, device=logits.device)
+    trees = [gpu_kernels.select_nodes(*ways[0], budgets, budget, four_way=four) for four in (False, True)]
+    return same and all(torch.equal(a, b) for a, b in zip(*trees))
 
 
 def walk_choices(tree, seed: int) -> torch.Tensor:

@@ -191,18 +191,22 @@ TREE_WARPS = 4
 # keys per step, 10 steps instead of 32, doubled build + walk at budget 256: 0.71 against 0.35 ms,
 # benchmarks/results/session8/call1/tree_build_speed_ways16.json)
 SORT_LIST_MAX = 512
+# the tree kernels' threshold search: False bisects (one count per step), True counts three cuts per
+# step in one int64 sum (two bits per step); benchmarks/gpu_tree_kernel_warps.py times both
+FOUR_WAY_SEARCH = False
 
 
 def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
                   pair_rank: torch.Tensor, num_warps: int | None = None, sort_list: bool | None = None,
-                  stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  four_way: bool | None = None, stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
     ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others).
     ``sort_list``: find each depth's threshold by sorting the prefilter list (default: for lists
-    of up to :data:`SORT_LIST_MAX` entries) rather than by bisection; both give the same lists.
+    of up to :data:`SORT_LIST_MAX` entries) rather than by a search (``four_way``: default
+    :data:`FOUR_WAY_SEARCH`); all give the same lists.
     ``stage_clocks``: an int64 ``[R, 8]`` tensor that receives SM cycles per stage of the kernel
     (CUDA only; ``triton_kernels._expand_levels_kernel`` names the stages)."""
     if top_logp.dtype != torch.float32:
@@ -219,7 +223,8 @@ def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: 
         top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
         weights, parents, tokens, index_scratch, weight_scratch, _clocks_or_dummy(stage_clocks, tokens), k,
         max_budget, pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
-        SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list, CLOCKS=stage_clocks is not None,
+        SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list,
+        FOUR_WAY=FOUR_WAY_SEARCH if four_way is None else four_way, CLOCKS=stage_clocks is not None,
         num_warps=num_warps or TREE_WARPS)
     return weights, parents, tokens
 
@@ -235,13 +240,13 @@ def _clocks_or_dummy(stage_clocks: torch.Tensor | None, like: torch.Tensor) -> t
 
 
 def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, budgets: torch.Tensor,
-                 max_budget: int, num_warps: int | None = None,
+                 max_budget: int, num_warps: int | None = None, four_way: bool | None = None,
                  stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``spec/tree.py _select_nodes`` and ``_assemble`` in one kernel per row, exactly: from the
     kept lists (weights / parent places / tokens ``[R, L, B]``, as :func:`expand_levels` returns
     them) and budgets ``[R]``, the tree's tokens, parents, depths, valid ``[R, B+1]``, ancestor mask
-    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order). ``stage_clocks``: as
-    in :func:`expand_levels`."""
+    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order). ``four_way`` and
+    ``stage_clocks``: as in :func:`expand_levels`."""
     rows, depth, budget = weights.shape
     size = budget + 1
     block_f = _next_power_of_2(depth * budget)
@@ -260,7 +265,7 @@ def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
         out_depths, valid, log_weights, mask, flat_scratch, node_scratch, anc_scratch,
         _clocks_or_dummy(stage_clocks, out_tokens), budget, DEPTH=depth, BLOCK_F=block_f,
         BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l, ZERO_BLOCK=SELECT_ZERO_BLOCK,
-        CLOCKS=stage_clocks is not None, num_warps=num_warps or TREE_WARPS)
+        FOUR_WAY=FOUR_WAY_SEARCH if four_way is None else four_way, CLOCKS=stage_clocks is not None, num_warps=num_warps or TREE_WARPS)
     return out_tokens, out_parents, out_depths, valid.view(torch.bool), mask.view(torch.bool), log_weights
 
 
@@ -297,3 +302,37 @@ def log_normalize_top(logits: torch.Tensor, top_values: torch.Tensor) -> torch.T
     _kernels()._normalize_top_kernel[(rows,)](parts, top_values.contiguous(), out, k, chunks,
                                               BLOCK_C=_next_power_of_2(chunks), BLOCK_K=_next_power_of_2(k))
     return out
+
+
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row of bf16 / fp16 ``logits [..., V]`` as float32 log-probabilities
+    (``x - logsumexp(row)``) and token ids, ``[..., k]`` each, best first; equal values in index
+    order. An exact radix select over the 16-bit order keys (``triton_kernels``, "exact top-k of
+    16-bit logits"): every kernel but the last reads the logits in their own dtype, chunked over
+    the vocabulary, and the log-normalizer comes from the same pass as the first histogram."""
+    if logits.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"top_log_probs needs bf16 or fp16 logits, got {logits.dtype}")
+    vocab = logits.shape[-1]
+    if not 0 < k <= vocab:
+        raise ValueError(f"k must be in [1, {vocab}] (the vocabulary), got {k}")
+    logits = logits.contiguous()
+    rows = logits.numel() // vocab
+    chunks = -(-vocab // LOGSUMEXP_CHUNK)
+    device = logits.device
+    parts = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
+    high_hist, low_hist = (torch.empty(rows, chunks, 256, dtype=torch.int32, device=device) for _ in range(2))
+    select = torch.empty(rows, 4, dtype=torch.int32, device=device)
+    offsets = torch.empty(rows, chunks, 2, dtype=torch.int32, device=device)
+    picked = torch.empty(rows, k, dtype=torch.int64, device=device)
+    logp = torch.empty(*logits.shape[:-1], k, dtype=torch.float32, device=device)
+    tokens = torch.empty(*logits.shape[:-1], k, dtype=torch.int64, device=device)
+    kernels, grid, block_c = _kernels(), (rows, chunks), _next_power_of_2(chunks)
+    per_chunk = dict(BLOCK=LOGSUMEXP_CHUNK, num_warps=8)
+    kernels._topk_high_histogram_kernel[grid](logits, parts, high_hist, vocab, chunks, **per_chunk)
+    kernels._topk_high_byte_kernel[(rows,)](high_hist, select, k, chunks, BLOCK_C=block_c)
+    kernels._topk_low_histogram_kernel[grid](logits, select, low_hist, vocab, chunks, **per_chunk)
+    kernels._topk_threshold_kernel[(rows,)](high_hist, low_hist, select, offsets, k, chunks, BLOCK_C=block_c)
+    kernels._topk_gather_kernel[grid](logits, select, offsets, picked, vocab, chunks, k, **per_chunk)
+    kernels._topk_sort_kernel[(rows,)](logits, picked, parts, logp, tokens, vocab, k, chunks,
+                                       BLOCK_K=_next_power_of_2(k), BLOCK_C=block_c)
+    return logp, tokens

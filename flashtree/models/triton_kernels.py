@@ -178,19 +178,26 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, HEA
 
 
 @triton.jit
-def _count_at_least(w, lp_ptr, t, k, rows_ok, STRICT: tl.constexpr, LOG_K: tl.constexpr):
-    """Per kept prefix i: how many of its children w_i + l_j (non-increasing in j) are >= t
-    (> t when STRICT), found by binary search over j in [0, k)."""
-    lo = tl.zeros_like(w).to(tl.int32)
-    hi = tl.zeros_like(w).to(tl.int32) + k
+def _children_above_and_at(w, lp_ptr, t, k, rows_ok, LOG_K: tl.constexpr):
+    """Per kept prefix i: how many of its children w_i + l_j (non-increasing in j) are > t, and how
+    many are >= t. Two binary searches over j in [0, k), run in the same steps so that their loads
+    overlap."""
+    lo_above = tl.zeros_like(w).to(tl.int32)
+    hi_above = lo_above + k
+    lo_at = lo_above
+    hi_at = hi_above
     for _ in range(LOG_K):
-        mid = (lo + hi) // 2
-        v = w + tl.load(lp_ptr + mid, mask=rows_ok & (mid < k), other=float("-inf"))
-        above = (v > t) if STRICT else (v >= t)
-        go_right = above & (mid < hi)
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    return tl.where(rows_ok, lo, 0)
+        mid_above = (lo_above + hi_above) // 2
+        mid_at = (lo_at + hi_at) // 2
+        v_above = w + tl.load(lp_ptr + mid_above, mask=rows_ok & (mid_above < k), other=float("-inf"))
+        v_at = w + tl.load(lp_ptr + mid_at, mask=rows_ok & (mid_at < k), other=float("-inf"))
+        right_above = (v_above > t) & (mid_above < hi_above)
+        right_at = (v_at >= t) & (mid_at < hi_at)
+        lo_above = tl.where(right_above, mid_above + 1, lo_above)
+        hi_above = tl.where(right_above, hi_above, mid_above)
+        lo_at = tl.where(right_at, mid_at + 1, lo_at)
+        hi_at = tl.where(right_at, hi_at, mid_at)
+    return tl.where(rows_ok, lo_above, 0), tl.where(rows_ok, lo_at, 0)
 
 
 @triton.jit
@@ -230,19 +237,36 @@ def _lap(spent, last, STAGE: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(values, count, lower):
+def _kth_largest(values, count, lower, FOUR_WAY: tl.constexpr):
     """The ``count``-th largest of ``values`` (float32, no NaN), given ``lower``: a float32 that at
-    least ``count`` values reach (so the answer is >= it). Bisection over float32 order keys
-    between ``lower`` and the largest value, one count per step, with the values in registers: the
-    answer is the largest key that ``count`` values reach. A tight ``lower`` saves steps (32 for
-    the whole float32 range, about 24 for log-probs within a few binades)."""
+    least ``count`` values reach (so the answer is >= it). A search over float32 order keys between
+    ``lower`` and the largest value, with the values in registers: the answer is the largest key
+    that ``count`` values reach. Each step counts the values at one cut (bisection) or, FOUR_WAY,
+    at three cuts in one int64 sum (21 bits per count), keeping the quarter that holds the answer.
+    A tight ``lower`` saves steps (32 bisection steps for the whole float32 range)."""
     lo = _key_of_float(lower)
     hi = _key_of_float(tl.max(values, axis=0))
     while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((values >= _float_of_key(mid)).to(tl.int32), axis=0) >= count
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
+        width = hi - lo + 1
+        if FOUR_WAY:
+            cut1 = lo + tl.maximum(width // 4, 1)  # lo < cut1 <= cut2 <= cut3 <= hi
+            cut2 = lo + tl.maximum(width // 2, 1)
+            cut3 = lo + tl.maximum((3 * width) // 4, 1)
+            packed = (values >= _float_of_key(cut1)).to(tl.int64) + \
+                ((values >= _float_of_key(cut2)).to(tl.int64) << 21) + \
+                ((values >= _float_of_key(cut3)).to(tl.int64) << 42)
+            total = tl.sum(packed, axis=0)
+            at1 = (total & 0x1FFFFF) >= count
+            at2 = ((total >> 21) & 0x1FFFFF) >= count
+            at3 = (total >> 42) >= count
+            new_lo = tl.where(at3, cut3, tl.where(at2, cut2, tl.where(at1, cut1, lo)))
+            hi = tl.where(at3, hi, tl.where(at2, cut3 - 1, tl.where(at1, cut2 - 1, cut1 - 1)))
+            lo = new_lo
+        else:
+            mid = lo + width // 2
+            enough = tl.sum((values >= _float_of_key(mid)).to(tl.int32), axis=0) >= count
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
     return _float_of_key(lo)
 
 
@@ -250,7 +274,8 @@ def _kth_largest(values, count, lower):
 def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_out_ptr, parent_out_ptr,
                           token_out_ptr, index_scratch_ptr, weight_scratch_ptr, clocks_ptr, k, budget, pairs,
                           DEPTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                          LOG_K: tl.constexpr, SORT_LIST: tl.constexpr, CLOCKS: tl.constexpr):
+                          LOG_K: tl.constexpr, SORT_LIST: tl.constexpr, FOUR_WAY: tl.constexpr,
+                          CLOCKS: tl.constexpr):
     """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
     the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
 
@@ -317,11 +342,11 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
             tl.debug_barrier()  # every read of sorted_w is done
             tl.store(sorted_w + m, ordered, mask=m < budget)
         else:
-            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, lower)
+            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, lower, FOUR_WAY)
         if CLOCKS:
             spent, last = _lap(spent, last, 2)
-        above = _count_at_least(w, lp, threshold, k, rows_ok, True, LOG_K)  # [BLOCK_B]
-        ties = _count_at_least(w, lp, threshold, k, rows_ok, False, LOG_K) - above
+        above, at_least = _children_above_and_at(w, lp, threshold, k, rows_ok, LOG_K)  # [BLOCK_B] x2
+        ties = at_least - above
         need = budget - tl.sum(above, axis=0)
         ties_before = tl.cumsum(ties, axis=0) - ties
         kept = above + tl.minimum(tl.maximum(need - ties_before, 0), ties)  # children kept per row
@@ -356,7 +381,7 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
                          valid_out_ptr, logw_out_ptr, mask_out_ptr, flat_scratch_ptr, node_scratch_ptr, anc_scratch_ptr,
                          clocks_ptr, budget, DEPTH: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-                         CLOCKS: tl.constexpr):
+                         FOUR_WAY: tl.constexpr, CLOCKS: tl.constexpr):
     """One row's tree from its kept lists (tree.py ``_select_nodes`` + ``_assemble``, exactly).
 
     w / parent / token: ``[DEPTH, budget]`` per row, flat index f = (depth - 1) * budget + place.
@@ -386,7 +411,7 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
     lower = tl.max(tl.where(d < DEPTH, tl.min(by_depth, axis=1), float("-inf")), axis=0)
     if CLOCKS:
         spent, last = _lap(spent, last, 0)
-    threshold = _kth_largest(wf, budget, lower)
+    threshold = _kth_largest(wf, budget, lower, FOUR_WAY)
     if CLOCKS:
         spent, last = _lap(spent, last, 1)
     tied = wf == threshold
@@ -539,3 +564,149 @@ def _normalize_top_kernel(part_ptr, top_ptr, out_ptr, k, chunks, BLOCK_C: tl.con
     j_ok = j < k
     values = tl.load(top_ptr + row * k + j, mask=j_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * k + j, values - log_norm, mask=j_ok)
+
+
+# ---------------------------------------------------------------------------- exact top-k of 16-bit logits
+# A radix select over each row's 16-bit order keys (high byte, then low byte), in five kernels
+# (gpu_kernels.top_log_probs): per vocabulary chunk the max, the sum of exponentials and a histogram
+# of high bytes; per row the high byte of the k-th largest key; per chunk a histogram of low bytes
+# inside that high byte; per row the k-th largest key and each chunk's output places; per chunk the
+# selected entries (all keys above it, then the first ties at it by index); per row their sort.
+
+
+@triton.jit
+def _order_key16(raw):
+    """The 16-bit order key of bf16 / fp16 values ``raw`` (int32 in [0, 65536), ascending as the
+    values; -0.0 and +0.0 share one key, as equal values)."""
+    bits = raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    bits = tl.where(bits == 0x8000, 0, bits)  # -0.0 -> +0.0
+    return tl.where(bits < 0x8000, bits | 0x8000, (~bits) & 0xFFFF)
+
+
+@triton.jit
+def _chunk_keys(x_ptr, row, chunk, vocab, BLOCK: tl.constexpr):
+    """One (row, chunk): its column indices, which are inside the vocabulary, raw values and keys."""
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < vocab
+    raw = tl.load(x_ptr + row * vocab + cols, mask=inside, other=float("-inf"))
+    return cols, inside, raw, _order_key16(raw)
+
+
+@triton.jit
+def _topk_high_histogram_kernel(x_ptr, part_ptr, hist_ptr, vocab, chunks, BLOCK: tl.constexpr):
+    """One (row, chunk): max and sum of exp(x - max) in float32, and the histogram of key high bytes."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols, inside, raw, key = _chunk_keys(x_ptr, row, chunk, vocab, BLOCK)
+    x = raw.to(tl.float32)
+    top = tl.max(x, axis=0)
+    safe = tl.where(top == float("-inf"), 0.0, top)  # a chunk of -inf only sums to 0
+    part = part_ptr + (row * chunks + chunk) * 2
+    tl.store(part, top)
+    tl.store(part + 1, tl.sum(tl.where(inside, tl.exp(x - safe), 0.0), axis=0))
+    bins = tl.arange(0, 256)
+    hist = tl.histogram(tl.where(inside, key >> 8, 0), 256)  # padding counted in bin 0, then removed
+    hist -= tl.where(bins == 0, tl.sum((~inside).to(tl.int32), axis=0), 0)
+    tl.store(hist_ptr + (row * chunks + chunk) * 256 + bins, hist)
+
+
+@triton.jit
+def _suffix_counts(hist):
+    """counts[b] = number of keys in bins >= b, for a [256] histogram."""
+    return tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+
+
+@triton.jit
+def _topk_high_byte_kernel(hist_ptr, select_ptr, k, chunks, BLOCK_C: tl.constexpr):
+    """One row: the high byte of its k-th largest key and the number of keys in higher bytes."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    bins = tl.arange(0, 256)
+    hists = tl.load(hist_ptr + (row * chunks + c[:, None]) * 256 + bins[None, :], mask=(c < chunks)[:, None], other=0)
+    hist = tl.sum(hists, axis=0)  # [256]
+    at_least = _suffix_counts(hist)
+    high = tl.max(tl.where(at_least >= k, bins, 0), axis=0)
+    tl.store(select_ptr + row * 4, high)
+    tl.store(select_ptr + row * 4 + 1, tl.sum(tl.where(bins > high, hist, 0), axis=0))
+
+
+@triton.jit
+def _topk_low_histogram_kernel(x_ptr, select_ptr, hist_ptr, vocab, chunks, BLOCK: tl.constexpr):
+    """One (row, chunk): the histogram of key low bytes among keys whose high byte is the row's."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols, inside, raw, key = _chunk_keys(x_ptr, row, chunk, vocab, BLOCK)
+    in_byte = inside & ((key >> 8) == tl.load(select_ptr + row * 4))
+    bins = tl.arange(0, 256)
+    hist = tl.histogram(tl.where(in_byte, key & 0xFF, 0), 256)  # the others counted in bin 0, then removed
+    hist -= tl.where(bins == 0, tl.sum((~in_byte).to(tl.int32), axis=0), 0)
+    tl.store(hist_ptr + (row * chunks + chunk) * 256 + bins, hist)
+
+
+@triton.jit
+def _topk_threshold_kernel(high_hist_ptr, low_hist_ptr, select_ptr, offsets_ptr, k, chunks, BLOCK_C: tl.constexpr):
+    """One row: its k-th largest key T (``select[row, 0]``; ``[1]``: keys above T; ``[2]``: ties at
+    T to take), and per chunk where its keys above T and its ties go (``offsets[row, chunk]``)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < chunks
+    bins = tl.arange(0, 256)
+    at = (row * chunks + c[:, None]) * 256 + bins[None, :]  # [BLOCK_C, 256]
+    low_hists = tl.load(low_hist_ptr + at, mask=c_ok[:, None], other=0)
+    high = tl.load(select_ptr + row * 4)
+    above_byte = tl.load(select_ptr + row * 4 + 1)
+    low_hist = tl.sum(low_hists, axis=0)
+    low = tl.max(tl.where(_suffix_counts(low_hist) >= k - above_byte, bins, 0), axis=0)
+    above = above_byte + tl.sum(tl.where(bins > low, low_hist, 0), axis=0)
+    tl.store(select_ptr + row * 4, high * 256 + low)
+    tl.store(select_ptr + row * 4 + 1, above)
+    tl.store(select_ptr + row * 4 + 2, k - above)
+    high_hists = tl.load(high_hist_ptr + at, mask=c_ok[:, None], other=0)
+    chunk_above = tl.sum(tl.where(bins[None, :] > high, high_hists, 0), axis=1) + \
+        tl.sum(tl.where(bins[None, :] > low, low_hists, 0), axis=1)  # [BLOCK_C]
+    chunk_ties = tl.sum(tl.where(bins[None, :] == low, low_hists, 0), axis=1)
+    out = offsets_ptr + (row * chunks + c) * 2
+    tl.store(out, tl.cumsum(chunk_above, axis=0) - chunk_above, mask=c_ok)
+    tl.store(out + 1, tl.cumsum(chunk_ties, axis=0) - chunk_ties, mask=c_ok)
+
+
+@triton.jit
+def _topk_gather_kernel(x_ptr, select_ptr, offsets_ptr, picked_ptr, vocab, chunks, k, BLOCK: tl.constexpr):
+    """One (row, chunk): writes each selected entry's key above its index (int64) to its place
+    among the row's k picks: keys above T in index order, then the first ties at T."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols, inside, raw, key = _chunk_keys(x_ptr, row, chunk, vocab, BLOCK)
+    threshold = tl.load(select_ptr + row * 4)
+    above_total = tl.load(select_ptr + row * 4 + 1)
+    ties_wanted = tl.load(select_ptr + row * 4 + 2)
+    above = inside & (key > threshold)
+    tie = inside & (key == threshold)
+    base = offsets_ptr + (row * chunks + chunk) * 2
+    place_above = tl.load(base) + tl.cumsum(above.to(tl.int32), axis=0) - 1
+    tie_rank = tl.load(base + 1) + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+    take = above | (tie & (tie_rank < ties_wanted))
+    place = tl.where(above, place_above, above_total + tie_rank)
+    packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # ties: lower index first
+    tl.store(picked_ptr + row * k + place, packed, mask=take)
+
+
+@triton.jit
+def _topk_sort_kernel(x_ptr, picked_ptr, part_ptr, logp_ptr, tokens_ptr, vocab, k, chunks,
+                      BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One row: its k picks sorted (value descending, index ascending on ties), as float32
+    log-probabilities (minus the log-normalizer of the chunks' (max, sum) pairs) and token ids."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_K)
+    j_ok = j < k
+    packed = tl.sort(tl.load(picked_ptr + row * k + j, mask=j_ok, other=-1), 0, descending=True)
+    tokens = 0x7FFFFFFF - (packed & 0xFFFFFFFF)
+    c = tl.arange(0, BLOCK_C)
+    tops = tl.load(part_ptr + (row * chunks + c) * 2, mask=c < chunks, other=float("-inf"))
+    sums = tl.load(part_ptr + (row * chunks + c) * 2 + 1, mask=c < chunks, other=0.0)
+    top = tl.max(tops, axis=0)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    log_norm = safe + tl.log(tl.sum(sums * tl.exp(tops - safe), axis=0))
+    values = tl.load(x_ptr + row * vocab + tokens, mask=j_ok, other=0.0).to(tl.float32)
+    tl.store(logp_ptr + row * k + j, values - log_norm, mask=j_ok)
+    tl.store(tokens_ptr + row * k + j, tokens, mask=j_ok)

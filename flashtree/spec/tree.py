@@ -123,10 +123,13 @@ def _as_budgets(budgets: torch.Tensor | int, num_rows: int, device: torch.device
 def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k tokens per depth with their log-probabilities, best first (rank order).
 
-    The top-k runs on the logits' own dtype (widening to float32 keeps their order). Where the
-    Triton kernels run, the log-normalizer is computed from the logits as they are, in float32
-    (``gpu_kernels.log_normalize_top``), without the float32 copy of every logit the torch ops
-    make; both tree paths (kernel or not) then use it, so they see the same log-probs."""
+    Where the Triton kernels run: bf16 / fp16 logits take an exact radix select over their 16-bit
+    order keys that also computes the log-normalizer (``gpu_kernels.top_log_probs``; equal values
+    in token order); other dtypes take ``torch.topk`` on the logits as they are and the Triton
+    log-normalizer (``gpu_kernels.log_normalize_top``), without a float32 copy of every logit.
+    Both tree paths (kernel or not) use the same top-k, so they see the same log-probs."""
+    if gpu_kernels.usable_on(draft_logits) and draft_logits.dtype in (torch.bfloat16, torch.float16):
+        return gpu_kernels.top_log_probs(draft_logits, k)
     top = torch.topk(draft_logits, k, dim=-1, largest=True, sorted=True)  # [R, L, K] x2
     if gpu_kernels.usable_on(draft_logits) and draft_logits.dtype != torch.float64:
         return gpu_kernels.log_normalize_top(draft_logits, top.values), top.indices
