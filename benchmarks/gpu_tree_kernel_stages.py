@@ -27,7 +27,7 @@ STAGES = {
     "expand": ["sort kept weights + lower bound", "candidates", "threshold", "counts", "slot owners",
                "new weights + stores", "-", "-"],
     "select": ["loads + lower bound", "threshold", "compaction", "rank sort", "layout + parents",
-               "ancestors", "mask zeroing", "mask ones"],
+               "ancestors", "barrier", "mask ones"],
 }
 
 

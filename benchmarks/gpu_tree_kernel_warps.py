@@ -9,8 +9,8 @@ torch.topk on the bf16 logits with the Triton log-normalizer (seventh session), 
 alone: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
 and ``gpu_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
 warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
-the threshold searches (the kept lists': sort of the prefilter list, bisection, four-way search;
-the node selection's: bisection, four-way; 4 warps; checked equal), and
+the kept lists' two threshold searches (sort of the prefilter list, bisection; 4 warps; checked
+equal), and
 ``gpu_kernels.accept_walk``.
 """
 
@@ -73,15 +73,9 @@ def case(budget, batch, vocab, depth, reps):
     levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True))
     row["expand_sort_ms"] = timed(
         lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True), reps)
-    for four in (False, True):
-        name = "four_way" if four else "bisect"
-        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False, four_way=four))
-        row[f"expand_{name}_ms"] = timed(lambda: gpu_kernels.expand_levels(
-            top_logp, top_tokens, budget, *pairs, sort_list=False, four_way=four), reps)
-        if selects:
-            trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, four_way=four))
-            row[f"select_{name}_ms"] = timed(
-                lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, four_way=four), reps)
+    levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False))
+    row["expand_bisect_ms"] = timed(
+        lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False), reps)
     assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "kept lists differ"
     assert all(torch.equal(a, b) for tr in trees[1:] for a, b in zip(tr, trees[0])), "select differs by warps"
     tree = tree_module.build_tree(logits, budgets, budget, kernel=True)
@@ -104,7 +98,7 @@ def main():
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))
     keys = (["top_tokens_ms", "top_tokens_topk_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in WARPS]
-            + ["expand_sort_ms", "expand_bisect_ms", "expand_four_way_ms", "select_bisect_ms", "select_four_way_ms"]
+            + ["expand_sort_ms", "expand_bisect_ms"]
             + [f"select_w{w}_ms" for w in WARPS] + ["walk_ms"])
     print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))
     for r in rows:

@@ -51,8 +51,9 @@ class EngineConfig:
     triton_attention: bool = False  # with gpu_kernels: Triton tree attention instead of SDPA (one graph per
     # batch shape for every context length; reads K/V by slot, so scattered rows need no gather: 2.4x the
     # tokens/s of SDPA for regeneration at batch 512; slower than cuDNN for trees and small contiguous batches)
-    triton_tree: bool = True  # with gpu_kernels: DDTree tree work in Triton kernels (kept lists, node selection,
-    # accept walk; same trees and walks; H200 build + walk at budget 256: 1.74 ms of torch ops -> 0.45 ms)
+    triton_tree: bool = True  # with gpu_kernels: DDTree tree work in Triton kernels (drafter top-k, kept lists,
+    # node selection, accept walk, KV commit; same trees, walks and cache; H200 build + walk at budget 256:
+    # 1.74 ms of torch ops -> 0.19 ms, benchmarks/README.md)
     incremental_text: bool = True  # keep each request's text current every step (streaming); False:
     # decode it once when the request finishes (batch jobs: regenerate, bench), unless it has stop strings
     adaptive_spec: bool = True  # pick each round's node count (0 = plain) for throughput; False: always max

@@ -20,6 +20,8 @@ import dataclasses
 
 import torch
 
+from flashtree.models import gpu_kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
@@ -47,6 +49,7 @@ class KVCache:
         self.k = [self.storage[i, 0] for i in range(spec.num_layers)]
         self.v = [self.storage[i, 1] for i in range(spec.num_layers)]
         self.lengths = torch.zeros(spec.max_slots, dtype=torch.long, device=device)  # [max_slots]
+        self.commit_kernel = False  # commit moves entries with gpu_kernels.commit_entries (the engine's triton_tree)
 
     @staticmethod
     def write_index(slots: torch.Tensor, starts: torch.Tensor, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +97,10 @@ class KVCache:
         Entry ``keep[b, j]`` moves to ``starts[b] + j``; everything else is dead. Lengths are set,
         not incremented, so running the same commit twice (CUDA-graph warm-up) is harmless.
         """
+        if self.commit_kernel:
+            gpu_kernels.commit_entries(self.storage, slots, starts, keep)
+            self.lengths[slots] = starts + keep_counts
+            return
         n_keep = keep.shape[1]
         src = starts[:, None] + keep.clamp(min=0)  # [B, P]
         dst = starts[:, None] + torch.arange(n_keep, device=keep.device)  # [B, P]

@@ -162,7 +162,7 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
     masked vocabulary, budgets above the vocabulary, and per-row budgets (on CUDA also budgets 128
     and 256, whose kept lists take the bisection path); of differing accept
     walks (Triton walk kernel against the torch walk) along target choices that go deep; and of
-    kept lists or trees that differ between the kernels' threshold searches."""
+    kept lists that differ between the kept-list kernel's two threshold searches (sort, bisection)."""
     import random
 
     from flashtree.spec import tree as tree_module
@@ -221,24 +221,42 @@ def compare_top_tokens(device: str) -> dict[str, float]:
             "top_tokens/differing_tokens_16bit": float(differing_tokens)}
 
 
+def compare_commit(device: str) -> dict[str, float]:
+    """The KV commit kernel (gpu_kernels.commit_entries) against the torch gather + scatter: the
+    number of differing storage entries (0 expected) after committing random tree paths (kept
+    indices increasing, each at or past its place, so entries land where others are read) for
+    several rows, odd head counts and a padded path."""
+    from flashtree.kv_cache import KVCache, KVCacheSpec
+
+    differing = 0
+    for heads, head_dim, rows, path in ((2, 16, 3, 5), (3, 8, 2, 7), (1, 32, 4, 1)):
+        spec = KVCacheSpec(num_layers=2, max_slots=5, max_context=12, scratch=8, kv_heads=heads, head_dim=head_dim)
+        gen = torch.Generator().manual_seed(heads * 7 + path)
+        caches = [KVCache(spec, torch.float32, device) for _ in range(2)]
+        start_values = torch.randint(0, 12, (rows,), generator=gen)
+        for cache in caches:
+            cache.storage.copy_(torch.randn(cache.storage.shape, generator=torch.Generator().manual_seed(1)))
+        keep = torch.stack([torch.sort(torch.randperm(8, generator=gen)[:path]).values for _ in range(rows)])
+        counts = torch.randint(1, path + 1, (rows,), generator=gen)
+        slots = torch.randperm(5, generator=gen)[:rows]
+        caches[1].commit_kernel = True
+        for cache in caches:
+            cache.commit(slots.to(device), start_values.to(device), keep.to(device), counts.to(device))
+        differing += int((caches[0].storage != caches[1].storage).sum())
+        differing += int((caches[0].lengths != caches[1].lengths).sum())
+    return {"commit/differing_entries": float(differing)}
+
+
 def same_kept_lists_every_way(logits: torch.Tensor, budget: int) -> bool:
-    """The kept-list kernel finds each depth's threshold by sorting the prefilter list or by a
-    search (chosen by the list's length), bisecting or four-way; the node selection always searches:
-    every way must give the same kept lists and the same tree."""
+    """The kept-list kernel finds each depth's threshold by sorting the prefilter list or by
+    bisection (chosen by the list's length): both must give the same kept lists."""
     from flashtree.spec import tree as tree_module
 
     k = min(budget, logits.shape[2])
     top_logp, top_tokens = tree_module._top_tokens(logits, k)
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
-    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True)]
-    ways += [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False, four_way=four)
-             for four in (False, True)]
-    same = all(torch.equal(a, b) for other in ways[1:] for a, b in zip(ways[0], other))
-    if logits.shape[1] * budget > tree_module.SELECT_KERNEL_MAX_NODES:
-        return same
-    budgets = torch.full((logits.shape[0],), budget, device=logits.device)
-    trees = [gpu_kernels.select_nodes(*ways[0], budgets, budget, four_way=four) for four in (False, True)]
-    return same and all(torch.equal(a, b) for a, b in zip(*trees))
+    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=sort) for sort in (True, False)]
+    return all(torch.equal(a, b) for a, b in zip(*ways))
 
 
 def walk_choices(tree, seed: int) -> torch.Tensor:
@@ -270,7 +288,7 @@ def test_fused_kernels_match_torch_ops_on_cuda(dtype, tolerance, tmp_path):
     diffs = compare("cuda", dtype) | compare_drafter("cuda", dtype, str(tmp_path)) | compare_attention("cuda", dtype)
     diffs |= compare_engine("cuda", str(tmp_path))  # exact in either dtype
     if dtype == torch.float32:
-        diffs |= compare_tree("cuda", cases=200) | compare_top_tokens("cuda")
+        diffs |= compare_tree("cuda", cases=200) | compare_top_tokens("cuda") | compare_commit("cuda")
     _check(diffs, tolerance)
 
 
@@ -294,4 +312,4 @@ def test_kernels_stay_off_without_cuda_or_interpreter():
 if __name__ == "__main__":  # run by the interpreter test above, with TRITON_INTERPRET=1
     diffs = compare("cpu", torch.float32) | compare_drafter("cpu", torch.float32, sys.argv[1])
     diffs |= compare_attention("cpu", torch.float32) | compare_engine("cpu", sys.argv[1])
-    print(json.dumps(diffs | compare_tree("cpu", cases=12) | compare_top_tokens("cpu")))
+    print(json.dumps(diffs | compare_tree("cpu", cases=12) | compare_top_tokens("cpu") | compare_commit("cpu")))

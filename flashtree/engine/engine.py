@@ -25,6 +25,7 @@ from flashtree.engine.spec_policy import FixedNodes, SpecPolicy, node_ladder
 from flashtree.engine.tree_trace import TreeTracer
 from flashtree.errors import RequestError
 from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.models import gpu_kernels
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
 from flashtree.models.cpu_quant_linear import maybe_attach_quantized
 from flashtree.models.loader import load_checkpoint
@@ -63,6 +64,7 @@ class LLMEngine:
         spec = KVCacheSpec(cfg.num_hidden_layers, config.max_running + 1, config.max_context,  # + the pad slot
                            max(scratch, config.prefill_chunk), cfg.num_key_value_heads, cfg.head_dim)
         self.cache = KVCache(spec, self.dtype, self.device)
+        self.cache.commit_kernel = config.gpu_kernels and config.triton_tree and gpu_kernels.usable_on(self.cache.storage)
         self.model.setup_rope(spec.capacity + 1)
         self.timer = StageTimer(self.device, config.profile_stages)
         tracer = TreeTracer(config.trace_trees) if config.trace_trees else None

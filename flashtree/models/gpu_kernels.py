@@ -177,8 +177,6 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-# mask entries select_nodes zeroes per store before it sets each node's ancestors
-SELECT_ZERO_BLOCK = 4096
 # warps per program of the tree kernels (one program per row; H200 timings by warps:
 # benchmarks/gpu_tree_kernel_warps.py)
 TREE_WARPS = 4
@@ -191,22 +189,18 @@ TREE_WARPS = 4
 # keys per step, 10 steps instead of 32, doubled build + walk at budget 256: 0.71 against 0.35 ms,
 # benchmarks/results/session8/call1/tree_build_speed_ways16.json)
 SORT_LIST_MAX = 512
-# the tree kernels' threshold search: False bisects (one count per step), True counts three cuts per
-# step in one int64 sum (two bits per step); benchmarks/gpu_tree_kernel_warps.py times both
-FOUR_WAY_SEARCH = False
 
 
 def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
                   pair_rank: torch.Tensor, num_warps: int | None = None, sort_list: bool | None = None,
-                  four_way: bool | None = None, stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
     ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others).
     ``sort_list``: find each depth's threshold by sorting the prefilter list (default: for lists
-    of up to :data:`SORT_LIST_MAX` entries) rather than by a search (``four_way``: default
-    :data:`FOUR_WAY_SEARCH`); all give the same lists.
+    of up to :data:`SORT_LIST_MAX` entries) rather than by bisection; both give the same lists.
     ``stage_clocks``: an int64 ``[R, 8]`` tensor that receives SM cycles per stage of the kernel
     (CUDA only; ``triton_kernels._expand_levels_kernel`` names the stages)."""
     if top_logp.dtype != torch.float32:
@@ -223,8 +217,7 @@ def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: 
         top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
         weights, parents, tokens, index_scratch, weight_scratch, _clocks_or_dummy(stage_clocks, tokens), k,
         max_budget, pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
-        SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list,
-        FOUR_WAY=FOUR_WAY_SEARCH if four_way is None else four_way, CLOCKS=stage_clocks is not None,
+        SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list, CLOCKS=stage_clocks is not None,
         num_warps=num_warps or TREE_WARPS)
     return weights, parents, tokens
 
@@ -240,13 +233,13 @@ def _clocks_or_dummy(stage_clocks: torch.Tensor | None, like: torch.Tensor) -> t
 
 
 def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, budgets: torch.Tensor,
-                 max_budget: int, num_warps: int | None = None, four_way: bool | None = None,
+                 max_budget: int, num_warps: int | None = None,
                  stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``spec/tree.py _select_nodes`` and ``_assemble`` in one kernel per row, exactly: from the
     kept lists (weights / parent places / tokens ``[R, L, B]``, as :func:`expand_levels` returns
     them) and budgets ``[R]``, the tree's tokens, parents, depths, valid ``[R, B+1]``, ancestor mask
-    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order). ``four_way`` and
-    ``stage_clocks``: as in :func:`expand_levels`."""
+    ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order). ``stage_clocks``: as
+    in :func:`expand_levels`."""
     rows, depth, budget = weights.shape
     size = budget + 1
     block_f = _next_power_of_2(depth * budget)
@@ -257,15 +250,15 @@ def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
     out_tokens, out_parents, out_depths = (torch.empty(rows, size, **long) for _ in range(3))
     valid = torch.empty(rows, size, dtype=torch.uint8, device=device)
     log_weights = weights.new_empty(rows, size)
-    mask = torch.empty(rows, size, size, dtype=torch.uint8, device=device)
+    mask = torch.zeros(rows, size, size, dtype=torch.uint8, device=device)  # (a memset: faster than in the kernel)
     flat_scratch, node_scratch = (torch.empty(rows, block_f, dtype=torch.int32, device=device) for _ in range(2))
     anc_scratch = torch.empty(rows, block_n, block_l, dtype=torch.int32, device=device)
     _kernels()._select_nodes_kernel[(rows,)](
         weights.contiguous(), parents.contiguous(), tokens.contiguous(), budgets.contiguous(), out_tokens, out_parents,
         out_depths, valid, log_weights, mask, flat_scratch, node_scratch, anc_scratch,
         _clocks_or_dummy(stage_clocks, out_tokens), budget, DEPTH=depth, BLOCK_F=block_f,
-        BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l, ZERO_BLOCK=SELECT_ZERO_BLOCK,
-        FOUR_WAY=FOUR_WAY_SEARCH if four_way is None else four_way, CLOCKS=stage_clocks is not None, num_warps=num_warps or TREE_WARPS)
+        BLOCK_B=_next_power_of_2(budget), BLOCK_N=block_n, BLOCK_L=block_l,
+        CLOCKS=stage_clocks is not None, num_warps=num_warps or TREE_WARPS)
     return out_tokens, out_parents, out_depths, valid.view(torch.bool), mask.view(torch.bool), log_weights
 
 
@@ -283,6 +276,21 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor
         tokens.contiguous(), parents.contiguous(), valid.contiguous().view(torch.uint8), choice.long().contiguous(),
         path, committed, lengths, bonus, size, STEPS=max_depth, BLOCK_N=_next_power_of_2(size), num_warps=TREE_WARPS)
     return path, lengths, bonus, committed
+
+
+def commit_entries(storage: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor) -> None:
+    """``kv_cache.KVCache.commit``'s move in one kernel (one program per row and layer x k/v):
+    storage ``[layers, 2, slots, kv_heads, capacity, head_dim]``; entry ``starts[b] + keep[b, j]``
+    of slot ``slots[b]`` moves to ``starts[b] + j`` for j < P (keep: ``[B, P]``)."""
+    layers, _, max_slots, heads, capacity, head_dim = storage.shape
+    rows, n_keep = keep.shape
+    if not storage.is_contiguous():
+        raise ValueError("commit_entries needs a contiguous KV storage")
+    _kernels()._commit_kernel[(rows, layers * 2)](
+        storage, slots.contiguous(), starts.contiguous(), keep.long().contiguous(), n_keep,
+        heads * capacity * head_dim, max_slots * heads * capacity * head_dim, capacity, heads, head_dim,
+        BLOCK_P=_next_power_of_2(n_keep), BLOCK_H=_next_power_of_2(heads), BLOCK_D=_next_power_of_2(head_dim),
+        num_warps=4)
 
 
 LOGSUMEXP_CHUNK = 4096  # vocabulary entries per program of log_normalize_top's first kernel

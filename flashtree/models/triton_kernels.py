@@ -237,36 +237,20 @@ def _lap(spent, last, STAGE: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(values, count, lower, FOUR_WAY: tl.constexpr):
+def _kth_largest(values, count, lower):
     """The ``count``-th largest of ``values`` (float32, no NaN), given ``lower``: a float32 that at
-    least ``count`` values reach (so the answer is >= it). A search over float32 order keys between
-    ``lower`` and the largest value, with the values in registers: the answer is the largest key
-    that ``count`` values reach. Each step counts the values at one cut (bisection) or, FOUR_WAY,
-    at three cuts in one int64 sum (21 bits per count), keeping the quarter that holds the answer.
-    A tight ``lower`` saves steps (32 bisection steps for the whole float32 range)."""
+    least ``count`` values reach (so the answer is >= it). Bisection over float32 order keys
+    between ``lower`` and the largest value, one count per step, with the values in registers: the
+    answer is the largest key that ``count`` values reach. A tight ``lower`` saves steps (32 for
+    the whole float32 range). (Counting three cuts per step in one int64 sum, two bits per step,
+    was no faster on the H200: benchmarks/README.md, "Eighth session".)"""
     lo = _key_of_float(lower)
     hi = _key_of_float(tl.max(values, axis=0))
     while lo < hi:
-        width = hi - lo + 1
-        if FOUR_WAY:
-            cut1 = lo + tl.maximum(width // 4, 1)  # lo < cut1 <= cut2 <= cut3 <= hi
-            cut2 = lo + tl.maximum(width // 2, 1)
-            cut3 = lo + tl.maximum((3 * width) // 4, 1)
-            packed = (values >= _float_of_key(cut1)).to(tl.int64) + \
-                ((values >= _float_of_key(cut2)).to(tl.int64) << 21) + \
-                ((values >= _float_of_key(cut3)).to(tl.int64) << 42)
-            total = tl.sum(packed, axis=0)
-            at1 = (total & 0x1FFFFF) >= count
-            at2 = ((total >> 21) & 0x1FFFFF) >= count
-            at3 = (total >> 42) >= count
-            new_lo = tl.where(at3, cut3, tl.where(at2, cut2, tl.where(at1, cut1, lo)))
-            hi = tl.where(at3, hi, tl.where(at2, cut3 - 1, tl.where(at1, cut2 - 1, cut1 - 1)))
-            lo = new_lo
-        else:
-            mid = lo + width // 2
-            enough = tl.sum((values >= _float_of_key(mid)).to(tl.int32), axis=0) >= count
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((values >= _float_of_key(mid)).to(tl.int32), axis=0) >= count
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
     return _float_of_key(lo)
 
 
@@ -274,8 +258,7 @@ def _kth_largest(values, count, lower, FOUR_WAY: tl.constexpr):
 def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_out_ptr, parent_out_ptr,
                           token_out_ptr, index_scratch_ptr, weight_scratch_ptr, clocks_ptr, k, budget, pairs,
                           DEPTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                          LOG_K: tl.constexpr, SORT_LIST: tl.constexpr, FOUR_WAY: tl.constexpr,
-                          CLOCKS: tl.constexpr):
+                          LOG_K: tl.constexpr, SORT_LIST: tl.constexpr, CLOCKS: tl.constexpr):
     """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
     the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
 
@@ -342,7 +325,7 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
             tl.debug_barrier()  # every read of sorted_w is done
             tl.store(sorted_w + m, ordered, mask=m < budget)
         else:
-            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, lower, FOUR_WAY)
+            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, lower)
         if CLOCKS:
             spent, last = _lap(spent, last, 2)
         above, at_least = _children_above_and_at(w, lp, threshold, k, rows_ok, LOG_K)  # [BLOCK_B] x2
@@ -380,8 +363,8 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
 def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_ptr, parents_out_ptr, depths_out_ptr,
                          valid_out_ptr, logw_out_ptr, mask_out_ptr, flat_scratch_ptr, node_scratch_ptr, anc_scratch_ptr,
                          clocks_ptr, budget, DEPTH: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-                         FOUR_WAY: tl.constexpr, CLOCKS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+                         CLOCKS: tl.constexpr):
     """One row's tree from its kept lists (tree.py ``_select_nodes`` + ``_assemble``, exactly).
 
     w / parent / token: ``[DEPTH, budget]`` per row, flat index f = (depth - 1) * budget + place.
@@ -391,10 +374,10 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
        their (weight desc, f asc) order by one sort of ``budget`` int64 keys (float32 order bits
        above the reversed f). The first ``budgets[row]`` that exist are valid. 2. Node layout:
        valid nodes by depth (stable), invalid ones last, by a second sort. 3. Parents through a
-       flat -> node map. 4. Each node's ancestor at every depth (anc), depth by depth; the mask is
-       zeroed, then mask[i, anc[i][k]] is set for k <= depth i (and mask[i, i] for every i).
+       flat -> node map. 4. Each node's ancestor at every depth (anc), depth by depth; then in the
+       mask (zeroed by the caller) mask[i, anc[i][k]] is set for k <= depth i (and mask[i, i] for every i).
     CLOCKS: SM cycles per stage to ``clocks_ptr`` [R, CLOCK_STAGES]: loads and lower bound,
-    threshold, compaction, rank sort, layout and parents, ancestors, mask zeroing, mask ones."""
+    threshold, compaction, rank sort, layout and parents, ancestors, a barrier, mask ones."""
     row = tl.program_id(0).to(tl.int64)
     size = budget + 1  # N: root + nodes
     base = row * DEPTH * budget
@@ -411,7 +394,7 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
     lower = tl.max(tl.where(d < DEPTH, tl.min(by_depth, axis=1), float("-inf")), axis=0)
     if CLOCKS:
         spent, last = _lap(spent, last, 0)
-    threshold = _kth_largest(wf, budget, lower, FOUR_WAY)
+    threshold = _kth_largest(wf, budget, lower)
     if CLOCKS:
         spent, last = _lap(spent, last, 1)
     tied = wf == threshold
@@ -481,11 +464,8 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
         tl.debug_barrier()
     if CLOCKS:
         spent, last = _lap(spent, last, 5)
-    cell = tl.arange(0, ZERO_BLOCK)
-    mask_row = mask_out_ptr + row * size * size
-    for start in range(0, size * size, ZERO_BLOCK):
-        tl.store(mask_row + start + cell, tl.zeros_like(cell).to(tl.int8), mask=start + cell < size * size)
-    tl.debug_barrier()  # zeros first, then the ones
+    mask_row = mask_out_ptr + row * size * size  # (zeroed by the caller)
+    tl.debug_barrier()  # the node outputs are written before they are read back below
     if CLOCKS:
         spent, last = _lap(spent, last, 6)
     n = tl.arange(0, BLOCK_N)
@@ -710,3 +690,25 @@ def _topk_sort_kernel(x_ptr, picked_ptr, part_ptr, logp_ptr, tokens_ptr, vocab, 
     values = tl.load(x_ptr + row * vocab + tokens, mask=j_ok, other=0.0).to(tl.float32)
     tl.store(logp_ptr + row * k + j, values - log_norm, mask=j_ok)
     tl.store(tokens_ptr + row * k + j, tokens, mask=j_ok)
+
+
+@triton.jit
+def _commit_kernel(storage_ptr, slots_ptr, starts_ptr, keep_ptr, n_keep, slot_stride, plane_stride, capacity,
+                   heads, head_dim, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (row, layer x k/v plane): moves the row's scratch entries ``keep[row, j]`` (j < n_keep)
+    to ``starts[row] + j`` for every kv head (kv_cache.KVCache.commit, exactly). Every entry is
+    read before any is written: a kept entry may land where another one is read."""
+    row = tl.program_id(0).to(tl.int64)
+    plane = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, BLOCK_P)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    j_ok = j < n_keep
+    start = tl.load(starts_ptr + row)
+    src = start + tl.maximum(tl.load(keep_ptr + row * n_keep + j, mask=j_ok, other=0), 0)  # [BLOCK_P]
+    base = storage_ptr + plane * plane_stride + tl.load(slots_ptr + row) * slot_stride
+    inner = h[None, :, None] * capacity * head_dim + d[None, None, :]  # [1, BLOCK_H, BLOCK_D]
+    ok = j_ok[:, None, None] & (h < heads)[None, :, None] & (d < head_dim)[None, None, :]
+    moved = tl.load(base + src[:, None, None] * head_dim + inner, mask=ok)
+    tl.debug_barrier()  # all reads first
+    tl.store(base + (start + j)[:, None, None] * head_dim + inner, moved, mask=ok)

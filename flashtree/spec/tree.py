@@ -78,7 +78,7 @@ def build_tree(
         return _root_only(num_rows, max_budget, draft_logits)
     top_logp, top_tokens = _top_tokens(draft_logits, min(max_budget, vocab))  # [R, L, K] x2
     if kernel and top_logp.dtype == torch.float32 and gpu_kernels.usable_on(top_logp):
-        pairs = _prefilter_pairs(max_budget, top_logp.shape[2], device)  # [M] x2
+        pairs = _kernel_pairs(max_budget, top_logp.shape[2], device)  # [M] x2
         weights, parents, tokens = gpu_kernels.expand_levels(top_logp, top_tokens, max_budget, *pairs)  # [R, L, B] x3
         if depth * max_budget <= SELECT_KERNEL_MAX_NODES:
             return DraftTree(*gpu_kernels.select_nodes(weights, parents, tokens, budgets, max_budget))
@@ -236,6 +236,13 @@ def _prefilter_pairs(max_budget: int, k: int, device: torch.device) -> tuple[tor
     first = rows_per_rank.cumsum(0) - rows_per_rank  # [K]; where each rank's run starts
     pair_row = torch.arange(size, device=device) - first[pair_rank]  # [M]
     return pair_row, pair_rank
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_pairs(max_budget: int, k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:func:`_prefilter_pairs` as int32, the kept-list kernel's index type (converted once, not
+    every round)."""
+    return tuple(pairs.to(torch.int32) for pairs in _prefilter_pairs(max_budget, k, device))
 
 
 def _best_flat(weights: torch.Tensor, top_values: torch.Tensor, count: int) -> torch.Tensor:
