@@ -61,6 +61,11 @@ passes of a paired load test) could then keep a drafter that never matches on tr
 So while the best option is a tree, plain is probed whenever it has gone ``plain_recheck_interval``
 rounds of the bucket unmeasured; the probe interval is left alone unless the recheck moves the
 best option.
+Monotone round times: a round that verifies more nodes never costs less, so an option's score
+uses the largest round-time estimate among it and the smaller options timed in the bucket. A
+slow stretch that lifts plain's estimate then lifts every tree's with it, and a drafter that
+never matches (acceptance 1) can never make a tree look better than plain rounds (seen on the
+H200: a DDTree server at one row ran 150-190 rounds of a tree in every 1,524-round pass).
 Everything is deterministic given the same measurements.
 
 The node count only changes the shape of a round, never which tokens are committed: every
@@ -249,12 +254,14 @@ class SpecPolicy:
         return None if per_row is None else rows * per_row
 
     def _per_row(self, bucket: int, nodes: int) -> float | None:
-        """acceptance / round seconds: tokens/s per row of the bucket, None while unmeasured."""
+        """acceptance / round seconds: tokens/s per row of the bucket, None while unmeasured. The
+        seconds are the largest estimate of the option and every smaller option timed in the
+        bucket (see "Monotone round times" above)."""
         acceptance = self.acceptance(nodes)
-        seconds = self._seconds.get((bucket, nodes))
-        if acceptance is None or seconds is None:
+        if acceptance is None or (bucket, nodes) not in self._seconds:
             return None
-        return acceptance / max(seconds.value, 1e-9)
+        seconds = max(self._seconds[(bucket, n)].value for n in self.ladder if n <= nodes and (bucket, n) in self._seconds)
+        return acceptance / max(seconds, 1e-9)
 
     def snapshot(self, rows: int) -> dict[str, list]:
         """The estimates for ``rows``' bucket, per ladder option: [nodes, acceptance, ms, timed rounds]."""
