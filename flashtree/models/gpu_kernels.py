@@ -293,7 +293,7 @@ def commit_entries(storage: torch.Tensor, slots: torch.Tensor, starts: torch.Ten
         num_warps=4)
 
 
-LOGSUMEXP_CHUNK = 4096  # vocabulary entries per program of log_normalize_top's first kernel
+LOGSUMEXP_CHUNK = 4096  # vocabulary entries per program of the per-chunk kernels of log_normalize_top and top_log_probs
 
 
 def log_normalize_top(logits: torch.Tensor, top_values: torch.Tensor) -> torch.Tensor:

@@ -521,25 +521,35 @@ def _partial_logsumexp_kernel(x_ptr, part_ptr, vocab, chunks, BLOCK: tl.constexp
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     inside = cols < vocab
     x = tl.load(x_ptr + row * vocab + cols, mask=inside, other=float("-inf")).to(tl.float32)
-    top = tl.max(x, axis=0)
-    safe = tl.where(top == float("-inf"), 0.0, top)  # a chunk of -inf only sums to 0
-    total = tl.sum(tl.where(inside, tl.exp(x - safe), 0.0), axis=0)
-    part = part_ptr + (row * chunks + chunk) * 2
-    tl.store(part, top)
-    tl.store(part + 1, total)
+    _store_max_and_sum(part_ptr + (row * chunks + chunk) * 2, x, inside)
 
 
 @triton.jit
-def _normalize_top_kernel(part_ptr, top_ptr, out_ptr, k, chunks, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row: its log-normalizer from the chunks' (max, sum) pairs, then the top values minus it."""
-    row = tl.program_id(0).to(tl.int64)
+def _store_max_and_sum(part_ptr, x, inside):
+    """A vocabulary chunk's (max, sum of exp(x - max)) pair, float32, to ``part_ptr[0:2]``."""
+    top = tl.max(x, axis=0)
+    safe = tl.where(top == float("-inf"), 0.0, top)  # a chunk of -inf only sums to 0
+    tl.store(part_ptr, top)
+    tl.store(part_ptr + 1, tl.sum(tl.where(inside, tl.exp(x - safe), 0.0), axis=0))
+
+
+@triton.jit
+def _log_normalizer(part_ptr, row, chunks, BLOCK_C: tl.constexpr):
+    """A row's logsumexp from its chunks' (max, sum) pairs (``part_ptr``: [rows, chunks, 2])."""
     c = tl.arange(0, BLOCK_C)
     c_ok = c < chunks
     tops = tl.load(part_ptr + (row * chunks + c) * 2, mask=c_ok, other=float("-inf"))
     sums = tl.load(part_ptr + (row * chunks + c) * 2 + 1, mask=c_ok, other=0.0)
     top = tl.max(tops, axis=0)
     safe = tl.where(top == float("-inf"), 0.0, top)
-    log_norm = safe + tl.log(tl.sum(sums * tl.exp(tops - safe), axis=0))
+    return safe + tl.log(tl.sum(sums * tl.exp(tops - safe), axis=0))
+
+
+@triton.jit
+def _normalize_top_kernel(part_ptr, top_ptr, out_ptr, k, chunks, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row: its log-normalizer from the chunks' (max, sum) pairs, then the top values minus it."""
+    row = tl.program_id(0).to(tl.int64)
+    log_norm = _log_normalizer(part_ptr, row, chunks, BLOCK_C)
     j = tl.arange(0, BLOCK_K)
     j_ok = j < k
     values = tl.load(top_ptr + row * k + j, mask=j_ok, other=0.0).to(tl.float32)
@@ -547,7 +557,7 @@ def _normalize_top_kernel(part_ptr, top_ptr, out_ptr, k, chunks, BLOCK_C: tl.con
 
 
 # ---------------------------------------------------------------------------- exact top-k of 16-bit logits
-# A radix select over each row's 16-bit order keys (high byte, then low byte), in five kernels
+# A radix select over each row's 16-bit order keys (high byte, then low byte), in six kernels
 # (gpu_kernels.top_log_probs): per vocabulary chunk the max, the sum of exponentials and a histogram
 # of high bytes; per row the high byte of the k-th largest key; per chunk a histogram of low bytes
 # inside that high byte; per row the k-th largest key and each chunk's output places; per chunk the
@@ -578,12 +588,7 @@ def _topk_high_histogram_kernel(x_ptr, part_ptr, hist_ptr, vocab, chunks, BLOCK:
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols, inside, raw, key = _chunk_keys(x_ptr, row, chunk, vocab, BLOCK)
-    x = raw.to(tl.float32)
-    top = tl.max(x, axis=0)
-    safe = tl.where(top == float("-inf"), 0.0, top)  # a chunk of -inf only sums to 0
-    part = part_ptr + (row * chunks + chunk) * 2
-    tl.store(part, top)
-    tl.store(part + 1, tl.sum(tl.where(inside, tl.exp(x - safe), 0.0), axis=0))
+    _store_max_and_sum(part_ptr + (row * chunks + chunk) * 2, raw.to(tl.float32), inside)
     bins = tl.arange(0, 256)
     hist = tl.histogram(tl.where(inside, key >> 8, 0), 256)  # padding counted in bin 0, then removed
     hist -= tl.where(bins == 0, tl.sum((~inside).to(tl.int32), axis=0), 0)
@@ -681,12 +686,7 @@ def _topk_sort_kernel(x_ptr, picked_ptr, part_ptr, logp_ptr, tokens_ptr, vocab, 
     j_ok = j < k
     packed = tl.sort(tl.load(picked_ptr + row * k + j, mask=j_ok, other=-1), 0, descending=True)
     tokens = 0x7FFFFFFF - (packed & 0xFFFFFFFF)
-    c = tl.arange(0, BLOCK_C)
-    tops = tl.load(part_ptr + (row * chunks + c) * 2, mask=c < chunks, other=float("-inf"))
-    sums = tl.load(part_ptr + (row * chunks + c) * 2 + 1, mask=c < chunks, other=0.0)
-    top = tl.max(tops, axis=0)
-    safe = tl.where(top == float("-inf"), 0.0, top)
-    log_norm = safe + tl.log(tl.sum(sums * tl.exp(tops - safe), axis=0))
+    log_norm = _log_normalizer(part_ptr, row, chunks, BLOCK_C)
     values = tl.load(x_ptr + row * vocab + tokens, mask=j_ok, other=0.0).to(tl.float32)
     tl.store(logp_ptr + row * k + j, values - log_norm, mask=j_ok)
     tl.store(tokens_ptr + row * k + j, tokens, mask=j_ok)
