@@ -15,11 +15,16 @@ Four measurements, each a CUDA-graph replay unless it is a profile:
    what a served DDTree pays on every plain round, and what its policy adds.
 4. kernel-time tables (torch.profiler, eager) of one DDTree round at budget 256 and of the tree
    work alone (build with the kept-list kernel + walk + commit), to say what to fuse next.
+5. ``--upkeep-profile``: where part 3's gap goes. The plain engine and the pinned DDTree engine,
+   graphed, under torch.profiler (CPU and CUDA) for 128 steps at each ``--upkeep-batches`` (two
+   catch-ups of a 64-token lag inside the window): device kernel time and kernels per step, host
+   wall per step, and the kernels and host ops that only the DDTree engine runs.
 """
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -135,6 +140,58 @@ def plain_round_upkeep(target, drafter, batches, repeats=1, context=1024, steps=
     return rows
 
 
+def profiled_steps(engine, batch, context, steps=128, warmup_steps=70):
+    """Device kernel time, kernel count and host wall per step of ``steps`` profiled steps, and
+    the per-step time of every kernel and host op by name."""
+    reqs = start_requests(engine, batch, context)
+    for _ in range(warmup_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1000 / steps
+    for r in reqs:
+        engine.abort(r.request_id)
+    engine.step()
+    kernels, host = {}, {}
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0 and e.device_type is not None and "cuda" in str(e.device_type).lower():
+            kernels[e.key] = (e.self_device_time_total / steps, e.count / steps)
+        elif e.self_cpu_time_total > 0:
+            host[e.key] = (e.self_cpu_time_total / steps, e.count / steps)
+    device_us = sum(us for us, _ in kernels.values())
+    return {"wall_ms": round(wall_ms, 4), "device_us_per_step": round(device_us, 2),
+            "kernels_per_step": round(sum(n for _, n in kernels.values()), 2), "kernels": kernels, "host": host}
+
+
+def upkeep_profile(target, drafter, batches, context=1024, device="cuda"):
+    """Part 5: profiled plain engine against the pinned DDTree engine; lists what differs."""
+    loaded = load_target(EngineConfig(model=str(target), random_weights=True, device=device),
+                         torch.device(device), resolve_dtype("auto", torch.device(device)))
+    rows, text = [], []
+    for name in ("plain", "ddtree pinned to plain rounds"):
+        method, budget, adaptive = UPKEEP_ENGINES[name]
+        spec = SpecConfig(method=method, draft=None if method == "none" else str(drafter), budget=budget)
+        config = EngineConfig(model=str(target), spec=spec, random_weights=True, device=device,
+                              max_running=max(batches), max_context=context + 1024, adaptive_spec=adaptive)
+        engine = LLMEngine(config, target=loaded)
+        for batch in batches:
+            rows.append({"engine": name, "batch": batch} | profiled_steps(engine, batch, context))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("kernels", "host")}), flush=True)
+        del engine
+    for batch in batches:
+        plain, pinned = (r for r in rows if r["batch"] == batch)
+        for part in ("kernels", "host"):
+            extra = sorted(((us - plain[part].get(key, (0.0, 0.0))[0], n - plain[part].get(key, (0.0, 0.0))[1], key)
+                            for key, (us, n) in pinned[part].items()), reverse=True)[:25]
+            text.append(f"=== batch {batch}: {part} the pinned DDTree engine spends more on (us, calls per step) ===")
+            text += [f"{us:9.2f} {n:7.2f}  {key[:90]}" for us, n, key in extra]
+    return rows, "\n".join(text)
+
+
 def kernel_table(prof, n):
     return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=n, max_name_column_width=70)
 
@@ -186,6 +243,7 @@ def main():
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul,attention,upkeep,profile")
     parser.add_argument("--upkeep-batches", default="1,8", help="batches of the plain-round upkeep part")
     parser.add_argument("--upkeep-repeats", type=int, default=1, help="interleaved repeats of the upkeep part")
+    parser.add_argument("--upkeep-profile", action="store_true", help="part 5: profile the upkeep part's gap")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -199,6 +257,10 @@ def main():
     if "upkeep" not in skip:
         out["plain_round_upkeep"] = plain_round_upkeep(target, drafter, [int(b) for b in args.upkeep_batches.split(",")],
                                                        repeats=args.upkeep_repeats)
+    if args.upkeep_profile:
+        out["upkeep_profile"], table = upkeep_profile(target, drafter, [int(b) for b in args.upkeep_batches.split(",")])
+        Path(args.out).with_suffix(".upkeep.txt").write_text(table)
+        print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     if "profile" not in skip:

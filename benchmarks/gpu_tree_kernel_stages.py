@@ -53,7 +53,7 @@ def case(budget, reps, vocab=151_936, depth=15):
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
     levels = gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs)
     expand_ms = round(graphed_ms(lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs), reps), 4)
-    row = {"budget": budget, "batch": 1, "sort_list": pairs[0].numel() <= gpu_kernels.SORT_LIST_MAX,
+    row = {"budget": budget, "batch": 1, "search": gpu_kernels.threshold_search(pairs[0].numel(), budget),
            "expand": stage_table("expand", lambda c: gpu_kernels.expand_levels(
                top_logp, top_tokens, budget, *pairs, stage_clocks=c), expand_ms)}
     if depth * budget <= tree_module.SELECT_KERNEL_MAX_NODES:

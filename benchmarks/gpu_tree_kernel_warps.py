@@ -9,8 +9,8 @@ torch.topk on the bf16 logits with the Triton log-normalizer (seventh session), 
 alone: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
 and ``gpu_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
 warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
-the kept lists' two threshold searches (sort of the prefilter list, bisection; 4 warps; checked
-equal), and
+the kept lists' three threshold searches (sort of the prefilter list, bisection, a narrowed
+bisection and a sort; 4 warps; checked equal), and
 ``gpu_kernels.accept_walk``.
 """
 
@@ -49,7 +49,7 @@ def topk_then_normalizer(logits, k):
     return gpu_kernels.log_normalize_top(logits, top.values), top.indices
 
 
-def case(budget, batch, vocab, depth, reps):
+def case(budget, batch, vocab, depth, reps, warps_list=WARPS):
     gen = torch.Generator().manual_seed(budget + batch)
     logits = (torch.randn(batch, depth, vocab, generator=gen) * 2).to("cuda", torch.bfloat16)
     budgets = torch.full((batch,), budget, device="cuda")
@@ -62,7 +62,7 @@ def case(budget, batch, vocab, depth, reps):
            "top_tokens_torch_ms": timed(lambda: torch_top_tokens(logits, k), reps)}
     selects = depth * budget <= tree_module.SELECT_KERNEL_MAX_NODES
     levels, trees = [], []
-    for warps in WARPS:
+    for warps in warps_list:
         levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps))
         row[f"expand_w{warps}_ms"] = timed(
             lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps), reps)
@@ -70,12 +70,10 @@ def case(budget, batch, vocab, depth, reps):
             trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps))
             row[f"select_w{warps}_ms"] = timed(
                 lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps), reps)
-    levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True))
-    row["expand_sort_ms"] = timed(
-        lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=True), reps)
-    levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False))
-    row["expand_bisect_ms"] = timed(
-        lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=False), reps)
+    for search in gpu_kernels.THRESHOLD_SEARCHES:
+        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search))
+        row[f"expand_{search}_ms"] = timed(
+            lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search), reps)
     assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "kept lists differ"
     assert all(torch.equal(a, b) for tr in trees[1:] for a, b in zip(tr, trees[0])), "select differs by warps"
     tree = tree_module.build_tree(logits, budgets, budget, kernel=True)
@@ -91,15 +89,17 @@ def main():
     parser.add_argument("--budgets", default="16,64,256")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--warps", default=",".join(map(str, WARPS)), help="warps per program to time")
     args = parser.parse_args()
-    rows = [case(b, n, 151_936, 15, args.reps) for n in map(int, args.batches.split(","))
+    warps_list = tuple(map(int, args.warps.split(",")))
+    rows = [case(b, n, 151_936, 15, args.reps, warps_list) for n in map(int, args.batches.split(","))
             for b in map(int, args.budgets.split(","))]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))
-    keys = (["top_tokens_ms", "top_tokens_topk_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in WARPS]
-            + ["expand_sort_ms", "expand_bisect_ms"]
-            + [f"select_w{w}_ms" for w in WARPS] + ["walk_ms"])
+    keys = (["top_tokens_ms", "top_tokens_topk_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in warps_list]
+            + [f"expand_{search}_ms" for search in gpu_kernels.THRESHOLD_SEARCHES]
+            + [f"select_w{w}_ms" for w in warps_list] + ["walk_ms"])
     print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))
     for r in rows:
         print(f"{r['budget']:>6} {r['batch']:>5} " + " ".join(f"{r[k]:.4f}" if k in r else "-" for k in keys))

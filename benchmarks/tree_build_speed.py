@@ -195,7 +195,7 @@ def main():
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "vocab": args.vocab, "depth": args.depth, "logits_dtype": str(dtype),
-        "sort_list_max": gpu_kernels.SORT_LIST_MAX,
+        "sort_list_max": gpu_kernels.SORT_LIST_MAX, "narrow_max": gpu_kernels.NARROW_MAX,
         "reps": args.reps, "rows": rows,
     }
     if args.out:

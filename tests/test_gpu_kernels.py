@@ -162,7 +162,8 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
     masked vocabulary, budgets above the vocabulary, and per-row budgets (on CUDA also budgets 128
     and 256, whose kept lists take the bisection path); of differing accept
     walks (Triton walk kernel against the torch walk) along target choices that go deep; and of
-    kept lists that differ between the kept-list kernel's two threshold searches (sort, bisection)."""
+    kept lists that differ between the kept-list kernel's three threshold searches (sort, bisection,
+    narrowed bisection and sort)."""
     import random
 
     from flashtree.spec import tree as tree_module
@@ -248,15 +249,17 @@ def compare_commit(device: str) -> dict[str, float]:
 
 
 def same_kept_lists_every_way(logits: torch.Tensor, budget: int) -> bool:
-    """The kept-list kernel finds each depth's threshold by sorting the prefilter list or by
-    bisection (chosen by the list's length): both must give the same kept lists."""
+    """The kept-list kernel finds each depth's threshold by sorting the prefilter list, by
+    bisection, or by a narrowed bisection and a sort (chosen by the list's length): all must give
+    the same kept lists."""
     from flashtree.spec import tree as tree_module
 
     k = min(budget, logits.shape[2])
     top_logp, top_tokens = tree_module._top_tokens(logits, k)
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
-    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, sort_list=sort) for sort in (True, False)]
-    return all(torch.equal(a, b) for a, b in zip(*ways))
+    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search)
+            for search in gpu_kernels.THRESHOLD_SEARCHES]
+    return all(torch.equal(a, b) for way in ways[1:] for a, b in zip(way, ways[0]))
 
 
 def walk_choices(tree, seed: int) -> torch.Tensor:

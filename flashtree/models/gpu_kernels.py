@@ -189,35 +189,51 @@ TREE_WARPS = 4
 # keys per step, 10 steps instead of 32, doubled build + walk at budget 256: 0.71 against 0.35 ms,
 # benchmarks/results/session8/call1/tree_build_speed_ways16.json)
 SORT_LIST_MAX = 512
+# longer lists narrow the bisection and then sort what is left ("narrow") when the sort is at most
+# this long (twice the padded budget: budgets 65-256), else they bisect to the end ("bisect")
+NARROW_MAX = 512
+THRESHOLD_SEARCHES = ("sort", "bisect", "narrow")
+
+
+def threshold_search(pairs: int, max_budget: int) -> str:
+    """The kept-list kernel's default threshold search for a prefilter list of ``pairs`` entries."""
+    if _next_power_of_2(pairs) <= SORT_LIST_MAX:
+        return "sort"
+    return "narrow" if 2 * _next_power_of_2(max_budget) <= NARROW_MAX else "bisect"
 
 
 def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
-                  pair_rank: torch.Tensor, num_warps: int | None = None, sort_list: bool | None = None,
+                  pair_rank: torch.Tensor, num_warps: int | None = None, search: str | None = None,
                   stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
     ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others).
-    ``sort_list``: find each depth's threshold by sorting the prefilter list (default: for lists
-    of up to :data:`SORT_LIST_MAX` entries) rather than by bisection; both give the same lists.
+    ``search``: how each depth's threshold is found, one of :data:`THRESHOLD_SEARCHES` (default
+    :func:`threshold_search`; ``triton_kernels._expand_levels_kernel`` describes them); all give
+    the same lists.
     ``stage_clocks``: an int64 ``[R, 8]`` tensor that receives SM cycles per stage of the kernel
     (CUDA only; ``triton_kernels._expand_levels_kernel`` names the stages)."""
     if top_logp.dtype != torch.float32:
         raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
+    search = threshold_search(pair_row.numel(), max_budget) if search is None else search
+    if search not in THRESHOLD_SEARCHES:
+        raise ValueError(f"search must be one of {THRESHOLD_SEARCHES}, got {search!r}")
     rows, depth, k = top_logp.shape
     block = _next_power_of_2(max_budget)
     block_m = _next_power_of_2(pair_row.numel())
+    narrow = 2 * block if search == "narrow" else 0
     weights = top_logp.new_empty(rows, depth, max_budget)
     parents = torch.empty(rows, depth, max_budget, dtype=torch.long, device=top_logp.device)
     tokens = torch.empty_like(parents)
     index_scratch = torch.empty(rows, 2, block, dtype=torch.int32, device=top_logp.device)  # slot marks, row starts
-    weight_scratch = top_logp.new_empty(rows, 2, block)  # kept weights, then the same sorted descending
+    weight_scratch = top_logp.new_empty(rows, 2 * block + narrow)  # kept weights, the same sorted, gathered list
     _kernels()._expand_levels_kernel[(rows,)](
         top_logp.contiguous(), top_tokens.contiguous(), pair_row.to(torch.int32), pair_rank.to(torch.int32),
         weights, parents, tokens, index_scratch, weight_scratch, _clocks_or_dummy(stage_clocks, tokens), k,
         max_budget, pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
-        SORT_LIST=block_m <= SORT_LIST_MAX if sort_list is None else sort_list, CLOCKS=stage_clocks is not None,
+        SEARCH=THRESHOLD_SEARCHES.index(search), NARROW=narrow, CLOCKS=stage_clocks is not None,
         num_warps=num_warps or TREE_WARPS)
     return weights, parents, tokens
 

@@ -254,30 +254,83 @@ def _kth_largest(values, count, lower):
     return _float_of_key(lo)
 
 
+SEARCH_SORT = tl.constexpr(0)  # the kept-list kernel's threshold searches (see _expand_levels_kernel)
+SEARCH_BISECT = tl.constexpr(1)
+SEARCH_NARROW = tl.constexpr(2)
+
+
+@triton.jit
+def _store_sorted(sorted_ptr, w, rows_ok):
+    """The kept weights ``w`` [BLOCK_B], sorted descending (-inf past the budget), to ``sorted_ptr``."""
+    tl.store(sorted_ptr + tl.arange(0, w.shape[0]), tl.sort(tl.where(rows_ok, w, float("-inf")), 0, descending=True))
+    tl.debug_barrier()
+
+
+@triton.jit
+def _narrow_to(values, count, lower, most):
+    """Bisection as in :func:`_kth_largest` (the answer stays >= ``lo``), stopped as soon as at most
+    ``most`` values reach ``lo``. Returns ``lo`` as a float32 and the number of values reaching it;
+    when that number is still above ``most`` the bisection ran to the end and ``lo`` is the answer."""
+    lo = _key_of_float(lower)
+    hi = _key_of_float(tl.max(values, axis=0))
+    reaching = tl.sum((values >= lower).to(tl.int32), axis=0)
+    while (lo < hi) & (reaching > most):
+        mid = lo + (hi - lo + 1) // 2
+        at_mid = tl.sum((values >= _float_of_key(mid)).to(tl.int32), axis=0)
+        enough = at_mid >= count
+        lo = tl.where(enough, mid, lo)
+        reaching = tl.where(enough, at_mid, reaching)
+        hi = tl.where(enough, hi, mid - 1)
+    return _float_of_key(lo), reaching
+
+
+@triton.jit
+def _sorted_from_gathered(values, cut, reaching, count, gathered_ptr, sorted_ptr, MOST: tl.constexpr):
+    """The ``count``-th largest of ``values``, given ``cut``: at least ``count`` and at most MOST of
+    them reach it. Gathers those ``reaching`` values to ``gathered_ptr``, sorts them (descending) and
+    stores the first ``count`` to ``sorted_ptr``; the caller's reads of ``sorted_ptr`` must be done."""
+    keep = values >= cut
+    place = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(gathered_ptr + place, values, mask=keep)
+    tl.debug_barrier()
+    n = tl.arange(0, MOST)
+    ordered = tl.sort(tl.load(gathered_ptr + n, mask=n < reaching, other=float("-inf")), 0, descending=True)
+    tl.store(sorted_ptr + n, ordered, mask=n < count)
+    tl.debug_barrier()
+    return tl.max(tl.where(n == count - 1, ordered, float("-inf")), axis=0)
+
+
 @triton.jit
 def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_out_ptr, parent_out_ptr,
                           token_out_ptr, index_scratch_ptr, weight_scratch_ptr, clocks_ptr, k, budget, pairs,
                           DEPTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                          LOG_K: tl.constexpr, SORT_LIST: tl.constexpr, CLOCKS: tl.constexpr):
+                          LOG_K: tl.constexpr, SEARCH: tl.constexpr, NARROW: tl.constexpr, CLOCKS: tl.constexpr):
     """One row's kept lists for every depth (tree.py ``_expand_levels``, exactly): depth d keeps
     the ``budget`` best of the [budget, k] matrix w_i + l_j, ties to the lower flat index (i, j).
 
     The budget-th best weight T is the budget-th of the prefilter list (the ``pairs`` (row, rank)
     pairs of tree.py ``_prefilter_pairs`` over the kept weights sorted descending, s), found one of
-    two ways (both give the same T):
-    - SORT_LIST (short lists): one sort of the list gives T, and its first ``budget`` entries are
+    three ways (SEARCH; all give the same T):
+    - SEARCH_SORT (short lists): one sort of the list gives T, and its first ``budget`` entries are
       the next depth's sorted weights;
-    - otherwise a bisection over float32 order keys with the list held in registers
+    - SEARCH_BISECT: a bisection over float32 order keys with the list held in registers
       (:func:`_kth_largest`), after one sort of the kept weights. It starts from a lower bound:
       s_i + l_c with c = ceil(budget / (i + 1)) - 1 heads a rectangle of (i + 1)(c + 1) >= budget
-      matrix entries that are all >= it (rows and columns are sorted and float rounding is monotone).
+      matrix entries that are all >= it (rows and columns are sorted and float rounding is monotone);
+    - SEARCH_NARROW: the same bisection from the same lower bound, but only until at most NARROW
+      list entries reach its low end (:func:`_narrow_to`; usually no step at all); those entries
+      are then gathered (their order does not matter) and sorted, which gives T and, as their first
+      ``budget``, the next depth's sorted weights, so that depth skips its sort of the kept weights.
+      Where ties keep more than NARROW entries at the answer, the bisection runs to the end and the
+      next depth sorts its kept weights as SEARCH_BISECT does.
     Children of kept prefix i are non-increasing in j, so row i keeps its first a_i + take_i
     children (a_i above T, take_i of its ties at T, handed out in row order; both counted by
     binary search), laid out in (i, j) order. Output slot o belongs to the last row with children
     kept whose first slot is at or before o: each such row marks its first slot (with the depth
     in the mark, so older marks are smaller) and a running maximum over the slots reads the owner.
     CLOCKS: SM cycles per stage, summed over depths, to ``clocks_ptr`` [R, CLOCK_STAGES]: sort of the
-    kept weights, candidates, threshold, counts, slot owners, new weights and stores."""
+    kept weights, candidates, threshold, counts, slot owners, new weights and stores (SEARCH_NARROW:
+    its gather and sort count as the threshold)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_B)
     rows_ok = i < budget
@@ -290,16 +343,18 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
     out = row * DEPTH * budget
     marks = index_scratch_ptr + row * 2 * BLOCK_B  # [BLOCK_B] int32: row marks at their first slot
     starts_at = marks + BLOCK_B  # [BLOCK_B] int32: each row's first slot
-    weights = weight_scratch_ptr + row * 2 * BLOCK_B  # [BLOCK_B] float32: the kept weights
+    weights = weight_scratch_ptr + row * (2 * BLOCK_B + NARROW)  # [BLOCK_B] float32: the kept weights
     sorted_w = weights + BLOCK_B  # [BLOCK_B] float32: the kept weights, descending
+    gathered = sorted_w + BLOCK_B  # [NARROW] float32 (SEARCH_NARROW): the list entries at or above its cut
     first = rows_ok & (i < k)
     w = tl.load(lp_row + i, mask=first, other=float("-inf"))  # depth 1: the top tokens themselves
     tl.store(w_out_ptr + out + i, w, mask=rows_ok)
     tl.store(parent_out_ptr + out + i, tl.zeros_like(i).to(tl.int64), mask=rows_ok)
     tl.store(token_out_ptr + out + i, tl.load(tok_row + i, mask=first, other=0), mask=rows_ok)
     tl.store(marks + i, tl.full(i.shape, -1, tl.int32))  # no marks yet
-    if SORT_LIST:
+    if SEARCH != SEARCH_BISECT:
         tl.store(sorted_w + i, w, mask=rows_ok)  # (depth 1's weights are already descending)
+    unsorted = tl.zeros([], tl.int32)  # SEARCH_NARROW: 1 when sorted_w does not hold this depth's kept weights
     tl.debug_barrier()
     corner = (budget + i) // (i + 1) - 1  # [BLOCK_B] c_i of the lower bound
     corner_ok = rows_ok & (corner < k)
@@ -307,25 +362,35 @@ def _expand_levels_kernel(logp_ptr, tokens_ptr, pair_row_ptr, pair_rank_ptr, w_o
         spent, last = tl.zeros([CLOCK_STAGES], tl.int64), _clock()
     for d in range(1, DEPTH):
         lp = lp_row + d * k
-        if not SORT_LIST:
-            s = tl.sort(tl.where(rows_ok, w, float("-inf")), 0, descending=True)  # [BLOCK_B]
-            tl.store(sorted_w + i, s)
+        if SEARCH == SEARCH_BISECT:
+            _store_sorted(sorted_w, w, rows_ok)
+        if SEARCH == SEARCH_NARROW:
+            if unsorted:
+                _store_sorted(sorted_w, w, rows_ok)
+        if SEARCH != SEARCH_SORT:
+            s = tl.load(sorted_w + i, mask=rows_ok, other=float("-inf"))  # [BLOCK_B]
             lower = tl.max(tl.where(corner_ok, s + tl.load(lp + corner, mask=corner_ok, other=float("-inf")),
                                     float("-inf")), axis=0)
-            tl.debug_barrier()
         if CLOCKS:
             spent, last = _lap(spent, last, 0)
         candidates = tl.load(sorted_w + pair_row, mask=pairs_ok, other=float("-inf")) + \
             tl.load(lp + pair_rank, mask=pairs_ok, other=float("-inf"))  # [BLOCK_M]
+        candidates = tl.where(pairs_ok, candidates, float("-inf"))
         if CLOCKS:
             spent, last = _lap(spent, last, 1)
-        if SORT_LIST:
-            ordered = tl.sort(tl.where(pairs_ok, candidates, float("-inf")), 0, descending=True)  # [BLOCK_M]
+        if SEARCH == SEARCH_SORT:
+            ordered = tl.sort(candidates, 0, descending=True)  # [BLOCK_M]
             threshold = tl.max(tl.where(m == budget - 1, ordered, float("-inf")), axis=0)
             tl.debug_barrier()  # every read of sorted_w is done
             tl.store(sorted_w + m, ordered, mask=m < budget)
+        elif SEARCH == SEARCH_BISECT:
+            threshold = _kth_largest(candidates, budget, lower)
         else:
-            threshold = _kth_largest(tl.where(pairs_ok, candidates, float("-inf")), budget, lower)
+            cut, reaching = _narrow_to(candidates, budget, lower, NARROW)
+            threshold = cut
+            unsorted = (reaching > NARROW).to(tl.int32)
+            if reaching <= NARROW:
+                threshold = _sorted_from_gathered(candidates, cut, reaching, budget, gathered, sorted_w, NARROW)
         if CLOCKS:
             spent, last = _lap(spent, last, 2)
         above, at_least = _children_above_and_at(w, lp, threshold, k, rows_ok, LOG_K)  # [BLOCK_B] x2
