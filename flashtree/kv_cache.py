@@ -97,9 +97,8 @@ class KVCache:
         Entry ``keep[b, j]`` moves to ``starts[b] + j``; everything else is dead. Lengths are set,
         not incremented, so running the same commit twice (CUDA-graph warm-up) is harmless.
         """
-        if self.commit_kernel:
-            gpu_kernels.commit_entries(self.storage, slots, starts, keep)
-            self.lengths[slots] = starts + keep_counts
+        if self.commit_kernel:  # the lengths too
+            gpu_kernels.commit_entries(self.storage, slots, starts, keep, keep_counts, self.lengths)
             return
         n_keep = keep.shape[1]
         src = starts[:, None] + keep.clamp(min=0)  # [B, P]

@@ -622,11 +622,13 @@ def _normalize_top_kernel(part_ptr, top_ptr, out_ptr, k, chunks, BLOCK_C: tl.con
 
 
 # ---------------------------------------------------------------------------- exact top-k of 16-bit logits
-# A radix select over each row's 16-bit order keys (high byte, then low byte), in six kernels
+# A radix select over each row's 16-bit order keys (high byte, then low byte), in five kernels
 # (gpu_kernels.top_log_probs): per vocabulary chunk the max, the sum of exponentials and a histogram
-# of high bytes; per row the high byte of the k-th largest key; per chunk a histogram of low bytes
-# inside that high byte; per row the k-th largest key and each chunk's output places; per chunk the
-# selected entries (all keys above it, then the first ties at it by index); per row their sort.
+# of high bytes; per chunk the row's high byte of the k-th largest key (each program finds it from
+# the histograms) and a histogram of low bytes inside that high byte; per row the k-th largest key
+# and each chunk's output places; per chunk the selected entries (all keys above it, then the first
+# ties at it by index); per row their sort. (A separate per-row kernel for the high byte, six kernels
+# in all, stays as an option to time: gpu_kernels.top_log_probs's own_high_byte.)
 
 
 @triton.jit
@@ -667,26 +669,44 @@ def _suffix_counts(hist):
 
 
 @triton.jit
-def _topk_high_byte_kernel(hist_ptr, select_ptr, k, chunks, BLOCK_C: tl.constexpr):
-    """One row: the high byte of its k-th largest key and the number of keys in higher bytes."""
-    row = tl.program_id(0).to(tl.int64)
+def _row_high_byte(hist_ptr, row, k, chunks, BLOCK_C: tl.constexpr):
+    """A row's high byte of its k-th largest key and the number of keys in higher bytes, from its
+    chunks' high-byte histograms."""
     c = tl.arange(0, BLOCK_C)
     bins = tl.arange(0, 256)
     hists = tl.load(hist_ptr + (row * chunks + c[:, None]) * 256 + bins[None, :], mask=(c < chunks)[:, None], other=0)
     hist = tl.sum(hists, axis=0)  # [256]
-    at_least = _suffix_counts(hist)
-    high = tl.max(tl.where(at_least >= k, bins, 0), axis=0)
-    tl.store(select_ptr + row * 4, high)
-    tl.store(select_ptr + row * 4 + 1, tl.sum(tl.where(bins > high, hist, 0), axis=0))
+    high = tl.max(tl.where(_suffix_counts(hist) >= k, bins, 0), axis=0)
+    return high, tl.sum(tl.where(bins > high, hist, 0), axis=0)
 
 
 @triton.jit
-def _topk_low_histogram_kernel(x_ptr, select_ptr, hist_ptr, vocab, chunks, BLOCK: tl.constexpr):
-    """One (row, chunk): the histogram of key low bytes among keys whose high byte is the row's."""
+def _topk_high_byte_kernel(hist_ptr, select_ptr, k, chunks, BLOCK_C: tl.constexpr):
+    """One row: :func:`_row_high_byte` to ``select[row, 0:2]``."""
+    row = tl.program_id(0).to(tl.int64)
+    high, above_byte = _row_high_byte(hist_ptr, row, k, chunks, BLOCK_C)
+    tl.store(select_ptr + row * 4, high)
+    tl.store(select_ptr + row * 4 + 1, above_byte)
+
+
+@triton.jit
+def _topk_low_histogram_kernel(x_ptr, high_hist_ptr, select_ptr, hist_ptr, vocab, chunks, k, BLOCK: tl.constexpr,
+                               BLOCK_C: tl.constexpr, OWN_HIGH_BYTE: tl.constexpr):
+    """One (row, chunk): the histogram of key low bytes among keys whose high byte is the row's.
+    OWN_HIGH_BYTE: every program finds the row's high byte from the high-byte histograms itself,
+    and chunk 0 stores it to ``select[row, 0:2]`` (one kernel less than _topk_high_byte_kernel
+    first); otherwise it reads ``select[row, 0]``."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols, inside, raw, key = _chunk_keys(x_ptr, row, chunk, vocab, BLOCK)
-    in_byte = inside & ((key >> 8) == tl.load(select_ptr + row * 4))
+    if OWN_HIGH_BYTE:
+        high, above_byte = _row_high_byte(high_hist_ptr, row, k, chunks, BLOCK_C)
+        if chunk == 0:
+            tl.store(select_ptr + row * 4, high)
+            tl.store(select_ptr + row * 4 + 1, above_byte)
+    else:
+        high = tl.load(select_ptr + row * 4)
+    in_byte = inside & ((key >> 8) == high)
     bins = tl.arange(0, 256)
     hist = tl.histogram(tl.where(in_byte, key & 0xFF, 0), 256)  # the others counted in bin 0, then removed
     hist -= tl.where(bins == 0, tl.sum((~in_byte).to(tl.int32), axis=0), 0)
@@ -758,11 +778,13 @@ def _topk_sort_kernel(x_ptr, picked_ptr, part_ptr, logp_ptr, tokens_ptr, vocab, 
 
 
 @triton.jit
-def _commit_kernel(storage_ptr, slots_ptr, starts_ptr, keep_ptr, n_keep, slot_stride, plane_stride, capacity,
-                   heads, head_dim, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _commit_kernel(storage_ptr, slots_ptr, starts_ptr, keep_ptr, counts_ptr, lengths_ptr, n_keep, slot_stride,
+                   plane_stride, capacity, heads, head_dim, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
     """One (row, layer x k/v plane): moves the row's scratch entries ``keep[row, j]`` (j < n_keep)
     to ``starts[row] + j`` for every kv head (kv_cache.KVCache.commit, exactly). Every entry is
-    read before any is written: a kept entry may land where another one is read."""
+    read before any is written: a kept entry may land where another one is read. Plane 0 also
+    sets the slot's committed length, ``lengths[slots[row]] = starts[row] + counts[row]``."""
     row = tl.program_id(0).to(tl.int64)
     plane = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, BLOCK_P)
@@ -770,6 +792,8 @@ def _commit_kernel(storage_ptr, slots_ptr, starts_ptr, keep_ptr, n_keep, slot_st
     d = tl.arange(0, BLOCK_D)
     j_ok = j < n_keep
     start = tl.load(starts_ptr + row)
+    if plane == 0:
+        tl.store(lengths_ptr + tl.load(slots_ptr + row), start + tl.load(counts_ptr + row))
     src = start + tl.maximum(tl.load(keep_ptr + row * n_keep + j, mask=j_ok, other=0), 0)  # [BLOCK_P]
     base = storage_ptr + plane * plane_stride + tl.load(slots_ptr + row) * slot_stride
     inner = h[None, :, None] * capacity * head_dim + d[None, None, :]  # [1, BLOCK_H, BLOCK_D]
