@@ -5,9 +5,8 @@
 Vocab 151,936, 15 draft positions, bf16 logits, budgets 16 / 64 / 256, batch 1 and 8. Each part is
 timed alone as one replayed CUDA graph (ms): the drafter's top-K tokens and log-probs
 (``tree._top_tokens``: the Triton radix select of ``gpu_kernels.top_log_probs``; for comparison,
-torch.topk on the bf16 logits with the Triton log-normalizer (seventh session), the torch ops
-alone: float32 copy, logsumexp, top-k, and the radix select's other options, TOP_K_OPTIONS),
-``gpu_kernels.expand_levels``
+torch.topk on the bf16 logits with the Triton log-normalizer (seventh session), and the torch ops
+alone: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
 and ``gpu_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
 warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
 the kept lists' three threshold searches (sort of the prefilter list, bisection, a narrowed
@@ -29,9 +28,6 @@ from flashtree.models import gpu_kernels  # noqa: E402
 from flashtree.spec import tree as tree_module  # noqa: E402
 
 WARPS = (1, 2, 4, 8)
-# (vocabulary entries per program, each program finds the high byte itself) of the radix top-k,
-# besides the default (gpu_kernels.LOGSUMEXP_CHUNK, True)
-TOP_K_OPTIONS = ((4096, False), (2048, True), (8192, True), (16384, True))
 
 
 def timed(fn, reps):
@@ -64,9 +60,6 @@ def case(budget, batch, vocab, depth, reps, warps_list=WARPS):
            "top_tokens_ms": timed(lambda: tree_module._top_tokens(logits, k), reps),
            "top_tokens_topk_ms": timed(lambda: topk_then_normalizer(logits, k), reps),
            "top_tokens_torch_ms": timed(lambda: torch_top_tokens(logits, k), reps)}
-    for chunk, own_high_byte in TOP_K_OPTIONS:  # the radix select's other options (same result)
-        row[f"top_tokens_chunk{chunk}_{'own' if own_high_byte else 'kernel'}_high_byte_ms"] = timed(
-            lambda: gpu_kernels.top_log_probs(logits, k, chunk=chunk, own_high_byte=own_high_byte), reps)
     selects = depth * budget <= tree_module.SELECT_KERNEL_MAX_NODES
     levels, trees = [], []
     for warps in warps_list:
@@ -104,8 +97,7 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))
-    keys = (["top_tokens_ms", "top_tokens_topk_ms", "top_tokens_torch_ms"]
-            + [k for k in rows[0] if k.startswith("top_tokens_chunk")] + [f"expand_w{w}_ms" for w in warps_list]
+    keys = (["top_tokens_ms", "top_tokens_topk_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in warps_list]
             + [f"expand_{search}_ms" for search in gpu_kernels.THRESHOLD_SEARCHES]
             + [f"select_w{w}_ms" for w in warps_list] + ["walk_ms"])
     print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))

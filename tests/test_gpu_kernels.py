@@ -199,12 +199,11 @@ def compare_top_tokens(device: str) -> dict[str, float]:
     bf16 / fp16 the Triton radix select, for float32 torch.topk and the Triton log-normalizer)
     against torch's float32 sort and logsumexp: the largest log-prob difference, the number of
     differing ranked values, and for 16-bit logits the number of differing tokens against a stable
-    sort (ties in token order), and against the radix select's other chunk size and separate
-    high-byte kernel. Logits span several vocabulary chunks; one depth has a chunk of -inf only,
-    one has many ties, one keeps every token (k = V)."""
+    sort (ties in token order). Logits span several vocabulary chunks; one depth has a chunk of
+    -inf only, one has many ties, one keeps every token (k = V)."""
     from flashtree.spec import tree as tree_module
 
-    worst, differing, differing_tokens, differing_options = 0.0, 0, 0, 0
+    worst, differing, differing_tokens = 0.0, 0, 0
     for dtype, vocab, k in ((torch.float32, 9000, 50), (torch.bfloat16, 9000, 50), (torch.float16, 9000, 256),
                             (torch.bfloat16, 300, 300)):
         gen = torch.Generator().manual_seed(3)
@@ -219,12 +218,8 @@ def compare_top_tokens(device: str) -> dict[str, float]:
         differing += int((ref.gather(-1, tokens) != ranked.values[..., :k]).sum())  # same values in rank order
         if dtype != torch.float32:
             differing_tokens += int((tokens != ranked.indices[..., :k]).sum())
-            for chunk, own_high_byte in ((2048, False), (8192, True)):  # the options benchmarks time
-                other = gpu_kernels.top_log_probs(logits, k, chunk=chunk, own_high_byte=own_high_byte)
-                differing_options += int((other[0] != logp).sum() + (other[1] != tokens).sum())
     return {"top_tokens/log_prob_max_diff": worst, "top_tokens/differing_ranked_values": float(differing),
-            "top_tokens/differing_tokens_16bit": float(differing_tokens),
-            "top_tokens/differing_by_chunk_or_high_byte_kernel": float(differing_options)}
+            "top_tokens/differing_tokens_16bit": float(differing_tokens)}
 
 
 def compare_commit(device: str) -> dict[str, float]:

@@ -332,16 +332,12 @@ def log_normalize_top(logits: torch.Tensor, top_values: torch.Tensor) -> torch.T
     return out
 
 
-def top_log_probs(logits: torch.Tensor, k: int, chunk: int | None = None,
-                  own_high_byte: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest of each row of bf16 / fp16 ``logits [..., V]`` as float32 log-probabilities
     (``x - logsumexp(row)``) and token ids, ``[..., k]`` each, best first; equal values in index
     order. An exact radix select over the 16-bit order keys (``triton_kernels``, "exact top-k of
     16-bit logits"): every kernel but the last reads the logits in their own dtype, chunked over
-    the vocabulary, and the log-normalizer comes from the same pass as the first histogram.
-    ``chunk``: vocabulary entries per program (default :data:`LOGSUMEXP_CHUNK`, a power of two);
-    ``own_high_byte``: the low-byte histogram programs find the row's high byte themselves (one
-    kernel less); both options are there for benchmarks to time and give the same result."""
+    the vocabulary, and the log-normalizer comes from the same pass as the first histogram."""
     if logits.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"top_log_probs needs bf16 or fp16 logits, got {logits.dtype}")
     vocab = logits.shape[-1]
@@ -349,8 +345,7 @@ def top_log_probs(logits: torch.Tensor, k: int, chunk: int | None = None,
         raise ValueError(f"k must be in [1, {vocab}] (the vocabulary), got {k}")
     logits = logits.contiguous()
     rows = logits.numel() // vocab
-    chunk = chunk or LOGSUMEXP_CHUNK
-    chunks = -(-vocab // chunk)
+    chunks = -(-vocab // LOGSUMEXP_CHUNK)
     device = logits.device
     parts = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
     high_hist, low_hist = (torch.empty(rows, chunks, 256, dtype=torch.int32, device=device) for _ in range(2))
@@ -360,12 +355,10 @@ def top_log_probs(logits: torch.Tensor, k: int, chunk: int | None = None,
     logp = torch.empty(*logits.shape[:-1], k, dtype=torch.float32, device=device)
     tokens = torch.empty(*logits.shape[:-1], k, dtype=torch.int64, device=device)
     kernels, grid, block_c = _kernels(), (rows, chunks), _next_power_of_2(chunks)
-    per_chunk = dict(BLOCK=chunk, num_warps=8)
+    per_chunk = dict(BLOCK=LOGSUMEXP_CHUNK, num_warps=8)
     kernels._topk_high_histogram_kernel[grid](logits, parts, high_hist, vocab, chunks, **per_chunk)
-    if not own_high_byte:
-        kernels._topk_high_byte_kernel[(rows,)](high_hist, select, k, chunks, BLOCK_C=block_c)
-    kernels._topk_low_histogram_kernel[grid](logits, high_hist, select, low_hist, vocab, chunks, k, BLOCK_C=block_c,
-                                             OWN_HIGH_BYTE=own_high_byte, **per_chunk)
+    kernels._topk_high_byte_kernel[(rows,)](high_hist, select, k, chunks, BLOCK_C=block_c)
+    kernels._topk_low_histogram_kernel[grid](logits, select, low_hist, vocab, chunks, **per_chunk)
     kernels._topk_threshold_kernel[(rows,)](high_hist, low_hist, select, offsets, k, chunks, BLOCK_C=block_c)
     kernels._topk_gather_kernel[grid](logits, select, offsets, picked, vocab, chunks, k, **per_chunk)
     kernels._topk_sort_kernel[(rows,)](logits, picked, parts, logp, tokens, vocab, k, chunks,

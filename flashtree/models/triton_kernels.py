@@ -622,13 +622,14 @@ def _normalize_top_kernel(part_ptr, top_ptr, out_ptr, k, chunks, BLOCK_C: tl.con
 
 
 # ---------------------------------------------------------------------------- exact top-k of 16-bit logits
-# A radix select over each row's 16-bit order keys (high byte, then low byte), in five kernels
+# A radix select over each row's 16-bit order keys (high byte, then low byte), in six kernels
 # (gpu_kernels.top_log_probs): per vocabulary chunk the max, the sum of exponentials and a histogram
-# of high bytes; per chunk the row's high byte of the k-th largest key (each program finds it from
-# the histograms) and a histogram of low bytes inside that high byte; per row the k-th largest key
-# and each chunk's output places; per chunk the selected entries (all keys above it, then the first
-# ties at it by index); per row their sort. (A separate per-row kernel for the high byte, six kernels
-# in all, stays as an option to time: gpu_kernels.top_log_probs's own_high_byte.)
+# of high bytes; per row the high byte of the k-th largest key; per chunk a histogram of low bytes
+# inside that high byte; per row the k-th largest key and each chunk's output places; per chunk the
+# selected entries (all keys above it, then the first ties at it by index); per row their sort.
+# (Each chunk program finding the high byte itself, five kernels, was slower on the H200: 0.0535
+# against 0.0513 ms at budget 256; so were chunks of 2,048, 8,192 and 16,384 entries: 0.142, 0.056
+# and 0.081 ms; benchmarks/README.md, "Ninth session".)
 
 
 @triton.jit
@@ -669,43 +670,25 @@ def _suffix_counts(hist):
 
 
 @triton.jit
-def _row_high_byte(hist_ptr, row, k, chunks, BLOCK_C: tl.constexpr):
-    """A row's high byte of its k-th largest key and the number of keys in higher bytes, from its
-    chunks' high-byte histograms."""
+def _topk_high_byte_kernel(hist_ptr, select_ptr, k, chunks, BLOCK_C: tl.constexpr):
+    """One row: the high byte of its k-th largest key and the number of keys in higher bytes."""
+    row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     bins = tl.arange(0, 256)
     hists = tl.load(hist_ptr + (row * chunks + c[:, None]) * 256 + bins[None, :], mask=(c < chunks)[:, None], other=0)
     hist = tl.sum(hists, axis=0)  # [256]
     high = tl.max(tl.where(_suffix_counts(hist) >= k, bins, 0), axis=0)
-    return high, tl.sum(tl.where(bins > high, hist, 0), axis=0)
-
-
-@triton.jit
-def _topk_high_byte_kernel(hist_ptr, select_ptr, k, chunks, BLOCK_C: tl.constexpr):
-    """One row: :func:`_row_high_byte` to ``select[row, 0:2]``."""
-    row = tl.program_id(0).to(tl.int64)
-    high, above_byte = _row_high_byte(hist_ptr, row, k, chunks, BLOCK_C)
     tl.store(select_ptr + row * 4, high)
-    tl.store(select_ptr + row * 4 + 1, above_byte)
+    tl.store(select_ptr + row * 4 + 1, tl.sum(tl.where(bins > high, hist, 0), axis=0))
 
 
 @triton.jit
-def _topk_low_histogram_kernel(x_ptr, high_hist_ptr, select_ptr, hist_ptr, vocab, chunks, k, BLOCK: tl.constexpr,
-                               BLOCK_C: tl.constexpr, OWN_HIGH_BYTE: tl.constexpr):
-    """One (row, chunk): the histogram of key low bytes among keys whose high byte is the row's.
-    OWN_HIGH_BYTE: every program finds the row's high byte from the high-byte histograms itself,
-    and chunk 0 stores it to ``select[row, 0:2]`` (one kernel less than _topk_high_byte_kernel
-    first); otherwise it reads ``select[row, 0]``."""
+def _topk_low_histogram_kernel(x_ptr, select_ptr, hist_ptr, vocab, chunks, BLOCK: tl.constexpr):
+    """One (row, chunk): the histogram of key low bytes among keys whose high byte is the row's."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols, inside, raw, key = _chunk_keys(x_ptr, row, chunk, vocab, BLOCK)
-    if OWN_HIGH_BYTE:
-        high, above_byte = _row_high_byte(high_hist_ptr, row, k, chunks, BLOCK_C)
-        if chunk == 0:
-            tl.store(select_ptr + row * 4, high)
-            tl.store(select_ptr + row * 4 + 1, above_byte)
-    else:
-        high = tl.load(select_ptr + row * 4)
+    high = tl.load(select_ptr + row * 4)
     in_byte = inside & ((key >> 8) == high)
     bins = tl.arange(0, 256)
     hist = tl.histogram(tl.where(in_byte, key & 0xFF, 0), 256)  # the others counted in bin 0, then removed
