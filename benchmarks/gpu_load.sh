@@ -15,8 +15,8 @@
 #   EXTRA="--trace-policy FILE"] bash benchmarks/gpu_load.sh OUT_DIR
 # PAIRED=1 starts every method's server at once (ports PORT, PORT+1, ...) and measures them in
 # alternation with benchmarks/load_paired.py (REPEATS repeats, PAIRED_REQUESTS and WAVES per pass),
-# so drift of the machine hits all of them alike. TRACE_DIR=dir writes each speculative server's
-# policy trace (--trace-policy) to dir/policy_METHOD.jsonl.
+# so drift of the machine hits all of them alike. TRACE_DIR=dir writes each server's policy trace
+# (--trace-policy; the plain server's has its round times) to dir/policy_METHOD.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:?usage: gpu_load.sh OUT_DIR}
@@ -61,7 +61,7 @@ EOF
 start_server() {  # start_server METHOD PORT: a server in the background, its pid in $server
   local method=$1 port=$2 draft_flags=()
   [[ $method != none ]] && draft_flags=(--draft "$DRAFT" --budget "$BUDGET")
-  [[ -n "${TRACE_DIR:-}" && $method != none ]] && draft_flags+=(--trace-policy "$TRACE_DIR/policy_$method.jsonl")
+  [[ -n "${TRACE_DIR:-}" ]] && draft_flags+=(--trace-policy "$TRACE_DIR/policy_$method.jsonl")
   python3 -m flashtree.cli serve --model "$MODEL" --random-weights --spec "$method" "${draft_flags[@]}" \
     --max-running 32 --max-context 1024 --port "$port" --log-level warning $EXTRA \
     >"${LOG_DIR:-$OUT_DIR}/serve_$method.log" 2>&1 &

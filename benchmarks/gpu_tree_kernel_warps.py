@@ -10,7 +10,7 @@ alone: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
 and ``gpu_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
 warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
 the kept lists' three threshold searches (sort of the prefilter list, bisection, a narrowed
-bisection and a sort; 4 warps; checked equal), and
+bisection and a sort; each at its default warps, gpu_kernels.EXPAND_WARPS; checked equal), and
 ``gpu_kernels.accept_walk``.
 """
 

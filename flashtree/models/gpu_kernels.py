@@ -180,6 +180,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 # warps per program of the tree kernels (one program per row; H200 timings by warps:
 # benchmarks/gpu_tree_kernel_warps.py)
 TREE_WARPS = 4
+# the kept-list kernel's, by threshold search: its sorts run faster on 8 warps (budget 256, narrow:
+# 0.081 against 0.097 ms; budget 64, sort: 0.049 against 0.053 ms), its bisection does not (0.113
+# against 0.112 ms at 256); benchmarks/results/session9/call3/t/warps.json, session8/call3
+EXPAND_WARPS = {"sort": 8, "bisect": 4, "narrow": 8}
 # prefilter lists (padded to a power of two) up to this length find each depth's threshold by a
 # sort, longer ones by a search (_kth_largest). H200, batch 1, build + walk: sorting was faster at
 # budgets 16 and 64 (0.16 / 0.21 ms against 0.21 / 0.25 ms), bisection at 256 and 1024 (0.45 /
@@ -209,7 +213,7 @@ def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: 
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
-    ``num_warps``: per program (default :data:`TREE_WARPS`; benchmarks compare others).
+    ``num_warps``: per program (default :data:`EXPAND_WARPS` of the search; benchmarks compare others).
     ``search``: how each depth's threshold is found, one of :data:`THRESHOLD_SEARCHES` (default
     :func:`threshold_search`; ``triton_kernels._expand_levels_kernel`` describes them); all give
     the same lists.
@@ -234,7 +238,7 @@ def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: 
         weights, parents, tokens, index_scratch, weight_scratch, _clocks_or_dummy(stage_clocks, tokens), k,
         max_budget, pair_row.numel(), DEPTH=depth, BLOCK_B=block, BLOCK_M=block_m, LOG_K=k.bit_length(),
         SEARCH=THRESHOLD_SEARCHES.index(search), NARROW=narrow, CLOCKS=stage_clocks is not None,
-        num_warps=num_warps or TREE_WARPS)
+        num_warps=num_warps or EXPAND_WARPS[search])
     return weights, parents, tokens
 
 
