@@ -1,6 +1,7 @@
 """Graphed rounds pad their rows to the next power of two with the engine's pad slot: the pad
 rows must not change any real row's tokens (greedy and seeded), must not touch any request's
-KV, and batch sizes in one power-of-two bucket must share one graph key.
+KV, and batch sizes in one power-of-two bucket must share one graph key. A neighbour probe's
+tree round whose graph is not captured runs eagerly instead (same tokens, untimed).
 
 CUDA graphs need a GPU; here a pass-through graph cache (records keys, runs the function
 eagerly) drives the same padded code path on the CPU."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from flashtree import LLM, SamplingParams
+from flashtree.engine.spec_policy import SpecPolicyConfig
 from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401  (fixture)
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
 
@@ -22,6 +24,9 @@ class PassThroughGraphs:
     def __init__(self):
         self.keys: list = []
         self.captures = 0
+
+    def has(self, key):
+        return key in self.keys
 
     def run(self, key, fn, inputs):
         self.keys.append(key)
@@ -73,3 +78,34 @@ def test_pad_rows_write_only_the_pad_slot(pair):
     assert sorted(r.slot for r in reqs) == [0, 1, 2]
     assert (engine.cache.storage[:, :, 3:engine.config.max_running] == idle).all()
     assert int(engine.cache.lengths[engine.runner.pad_slot]) <= 9  # reset every round, never grows
+
+
+def test_neighbour_probes_without_a_graph_run_eagerly_and_keep_the_tokens(pair):
+    plain = LLM(str(pair.target), **ENGINE)
+    knobs = dict(ENGINE, adaptive_spec=True, spec_policy=SpecPolicyConfig(
+        explore_rounds=1, probe_interval=3, max_probe_interval=3, plain_recheck_interval=1000))
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)
+    graphs = padded(llm)
+    runner, policy = llm.engine.runner, llm.engine.policy
+    rounds = []  # (probing, nodes, went through the graph cache, ran eagerly)
+    real_round = runner.round
+
+    def spy(rows, nodes=None, capture=True):
+        if policy.probing:
+            graphs.keys.clear()  # as if the batch's shape (slot range, key bucket) were new
+        before = len(graphs.keys)
+        result = real_round(rows, nodes, capture)
+        rounds.append((policy.probing, nodes, len(graphs.keys) > before, result.eager))
+        return result
+
+    runner.round = spy
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    got = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS[:2], params)]
+    probes = [r for r in rounds if r[0]]
+    assert len(probes) >= 4 and all(nodes > 0 for _, nodes, _, _ in probes)
+    for probing, nodes, through_cache, eager in rounds:
+        assert eager == probing  # every probe met a new shape; nothing else runs eagerly
+        assert through_cache != eager
+    timed = [r for r in rounds if not r[3]]
+    assert {nodes for _, nodes, _, _ in timed} >= {0, 4, 8}  # exploration still timed every option

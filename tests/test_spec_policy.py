@@ -329,3 +329,33 @@ def test_probes_average_rounds_so_a_few_unlucky_rounds_do_not_evict_a_better_opt
     # plain: 76 to 572 tree rounds of 2,000 with immediate rechecks, 109 to 334 before them
     former = [tree_rounds(seed, probe_rounds=1, acceptance_smoothing=0.2) for seed in range(5)]
     assert all(new >= 3 * old for new, old in zip(kept, former)), (kept, former)
+
+
+def test_probing_marks_neighbour_probes_only():
+    """``probing`` (the engine runs such rounds eagerly when their CUDA graph is missing) is true
+    exactly for the rounds of neighbour probes: not for exploration, the best option, rechecks of
+    a displaced option or plain rechecks."""
+    config = SpecPolicyConfig(probe_interval=10)
+    policy = SpecPolicy(LADDER, config)
+    flags = []
+    for _ in range(160):
+        nodes = policy.choose(1)
+        flags.append((nodes, policy.probing))
+        policy.record(1, nodes, 0.01, growing_acceptance(nodes) if nodes else 1.0)
+    explored = len(LADDER) * config.explore_rounds
+    assert not any(probing for _, probing in flags[:explored])  # exploration
+    marked = [i for i, (_, probing) in enumerate(flags) if probing]
+    runs = probe_runs([nodes for nodes, _ in flags], usual=256, start=explored)
+    assert marked == [first + k for first, length, _ in runs for k in range(length)]  # the probes' rounds
+    assert len(runs) >= 4
+    # a recheck of a displaced option is timed, so it is not marked
+    policy = SpecPolicy((8, 4, 0), SpecPolicyConfig())
+    quiet = {0: 0.005, 4: 0.0075, 8: 0.007}
+    drive(policy, 2000, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])
+    rechecks = []
+    for _ in range(60):  # a burst of slow plain rounds moves the choice and triggers a recheck of plain
+        nodes = policy.choose(1)
+        rechecks.append((nodes, policy.probing, policy._probe.recheck if policy._probe else None))
+        policy.record(1, nodes, 0.0099 if nodes == 0 else quiet[nodes], TREES_ACCEPT_A_LITTLE(nodes) if nodes else 1.0)
+    assert any(kind not in (None, 0) for _, _, kind in rechecks)  # some recheck ran
+    assert all(not probing for _, probing, kind in rechecks if kind not in (None, 0))

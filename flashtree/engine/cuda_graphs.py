@@ -33,6 +33,10 @@ class GraphCache:
         self.pool = None
         self.captures = 0  # graphs captured so far (a capturing call is much slower than a replay)
 
+    def has(self, key: Hashable) -> bool:
+        """A graph for ``key`` is captured (``run`` would replay it)."""
+        return key in self.graphs
+
     def run(self, key: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]):
         captured = self.graphs.pop(key, None)
         if captured is None:

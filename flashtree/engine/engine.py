@@ -5,6 +5,15 @@ for the admitted rows -> append committed tokens (stop conditions) -> free finis
 Each round's node count comes from the speculation policy (``engine/spec_policy.py``), which
 is fed the round's wall time and acceptance afterwards (not the wall time of a round after an
 idle pause, see ``IDLE_GAP_S``).
+
+Probes and CUDA graphs: a graph is captured per round shape (rows, key-length bucket, slot
+range, node count), and capturing one costs tens to hundreds of plain rounds (H200, Qwen3-8B
+shape: 0.1-1.3 s). The policy's probes try an option for a round or a few, usually at a shape
+never seen with that node count (slot ranges change as requests come and go), so a server at 16
+rows lost 10% of its throughput to captures for probes. A neighbour probe's tree rounds whose
+graph is not captured yet therefore run eagerly with the same shapes (same kernels, same tokens)
+and go untimed: the probe still measures acceptance (what drifts), while exploration, rechecks
+and the options the policy settles on get their graphs and timings as before.
 """
 
 from __future__ import annotations
@@ -137,9 +146,10 @@ class LLMEngine:
         after_idle, self._untimed_round = self._untimed_round, False
         t0 = time.perf_counter()
         self._catch_up_drafter(rows, nodes)  # part of the round's cost
-        result = self.runner.round(rows, nodes)
+        # a probe's tree rounds do not capture graphs (see "Probes and CUDA graphs" above)
+        result = self.runner.round(rows, nodes, capture=nodes == 0 or not self.policy.probing)
         wall = time.perf_counter() - t0
-        seconds = None if result.captured_graph or after_idle else wall
+        seconds = None if result.captured_graph or result.eager or after_idle else wall
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
         if self.policy_tracer is not None:

@@ -58,6 +58,7 @@ class RoundResult(NamedTuple):
     emitted: list[list[int]]  # per row: accepted drafts + next bonus (= acceptance length tokens)
     tree_sizes: list[int]  # per row: drafted nodes verified
     captured_graph: bool = False  # this round captured a CUDA graph (its wall time is not typical)
+    eager: bool = False  # graphs are on but this round ran eagerly (capture=False; its wall time is not typical)
 
 
 class StageTimer:
@@ -133,10 +134,12 @@ class ModelRunner:
         if not all(defer):
             self.proposer.observe(slots, hidden, counts * (1 - deferred), starts)
 
-    def round(self, rows: Sequence[Request], nodes: int | None = None) -> RoundResult:
+    def round(self, rows: Sequence[Request], nodes: int | None = None, capture: bool = True) -> RoundResult:
         """One round for the running rows verifying ``nodes`` drafted nodes per row (default and
         at most ``proposer.max_nodes``; rows' own budgets cap theirs); the device work is
-        replayed as a CUDA graph when enabled."""
+        replayed as a CUDA graph when enabled. ``capture=False``: a round whose graph is not
+        captured yet runs eagerly instead, with the graph's shapes (same kernels, same tokens):
+        capturing one costs tens to hundreds of plain rounds, too much for a one-off probe."""
         nodes = self.proposer.max_nodes if nodes is None else nodes
         if not 0 <= nodes <= self.proposer.max_nodes:
             raise ValueError(f"nodes must be in [0, {self.proposer.max_nodes}], got {nodes}")
@@ -151,16 +154,21 @@ class ModelRunner:
             shape = shape._replace(kv_len=self.cache.spec.capacity, slot_range=None)
         t0 = self.timer.mark()
         captures = self.graphs.captures if self.graphs is not None else 0
+        eager = False
         if self.graphs is None:
             packed = self._round_device(shape, *inputs, timer=self.timer)
         else:
             shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))  # (capacity stays capacity)
             key = (len(slots_list), shape)
-            packed = self.graphs.run(key, lambda *t: self._round_device(shape, *t), inputs)
+            eager = not capture and not self.graphs.has(key)
+            if eager:
+                packed = self._round_device(shape, *inputs)
+            else:
+                packed = self.graphs.run(key, lambda *t: self._round_device(shape, *t), inputs)
         result = self._to_host(packed, len(rows))  # the one sync
         if self.graphs is not None:
             self.timer.add("round", t0)
-            result = result._replace(captured_graph=self.graphs.captures != captures)
+            result = result._replace(captured_graph=self.graphs.captures != captures, eager=eager)
         if self.tracer is not None:
             self.tracer.write(rows)
         return result

@@ -226,6 +226,14 @@ class SpecPolicy:
             return displaced
         return best
 
+    @property
+    def probing(self) -> bool:
+        """The round just chosen belongs to a neighbour probe: not to exploration, the best option,
+        a recheck (whose timing is the point of it) or a plain recheck. The engine runs such a
+        round eagerly, untimed, when its CUDA graph is not captured (engine.py, "Probes and CUDA
+        graphs"); its acceptance still counts."""
+        return self._probe is not None and self._probe.recheck == NEIGHBOUR_PROBE
+
     def _probe_rounds(self, rows: int) -> int:
         """Rounds of a probe at ``rows`` rows: enough for ``probe_rounds`` rows' worth of rounds
         (each row's acceptance is one sample), at least one."""
@@ -386,6 +394,8 @@ class SpecPolicy:
 
 class FixedNodes:
     """Today's fixed behaviour with the policy's interface: every round verifies ``nodes``."""
+
+    probing = False  # (never probes)
 
     def __init__(self, nodes: int):
         self.ladder = (nodes,)
