@@ -27,6 +27,8 @@ SWITCHY = SpecPolicyConfig(explore_rounds=1, probe_interval=3)  # switches node 
 class ScriptedPolicy:
     """Node counts from a fixed cycle (the policy interface, without measurements)."""
 
+    probing = False
+
     def __init__(self, ladder, script):
         self.ladder, self.script = tuple(ladder), itertools.cycle(script)
 
@@ -73,14 +75,16 @@ def switches_to_plain_and_back(tree_sizes: list[int]) -> bool:
 
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_greedy_equals_plain_while_node_counts_switch(plain, adaptive, method, rows):
+def test_greedy_equals_plain_while_node_counts_switch(pair, plain, method, rows):
     """Rows of different lengths and stop conditions, then 40 tokens each (enough rounds in one
-    rows bucket for the policy to try every option and switch back and forth)."""
+    rows bucket for the policy to try every option and switch back and forth). A fresh engine:
+    once a weak drafter's acceptance is known, later buckets skip trees that cannot beat plain."""
     prompts = PROMPTS[:rows] if rows > 1 else PROMPTS[1:2]
     runs = [[SamplingParams(max_tokens=40, ignore_eos=True)] * rows]
     if rows > 1:
         runs.insert(0, mixed_params(plain, prompts))
-    llm = adaptive(method)
+    llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, adaptive_spec=True,
+              spec_policy=SWITCHY, **ENGINE)
     llm.stats(reset=True)
     got = []
     for params in runs:
@@ -291,6 +295,10 @@ class RecordingPolicy:
 
     def record(self, *args) -> None:
         self.policy.record(*args)
+
+    @property
+    def probing(self) -> bool:
+        return self.policy.probing
 
 
 def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool) -> Counter:

@@ -359,3 +359,17 @@ def test_probing_marks_neighbour_probes_only():
         policy.record(1, nodes, 0.0099 if nodes == 0 else quiet[nodes], TREES_ACCEPT_A_LITTLE(nodes) if nodes else 1.0)
     assert any(kind not in (None, 0) for _, _, kind in rechecks)  # some recheck ran
     assert all(not probing for _, probing, kind in rechecks if kind not in (None, 0))
+
+
+def test_a_drafter_that_never_matches_explores_no_tree_in_a_new_bucket():
+    """Acceptance 1, learnt at batch 1: at 16 rows no tree can beat plain rounds (a round that
+    verifies more nodes never costs less), so the new bucket times plain rounds and explores no
+    tree; only the neighbour probe, ``probe_interval`` rounds later, tries the smallest one.
+    (Exploring every tree there cost a served H200 5-15% of a pass in CUDA-graph captures.)"""
+    config = SpecPolicyConfig()
+    policy = SpecPolicy((64, 32, 16, 8, 4, 0), config)
+    drive(policy, 300, 1, lambda n: 1.0, lambda rows, n: 0.005 * (1 + n / 256))
+    chosen = drive(policy, config.probe_interval + 10, 16, lambda n: 1.0, lambda rows, n: 0.006 * (1 + n / 64))
+    assert chosen[:config.probe_interval] == [0] * config.probe_interval, chosen
+    assert set(chosen) <= {0, 4}, Counter(chosen)
+    assert policy.best(16) == 0

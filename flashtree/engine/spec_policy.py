@@ -25,9 +25,15 @@ Exploration: every option of a bucket is tried ``explore_rounds`` times before t
 decide (round robin, fewest measurements first, smaller trees first), so an unseen bucket explores
 on its own; an option already measured at under ``DOMINATED`` of the best estimate is not tried
 again (big trees at a big batch can cost many plain steps), nor is one whose bound is: its
-acceptance (known from other buckets) over the round time of a smaller tree timed in the bucket
-(a round that verifies more nodes never costs less), so a big batch that finds its small trees
-clearly worse never pays a round of the big ones.
+acceptance (known from other buckets) over the round time of the largest smaller option timed in
+the bucket (a round that verifies more nodes never costs less), the most it can score. So a big
+batch that finds its small trees clearly worse never pays a round of the big ones. An option not
+yet timed in the bucket is also skipped when its bound does not beat plain rounds' score there:
+a drafter that never matches (acceptance 1: no tree can beat plain rounds) explores trees in its
+first bucket only. Exploring them in every
+new bucket cost a server 5-15% of a pass at 16 rows on the H200: each first round of an option at
+a new shape captures a CUDA graph (0.1-0.3 s), and exploration went on across passes
+(benchmarks/README.md, "Ninth session"). The neighbour probes still try trees there now and then.
 Tracking: after ``probe_interval`` rounds of a bucket, a neighbour of the best option in the
 ladder is tried for ``probe_rounds`` rounds in a row (alternately the larger and the smaller), so
 drift in acceptance or cost moves the choice. The probe's rounds are averaged and go into the
@@ -290,12 +296,20 @@ class SpecPolicy:
         return ema.value if ema is not None else None
 
     def _unexplored(self, bucket: int) -> list[int]:
-        """Options still to try in ``bucket``: too few timed rounds and not clearly worse, measured
-        or bounded (:meth:`_bound`)."""
+        """Options still to try in ``bucket``: too few timed rounds and not clearly worse than the
+        best, measured or bounded (:meth:`_bound`); an option not yet timed must also be able to
+        beat plain rounds (its bound above plain's score; see "Exploration" above)."""
         scores = self._scores(bucket)[0]
         top = max((s for s in scores.values() if s is not None), default=0.0)
-        return [n for n in self.ladder if self._timed(bucket, n) < self.config.explore_rounds
-                and (scores[n] if scores[n] is not None else self._bound(bucket, n)) >= DOMINATED * top]
+        plain = scores.get(PLAIN_NODES)
+
+        def worth_trying(n: int) -> bool:
+            if scores[n] is not None:
+                return scores[n] >= DOMINATED * top
+            bound = self._bound(bucket, n)
+            return bound >= DOMINATED * top and (plain is None or bound > plain)
+
+        return [n for n in self.ladder if self._timed(bucket, n) < self.config.explore_rounds and worth_trying(n)]
 
     def _bound(self, bucket: int, nodes: int) -> float:
         """An upper bound on the tokens/s per row of an option not yet timed in ``bucket``: its
