@@ -147,7 +147,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self._catch_up_drafter(rows, nodes)  # part of the round's cost
         # a probe's tree rounds do not capture graphs (see "Probes and CUDA graphs" above)
-        result = self.runner.round(rows, nodes, capture=nodes == 0 or not self.policy.probing)
+        result = self.runner.round(rows, nodes, nodes == 0 or not self.policy.probing)  # (capture)
         wall = time.perf_counter() - t0
         seconds = None if result.captured_graph or result.eager or after_idle else wall
         acceptance = mean_acceptance(rows, result, nodes)
