@@ -24,7 +24,6 @@ Four measurements, each a CUDA-graph replay unless it is a profile:
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -143,19 +142,8 @@ def plain_round_upkeep(target, drafter, batches, repeats=1, context=1024, steps=
 def profiled_steps(engine, batch, context, steps=128, warmup_steps=70):
     """Device kernel time, kernel count and host wall per step of ``steps`` profiled steps, and
     the per-step time of every kernel and host op by name."""
-    reqs = start_requests(engine, batch, context)
-    for _ in range(warmup_steps):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) * 1000 / steps
-    for r in reqs:
-        engine.abort(r.request_id)
-    engine.step()
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    wall_ms, _ = time_steps(engine, batch, context, steps, warmup_steps=warmup_steps, around=prof)
     kernels, host = {}, {}
     for e in prof.key_averages():
         if e.self_device_time_total > 0 and e.device_type is not None and "cuda" in str(e.device_type).lower():

@@ -12,6 +12,7 @@ and counts host synchronizations during graph-replayed steps.
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -42,17 +43,20 @@ def start_requests(engine, batch, context):
     return reqs
 
 
-def time_steps(engine, batch, context, steps):
+def time_steps(engine, batch, context, steps, warmup_steps=3, around=None):
+    """ms per step (and per stage) of ``steps`` steps of ``batch`` requests after ``warmup_steps``;
+    ``around``: a context manager the timed steps run in (e.g. a torch profiler)."""
     reqs = start_requests(engine, batch, context)
-    for _ in range(3):
+    for _ in range(warmup_steps):
         engine.step()
     torch.cuda.synchronize()
     engine.timer.seconds.clear()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) * 1000 / steps
+    with around if around is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1000 / steps
     stages = {k: v * 1000 / steps for k, v in engine.timer.seconds.items()}
     for r in reqs:
         engine.abort(r.request_id)
