@@ -30,10 +30,10 @@ the bucket (a round that verifies more nodes never costs less), the most it can 
 batch that finds its small trees clearly worse never pays a round of the big ones. An option not
 yet timed in the bucket is also skipped when its bound does not beat plain rounds' score there:
 a drafter that never matches (acceptance 1: no tree can beat plain rounds) explores trees in its
-first bucket only. Exploring them in every
-new bucket cost a server 5-15% of a pass at 16 rows on the H200: each first round of an option at
-a new shape captures a CUDA graph (0.1-0.3 s), and exploration went on across passes
-(benchmarks/README.md, "Ninth session"). The neighbour probes still try trees there now and then.
+first bucket only. Exploring them in every new bucket cost a server 5-15% of a pass at 16 rows on
+the H200: each first round of an option at a new shape captures a CUDA graph (0.1-0.3 s), and
+exploration went on across passes (benchmarks/README.md, "Ninth session"). The neighbour probes
+still try trees there now and then.
 Tracking: after ``probe_interval`` rounds of a bucket, a neighbour of the best option in the
 ladder is tried for ``probe_rounds`` rounds in a row (alternately the larger and the smaller), so
 drift in acceptance or cost moves the choice. The probe's rounds are averaged and go into the
