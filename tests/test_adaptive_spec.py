@@ -54,15 +54,20 @@ def plain(pair):
     return LLM(str(pair.target), **ENGINE)
 
 
+def adaptive_llm(pair, method: str) -> LLM:
+    """An adaptive LLM with the real (random) drafter and the SWITCHY policy."""
+    return LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, adaptive_spec=True,
+               spec_policy=SWITCHY, **ENGINE)
+
+
 @pytest.fixture(scope="module")
 def adaptive(pair):
-    """method -> adaptive LLM with the real (random) drafter, built on first use."""
+    """method -> adaptive_llm, built on first use and shared by the module's tests."""
     engines: dict[str, LLM] = {}
 
     def get(method: str) -> LLM:
         if method not in engines:
-            engines[method] = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET,
-                                  adaptive_spec=True, spec_policy=SWITCHY, **ENGINE)
+            engines[method] = adaptive_llm(pair, method)
         return engines[method]
 
     return get
@@ -83,8 +88,7 @@ def test_greedy_equals_plain_while_node_counts_switch(pair, plain, method, rows)
     runs = [[SamplingParams(max_tokens=40, ignore_eos=True)] * rows]
     if rows > 1:
         runs.insert(0, mixed_params(plain, prompts))
-    llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, adaptive_spec=True,
-              spec_policy=SWITCHY, **ENGINE)
+    llm = adaptive_llm(pair, method)
     llm.stats(reset=True)
     got = []
     for params in runs:

@@ -8,12 +8,13 @@ idle pause, see ``IDLE_GAP_S``).
 
 Probes and CUDA graphs: a graph is captured per round shape (rows, key-length bucket, slot
 range, node count), and capturing one costs tens to hundreds of plain rounds (H200, Qwen3-8B
-shape: 0.1-1.3 s). The policy's probes try an option for a round or a few, usually at a shape
-never seen with that node count (slot ranges change as requests come and go), so a server at 16
-rows lost 10% of its throughput to captures for probes. A neighbour probe's tree rounds whose
-graph is not captured yet therefore run eagerly with the same shapes (same kernels, same tokens)
-and go untimed: the probe still measures acceptance (what drifts), while exploration, rechecks
-and the options the policy settles on get their graphs and timings as before.
+shape: 0.1-1.3 s). The policy's neighbour probes try an option for a round or a few, often at a
+shape never seen with that node count (slot ranges change as requests come and go). A neighbour
+probe's tree round whose graph is not captured yet therefore runs eagerly with the same shapes
+(same kernels, same tokens) and goes untimed (H200: 9.3 ms for one such round); the probe still
+measures acceptance (what drifts), while exploration, rechecks and the options the policy settles
+on get their graphs and timings as before. (What cost a server at 16 rows 5-15% of a pass was
+exploration at new shapes, not probes: spec_policy.py, "Exploration".)
 """
 
 from __future__ import annotations

@@ -239,19 +239,9 @@ def _lap(spent, last, STAGE: tl.constexpr):
 @triton.jit
 def _kth_largest(values, count, lower):
     """The ``count``-th largest of ``values`` (float32, no NaN), given ``lower``: a float32 that at
-    least ``count`` values reach (so the answer is >= it). Bisection over float32 order keys
-    between ``lower`` and the largest value, one count per step, with the values in registers: the
-    answer is the largest key that ``count`` values reach. A tight ``lower`` saves steps (32 for
-    the whole float32 range). (Counting three cuts per step in one int64 sum, two bits per step,
-    was no faster on the H200: benchmarks/README.md, "Eighth session".)"""
-    lo = _key_of_float(lower)
-    hi = _key_of_float(tl.max(values, axis=0))
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((values >= _float_of_key(mid)).to(tl.int32), axis=0) >= count
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    return _float_of_key(lo)
+    least ``count`` values reach (so the answer is >= it). :func:`_narrow_to` run to the end."""
+    answer, _ = _narrow_to(values, count, lower, 0)
+    return answer
 
 
 SEARCH_SORT = tl.constexpr(0)  # the kept-list kernel's threshold searches (see _expand_levels_kernel)
@@ -267,14 +257,23 @@ def _store_sorted(sorted_ptr, w, rows_ok):
 
 
 @triton.jit
-def _narrow_to(values, count, lower, most):
-    """Bisection as in :func:`_kth_largest` (the answer stays >= ``lo``), stopped as soon as at most
-    ``most`` values reach ``lo``. Returns ``lo`` as a float32 and the number of values reaching it;
-    when that number is still above ``most`` the bisection ran to the end and ``lo`` is the answer."""
+def _narrow_to(values, count, lower, MOST: tl.constexpr):
+    """Bisection over float32 order keys for the ``count``-th largest of ``values`` (float32, no
+    NaN), from ``lower`` (a float32 that at least ``count`` values reach, so the answer is >= it) to
+    the largest value, one count per step with the values in registers: the answer is the largest
+    key that ``count`` values reach, and ``lo`` stays at or below it. A tight ``lower`` saves steps
+    (32 for the whole float32 range). With MOST > 0 it stops as soon as at most MOST values reach
+    ``lo``. Returns ``lo`` as a float32 and the number of values reaching it (MOST = 0: ``count``,
+    not counted, and ``lo`` is the answer; so it is also when the number is still above MOST).
+    (Counting three cuts per step in one int64 sum, two bits per step, was no faster on the H200:
+    benchmarks/README.md, "Eighth session".)"""
     lo = _key_of_float(lower)
     hi = _key_of_float(tl.max(values, axis=0))
-    reaching = tl.sum((values >= lower).to(tl.int32), axis=0)
-    while (lo < hi) & (reaching > most):
+    if MOST > 0:
+        reaching = tl.sum((values >= lower).to(tl.int32), axis=0)
+    else:
+        reaching = count + tl.zeros([], tl.int32)  # (count >= 1 > MOST: the loop runs to the end)
+    while (lo < hi) & (reaching > MOST):
         mid = lo + (hi - lo + 1) // 2
         at_mid = tl.sum((values >= _float_of_key(mid)).to(tl.int32), axis=0)
         enough = at_mid >= count
