@@ -1,7 +1,7 @@
 """Graphed rounds pad their rows to the next power of two with the engine's pad slot: the pad
 rows must not change any real row's tokens (greedy and seeded), must not touch any request's
 KV, and batch sizes in one power-of-two bucket must share one graph key. A neighbour probe's
-tree round whose graph is not captured runs eagerly instead (same tokens, untimed).
+tree round whose graph is not captured is declined unless its option could win.
 
 CUDA graphs need a GPU; here a pass-through graph cache (records keys, runs the function
 eagerly) drives the same padded code path on the CPU."""
@@ -80,32 +80,37 @@ def test_pad_rows_write_only_the_pad_slot(pair):
     assert int(engine.cache.lengths[engine.runner.pad_slot]) <= 9  # reset every round, never grows
 
 
-def test_neighbour_probes_without_a_graph_run_eagerly_and_keep_the_tokens(pair):
+@pytest.mark.parametrize("worth", [False, True])
+def test_neighbour_probes_without_a_graph_are_declined_unless_worth_one(pair, monkeypatch, worth):
+    """Every probe meets a shape without a graph here: it is declined (the round runs the best
+    option) when the policy says its option cannot win, and runs (capturing) when it can; the
+    tokens are plain decoding's either way."""
     plain = LLM(str(pair.target), **ENGINE)
     knobs = dict(ENGINE, adaptive_spec=True, spec_policy=SpecPolicyConfig(
         explore_rounds=1, probe_interval=3, max_probe_interval=3, plain_recheck_interval=1000))
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)
-    graphs = padded(llm)
+    padded(llm)
     runner, policy = llm.engine.runner, llm.engine.policy
-    rounds = []  # (probing, nodes, went through the graph cache, ran eagerly)
-    real_round = runner.round
+    monkeypatch.setattr(runner, "has_graph", lambda rows, nodes: False)  # as if every shape were new
+    monkeypatch.setattr(policy, "worth_a_graph", lambda rows, nodes: worth)
+    declined, probe_rounds = [], []
+    real_decline, real_round = policy.decline_probe, runner.round
 
-    def spy(rows, nodes=None, capture=True):
+    def decline():
+        declined.append(policy._probe.nodes)
+        real_decline()
+
+    def spy(rows, nodes=None):
         if policy.probing:
-            graphs.keys.clear()  # as if the batch's shape (slot range, key bucket) were new
-        before = len(graphs.keys)
-        result = real_round(rows, nodes, capture)
-        rounds.append((policy.probing, nodes, len(graphs.keys) > before, result.eager))
-        return result
+            probe_rounds.append(nodes)
+        return real_round(rows, nodes)
 
-    runner.round = spy
+    monkeypatch.setattr(policy, "decline_probe", decline)
+    monkeypatch.setattr(runner, "round", spy)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     got = llm.generate(PROMPTS[:2], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS[:2], params)]
-    probes = [r for r in rounds if r[0]]
-    assert len(probes) >= 4 and all(nodes > 0 for _, nodes, _, _ in probes)
-    for probing, nodes, through_cache, eager in rounds:
-        assert eager == probing  # every probe met a new shape; nothing else runs eagerly
-        assert through_cache != eager
-    timed = [r for r in rounds if not r[3]]
-    assert {nodes for _, nodes, _, _ in timed} >= {0, 4, 8}  # exploration still timed every option
+    if worth:
+        assert not declined and len(probe_rounds) >= 4
+    else:
+        assert not probe_rounds and len(declined) >= 4 and all(nodes > 0 for nodes in declined)

@@ -332,7 +332,7 @@ def test_probes_average_rounds_so_a_few_unlucky_rounds_do_not_evict_a_better_opt
 
 
 def test_probing_marks_neighbour_probes_only():
-    """``probing`` (the engine runs such rounds eagerly when their CUDA graph is missing) is true
+    """``probing`` (the engine may decline such rounds when their CUDA graph is missing) is true
     exactly for the rounds of neighbour probes: not for exploration, the best option, rechecks of
     a displaced option or plain rechecks."""
     config = SpecPolicyConfig(probe_interval=10)
@@ -373,3 +373,54 @@ def test_a_drafter_that_never_matches_explores_no_tree_in_a_new_bucket():
     assert chosen[:config.probe_interval] == [0] * config.probe_interval, chosen
     assert set(chosen) <= {0, 4}, Counter(chosen)
     assert policy.best(16) == 0
+
+
+def drive_declining(policy: SpecPolicy, rounds: int, rows: int, acceptance, seconds) -> tuple[list[int], list[int]]:
+    """``drive`` as the engine runs it when no probe has a CUDA graph: a neighbour probe whose
+    option is not ``worth_a_graph`` is declined and the round runs the best option. Returns the
+    options run and the round indices of the declined probes."""
+    chosen, declined = [], []
+    for i in range(rounds):
+        nodes = policy.choose(rows)
+        if nodes and policy.probing and not policy.worth_a_graph(rows, nodes):
+            policy.decline_probe()
+            declined.append(i)
+            nodes = policy.best(rows)
+        policy.record(rows, nodes, seconds(rows, nodes), acceptance(nodes) if nodes else 1.0)
+        chosen.append(nodes)
+    return chosen, declined
+
+
+def test_a_drafter_that_never_matches_makes_no_probe_worth_a_graph_and_declines_back_off():
+    """Acceptance 1: no tree's bound beats plain rounds, so every probe at a shape without a graph
+    is declined, and the declines space the probes out like probes of a clearly worse option
+    (50, 100, 200, 400, 800, 800 rounds). (Untimed probes that never backed off cost served H200
+    runs 15-28% of a pass at 4-32 rows.)"""
+    config = SpecPolicyConfig()
+    policy = SpecPolicy((64, 32, 16, 8, 4, 0), config)
+    drive(policy, 300, 1, lambda n: 1.0, lambda rows, n: 0.005 * (1 + n / 256))
+    assert policy.worth_a_graph(16, 4)  # a bucket with nothing timed yet: no score to beat
+    chosen, declined = drive_declining(policy, 3000, 16, lambda n: 1.0, lambda rows, n: 0.006 * (1 + n / 64))
+    assert set(chosen) == {0}  # no tree round at all
+    assert not any(policy.worth_a_graph(16, n) for n in (64, 32, 16, 8, 4))
+    gaps = [b - a for a, b in zip(declined, declined[1:])]
+    assert declined[0] < config.probe_interval + 5 and gaps[:5] == [100, 200, 400, 800, 800], (declined, gaps)
+
+
+def test_a_matching_drafter_finds_its_probes_worth_a_graph():
+    """A drafter whose bigger trees accept more: the bigger neighbour of the best option could win
+    (its acceptance over the best's round time beats the best's score), so its probe runs."""
+    policy = SpecPolicy(LADDER, SpecPolicyConfig())
+    drive(policy, 500, 1, growing_acceptance, lambda rows, n: 0.01 * (1 + n / 1024))
+    best = policy.best(1)
+    assert best != 0 and best != LADDER[0]
+    bigger = LADDER[LADDER.index(best) - 1]
+    assert policy.worth_a_graph(1, bigger)
+    chosen, declined = drive_declining(policy, 500, 1, growing_acceptance, lambda rows, n: 0.01 * (1 + n / 1024))
+    assert bigger in chosen  # its probes ran
+
+
+def test_decline_probe_needs_a_neighbour_probe():
+    policy = SpecPolicy(LADDER, SpecPolicyConfig())
+    with pytest.raises(RuntimeError, match="neighbour probe"):
+        policy.decline_probe()

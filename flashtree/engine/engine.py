@@ -7,14 +7,15 @@ is fed the round's wall time and acceptance afterwards (not the wall time of a r
 idle pause, see ``IDLE_GAP_S``).
 
 Probes and CUDA graphs: a graph is captured per round shape (rows, key-length bucket, slot
-range, node count), and capturing one costs tens to hundreds of plain rounds (H200, Qwen3-8B
-shape: 0.1-1.3 s). The policy's neighbour probes try an option for a round or a few, often at a
-shape never seen with that node count (slot ranges change as requests come and go). A neighbour
-probe's tree round whose graph is not captured yet therefore runs eagerly with the same shapes
-(same kernels, same tokens) and goes untimed (H200: 9.3 ms for one such round); the probe still
-measures acceptance (what drifts), while exploration, rechecks and the options the policy settles
-on get their graphs and timings as before. (What cost a server at 16 rows 5-15% of a pass was
-exploration at new shapes, not probes: spec_policy.py, "Exploration".)
+range, node count), and capturing one costs tens of plain rounds or more (H200, Qwen3-8B shape:
+0.1-0.3 s, 1.3 s with a Triton compile). The policy's neighbour probes try an option for a round
+or a few, often at a shape never seen with that node count (slot ranges change as requests come
+and go). A neighbour probe whose round has no captured graph is therefore declined unless its
+option could beat the best one (``SpecPolicy.worth_a_graph``); the round runs the best option
+instead, and the policy waits longer before the next probe. A drafter that never matches then
+costs no captures after its first bucket. (Running such probes eagerly instead, untimed, took
+85-250 ms a round at 4-32 rows on the H200, and an untimed probe never backed off: one every
+50 rounds cost DDTree and DFlash servers 15-28% of a pass; benchmarks/README.md, "Tenth session".)
 """
 
 from __future__ import annotations
@@ -144,13 +145,14 @@ class LLMEngine:
         """One round with the policy's node count; its wall time (the host sync included) and
         acceptance go back to the policy."""
         nodes = fit_to_budgets(self.policy.choose(len(rows)), rows, self.policy.ladder)
+        if self._probe_declined(rows, nodes):
+            nodes = fit_to_budgets(self.policy.best(len(rows)), rows, self.policy.ladder)
         after_idle, self._untimed_round = self._untimed_round, False
         t0 = time.perf_counter()
         self._catch_up_drafter(rows, nodes)  # part of the round's cost
-        # a probe's tree rounds do not capture graphs (see "Probes and CUDA graphs" above)
-        result = self.runner.round(rows, nodes, nodes == 0 or not self.policy.probing)  # (capture)
+        result = self.runner.round(rows, nodes)
         wall = time.perf_counter() - t0
-        seconds = None if result.captured_graph or result.eager or after_idle else wall
+        seconds = None if result.captured_graph or after_idle else wall
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
         if self.policy_tracer is not None:
@@ -158,6 +160,16 @@ class LLMEngine:
         self.rounds_by_nodes[nodes] += 1
         self.last_round_nodes = nodes
         return result
+
+    def _probe_declined(self, rows: Sequence[Request], nodes: int) -> bool:
+        """A neighbour probe's tree round that would capture a graph for an option that cannot
+        beat the best one is declined (see "Probes and CUDA graphs" above)."""
+        if not nodes or not self.policy.probing or self.runner.has_graph(rows, nodes):
+            return False
+        if self.policy.worth_a_graph(len(rows), nodes):
+            return False
+        self.policy.decline_probe()
+        return True
 
     def _prompts_fitting_drafter_lag(self, rows: Sequence[Request]) -> list[bool]:
         """Per row: its whole prompt is in this prefill chunk and fits the drafter's lag. The

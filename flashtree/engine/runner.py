@@ -58,7 +58,6 @@ class RoundResult(NamedTuple):
     emitted: list[list[int]]  # per row: accepted drafts + next bonus (= acceptance length tokens)
     tree_sizes: list[int]  # per row: drafted nodes verified
     captured_graph: bool = False  # this round captured a CUDA graph (its wall time is not typical)
-    eager: bool = False  # graphs are on but this round ran eagerly (capture=False; its wall time is not typical)
 
 
 class StageTimer:
@@ -134,44 +133,54 @@ class ModelRunner:
         if not all(defer):
             self.proposer.observe(slots, hidden, counts * (1 - deferred), starts)
 
-    def round(self, rows: Sequence[Request], nodes: int | None = None, capture: bool = True) -> RoundResult:
+    def round(self, rows: Sequence[Request], nodes: int | None = None) -> RoundResult:
         """One round for the running rows verifying ``nodes`` drafted nodes per row (default and
         at most ``proposer.max_nodes``; rows' own budgets cap theirs); the device work is
-        replayed as a CUDA graph when enabled. ``capture=False``: a round whose graph is not
-        captured yet runs eagerly instead, with the graph's shapes (same kernels, same tokens):
-        capturing one costs tens to hundreds of plain rounds, too much for a one-off probe."""
+        replayed as a CUDA graph when enabled (captured first if its key is new)."""
         nodes = self.proposer.max_nodes if nodes is None else nodes
         if not 0 <= nodes <= self.proposer.max_nodes:
             raise ValueError(f"nodes must be in [0, {self.proposer.max_nodes}], got {nodes}")
-        slots_list = [r.slot for r in rows]
-        pads = self._pad_rows(len(rows))
-        slots_list += [self.pad_slot] * pads
-        inputs, sampled, filtered = self._round_inputs(rows, nodes, pads)
-        shape = RoundShape(kv_len=max(r.committed_length for r in rows) + nodes + 1,
-                           slot_range=slot_range_of(slots_list), any_sampled=sampled, any_filtered=filtered,
-                           nodes=nodes)
-        if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and slots itself: one graph for all
-            shape = shape._replace(kv_len=self.cache.spec.capacity, slot_range=None)
+        slots_list = self._padded_slots(rows)
+        shape = self._shape(rows, nodes, slots_list)
+        inputs = self._round_inputs(rows, nodes, len(slots_list) - len(rows))
         t0 = self.timer.mark()
         captures = self.graphs.captures if self.graphs is not None else 0
-        eager = False
         if self.graphs is None:
             packed = self._round_device(shape, *inputs, timer=self.timer)
         else:
-            shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))  # (capacity stays capacity)
-            key = (len(slots_list), shape)
-            eager = not capture and not self.graphs.has(key)
-            if eager:
-                packed = self._round_device(shape, *inputs)
-            else:
-                packed = self.graphs.run(key, lambda *t: self._round_device(shape, *t), inputs)
+            packed = self.graphs.run((len(slots_list), shape), lambda *t: self._round_device(shape, *t), inputs)
         result = self._to_host(packed, len(rows))  # the one sync
         if self.graphs is not None:
             self.timer.add("round", t0)
-            result = result._replace(captured_graph=self.graphs.captures != captures, eager=eager)
+            result = result._replace(captured_graph=self.graphs.captures != captures)
         if self.tracer is not None:
             self.tracer.write(rows)
         return result
+
+    def has_graph(self, rows: Sequence[Request], nodes: int) -> bool:
+        """A round of ``rows`` with ``nodes`` nodes would replay a captured CUDA graph (always
+        true without graphs: nothing to capture)."""
+        if self.graphs is None:
+            return True
+        slots_list = self._padded_slots(rows)
+        return self.graphs.has((len(slots_list), self._shape(rows, nodes, slots_list)))
+
+    def _padded_slots(self, rows: Sequence[Request]) -> list[int]:
+        """The rows' KV slots, then the pad slot for each pad row (see ``_pad_rows``)."""
+        return [r.slot for r in rows] + [self.pad_slot] * self._pad_rows(len(rows))
+
+    def _shape(self, rows: Sequence[Request], nodes: int, slots_list: list[int]) -> RoundShape:
+        """The round's static shape (with graphs: its key-length bucket)."""
+        params = [r.params for r in rows]
+        shape = RoundShape(kv_len=max(r.committed_length for r in rows) + nodes + 1,
+                           slot_range=slot_range_of(slots_list), any_sampled=any(not p.greedy for p in params),
+                           any_filtered=any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params),
+                           nodes=nodes)
+        if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and slots itself: one graph for all
+            shape = shape._replace(kv_len=self.cache.spec.capacity, slot_range=None)
+        if self.graphs is not None:
+            shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))  # (capacity stays capacity)
+        return shape
 
     def _pad_rows(self, rows: int) -> int:
         """Pad rows a graphed round adds: up to the next power of two."""
@@ -179,7 +188,7 @@ class ModelRunner:
             return 0
         return (1 << (rows - 1).bit_length()) - rows
 
-    def _round_inputs(self, rows: Sequence[Request], nodes: int, pads: int = 0) -> tuple[RoundInputs, bool, bool]:
+    def _round_inputs(self, rows: Sequence[Request], nodes: int, pads: int = 0) -> RoundInputs:
         """The rows' inputs on the device, sent in two non-blocking copies from pinned memory (a
         copy from pageable memory would make the host wait for all queued device work).
 
@@ -198,9 +207,7 @@ class ModelRunner:
         ints = ints.to(self.device, non_blocking=True)
         floats = floats.to(self.device, non_blocking=True)
         slots, bonus, starts, budgets, generated, top_k, seed = ints.unbind(0)
-        inputs = RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed)
-        sampled = any(not p.greedy for p in params)
-        return inputs, sampled, any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params)
+        return RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed)
 
     def _kv_bucket(self, kv_len: int) -> int:
         bucket = 256

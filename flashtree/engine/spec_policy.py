@@ -33,7 +33,9 @@ a drafter that never matches (acceptance 1: no tree can beat plain rounds) explo
 first bucket only. Exploring them in every new bucket cost a server 5-15% of a pass at 16 rows on
 the H200: each first round of an option at a new shape captures a CUDA graph (0.1-0.3 s), and
 exploration went on across passes (benchmarks/README.md, "Ninth session"). The neighbour probes
-still try trees there now and then.
+still try trees there now and then; the engine declines a probe whose round would capture a graph
+for an option that cannot win (:meth:`SpecPolicy.worth_a_graph`, :meth:`SpecPolicy.decline_probe`:
+the next probe then waits twice as long).
 Tracking: after ``probe_interval`` rounds of a bucket, a neighbour of the best option in the
 ladder is tried for ``probe_rounds`` rounds in a row (alternately the larger and the smaller), so
 drift in acceptance or cost moves the choice. The probe's rounds are averaged and go into the
@@ -235,10 +237,32 @@ class SpecPolicy:
     @property
     def probing(self) -> bool:
         """The round just chosen belongs to a neighbour probe: not to exploration, the best option,
-        a recheck (whose timing is the point of it) or a plain recheck. The engine runs such a
-        round eagerly, untimed, when its CUDA graph is not captured (engine.py, "Probes and CUDA
-        graphs"); its acceptance still counts."""
+        a recheck (whose timing is the point of it) or a plain recheck. The engine may decline such
+        a round (:meth:`decline_probe`) when its CUDA graph is not captured yet and
+        :meth:`worth_a_graph` says no (engine.py, "Probes and CUDA graphs")."""
         return self._probe is not None and self._probe.recheck == NEIGHBOUR_PROBE
+
+    def worth_a_graph(self, rows: int, nodes: int) -> bool:
+        """Whether ``nodes`` could beat the best option of ``rows``' bucket: its bound (acceptance
+        over the round time of the largest smaller option timed in the bucket, see :meth:`_bound`)
+        is above the best option's score. A drafter that never matches (acceptance 1) makes no
+        tree worth it: its bound is plain rounds' score."""
+        bucket = rows_bucket(rows)
+        scores, best = self._scores(bucket)
+        top = scores.get(best)
+        return top is None or self._bound(bucket, nodes) > top
+
+    def decline_probe(self) -> None:
+        """The engine did not run the neighbour probe just chosen (it would have captured a graph
+        for an option not :meth:`worth_a_graph`): the probe ends unmeasured, and the next one
+        waits twice as long (up to ``max_probe_interval``), as after a probe that found its option
+        clearly worse."""
+        probe, self._probe = self._probe, None
+        if probe is None or probe.recheck != NEIGHBOUR_PROBE:
+            raise RuntimeError("decline_probe() needs a neighbour probe in progress (see probing)")
+        interval = min(2 * self._interval.get(probe.bucket, self.config.probe_interval), self.config.max_probe_interval)
+        self._interval[probe.bucket] = interval
+        self._next_probe[probe.bucket] = self._rounds[probe.bucket] + interval
 
     def _probe_rounds(self, rows: int) -> int:
         """Rounds of a probe at ``rows`` rows: enough for ``probe_rounds`` rows' worth of rounds
