@@ -390,3 +390,30 @@ def test_policy_trace_has_one_line_per_batched_round(pair, tmp_path):
     assert all(line["nodes"] in (16, 8, 4, 0) and line["rows"] in (1, 2) for line in lines)
     assert [option[0] for option in lines[-1]["estimates"]["options"]] == [16, 8, 4, 0]
     assert sum(o.rounds for o in outs) >= len(lines)
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_a_full_lag_catches_up_every_lagging_row_in_one_pass(pair, plain, method, monkeypatch):
+    """Rows that joined at different times: when one row's lag is full, every lagging row is
+    caught up in the same drafter pass, so the rows fall into step (one pass per lag capacity
+    rounds, not one per row); the tokens stay plain decoding's."""
+    import flashtree.spec.dflash_proposer as proposer_module
+
+    monkeypatch.setattr(proposer_module, "LAG_CAPACITY", 4)
+    llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)
+    llm.engine.policy = ScriptedPolicy(llm.engine.policy.ladder, [0])  # plain rounds only
+    passes = []
+    real_catch_up = llm.engine.proposer.catch_up
+    monkeypatch.setattr(llm.engine.proposer, "catch_up",
+                        lambda slots, width=None: (passes.append(sorted(slots)), real_catch_up(slots, width)))
+    prompts = [p for p in PROMPTS if len(p) > ENGINE["prefill_chunk"]][:3]  # (not deferred at prefill)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    reqs = []
+    for prompt in prompts:  # one request joins every other step
+        reqs.append(llm.engine.add_request(prompt, params))
+        llm.engine.step(), llm.engine.step()
+    llm.engine.run_until_done(reqs)
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in plain.generate(prompts, params)]
+    slots = sorted(r.slot for r in reqs)
+    together = [p for p in passes if p == slots]
+    assert len(together) >= 4 and len(passes) <= len(together) + 3, passes  # after joining, always together
