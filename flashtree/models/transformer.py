@@ -181,23 +181,28 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache,
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                write_index: tuple[torch.Tensor, torch.Tensor], kernels) -> tuple[torch.Tensor, torch.Tensor]:
+                write_index: tuple[torch.Tensor, torch.Tensor], kernels,
+                keep_input: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """See :func:`prenorm_layer`."""
         return prenorm_layer(self, x, residual, kernels,
-                             lambda h: self.self_attn(h, batch, cache, rope, mask, write_index))
+                             lambda h: self.self_attn(h, batch, cache, rope, mask, write_index), keep_input)
 
 
 def prenorm_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, kernels,
-                  attend: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                  attend: Callable[[torch.Tensor], torch.Tensor],
+                  keep_input: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm decoder layer (``input_layernorm``, attention, ``post_attention_layernorm``,
     ``mlp``) whose input is ``x + residual`` (``x`` alone for the first layer): the previous
     layer's MLP output is added here, inside the fused norm. Returns (MLP output, residual),
     whose sum is the layer's output. ``attend`` runs the attention on the normed input; ``kernels``
-    is the fused-kernel backend module or None."""
+    is the fused-kernel backend module or None. ``keep_input``: a list to append the layer's input
+    to (the sum the fused norm makes anyway: the previous layer's output, with no extra add)."""
     if residual is None:
         h, residual = layer.input_layernorm(x), x
     else:
         h, residual = layer.input_layernorm.add_forward(x, residual, kernels)
+    if keep_input is not None:
+        keep_input.append(residual)  # (add_forward returns a new tensor: nothing writes to it later)
     h, residual = layer.post_attention_layernorm.add_forward(attend(h), residual, kernels)
     return layer.mlp(h), residual
 
@@ -316,9 +321,10 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         last = len(self.model.layers) - 1
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.kernels)
-            if i in wanted and i != last:  # HF hidden_states[i + 1]
-                captured[i] = residual + x
+            kept = [] if i - 1 in wanted else None  # layer i - 1's output (HF hidden_states[i]) is layer i's input
+            x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.kernels, kept)
+            if kept:
+                captured[i - 1] = kept[0]
         x = residual + x  # [B, N, hidden], the last layer's output
         if last in wanted:  # HF takes the last one after the final norm
             captured[last] = self.model.norm(x)

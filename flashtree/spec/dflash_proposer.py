@@ -81,10 +81,10 @@ class DrafterRunner:
         the host keeps every real slot's lag within LAG_CAPACITY (the clamps only keep the pad
         slot's writes in bounds)."""
         width, capacity = features.shape[1], self.lag_capacity
-        if counts is None and width == 1:  # a plain round (inside its CUDA graph): three small ops
+        if counts is None and width == 1:  # a plain round (inside its CUDA graph): a few small ops
             at = self.lag[slots].clamp(max=capacity - 1)  # [B]
             self.lagging[slots, at] = features[:, 0].to(self.lagging.dtype)
-            self.lag[slots] = (self.lag[slots] + 1).clamp(max=capacity)
+            self.lag[slots] = at + 1  # = (lag + 1).clamp(max=capacity)
             return
         j = torch.arange(width, device=slots.device)  # [P]
         counts = torch.full_like(slots, width) if counts is None else counts  # [B]
