@@ -31,6 +31,9 @@
 #   LAYERS / BLOCK / ANCHORS / LR   drafter layers (3), block size (8), anchors per sequence (128), lr (6e-4)
 #   NEW_TOKENS   max new tokens per regenerated answer (default 256)
 #   MAX_CONTEXT  prompt + answer tokens while regenerating, and the training sequence length (768)
+#   INIT         a drafter checkpoint directory to start the first phase from (its weights and shape; a new
+#                optimizer and schedule), e.g. flashtree/assets/smollm2-dflash to train the shipped drafter on
+#                (default: a new drafter of LAYERS layers, block BLOCK)
 #   BENCH_PROMPTS / BENCH_TOKENS / BENCH_METHODS   the tau measurement (16 / 128 / ar,dflash,ddtree:8..64)
 #   MAX_RUNNING  requests decoded together while regenerating (default 512)
 set -euo pipefail
@@ -109,11 +112,14 @@ checks_and_bench() {
   bench "$HELDOUT" sharegpt 16 bfloat16
 }
 
+INIT_FLAGS=()
+[[ -n "${INIT:-}" ]] && INIT_FLAGS=(--resume "$INIT")  # a checkpoint without trainer_state.pt: weights only
+
 case "$PHASE" in
   regen) regenerate ;;
-  first) regenerate; train 20 ;;
+  first) regenerate; train 20 "${INIT_FLAGS[@]}" ;;
   resume) train "$BENCH_RESERVE_S" --resume "$WORK/drafter"; checks_and_bench ;;
-  all) regenerate; train "$BENCH_RESERVE_S"; checks_and_bench ;;
+  all) regenerate; train "$BENCH_RESERVE_S" "${INIT_FLAGS[@]}"; checks_and_bench ;;
   *) echo "PHASE must be regen, first, resume or all, got $PHASE"; exit 2 ;;
 esac
 stamp "done ($PHASE)"
