@@ -17,6 +17,8 @@
 # alternation with benchmarks/load_paired.py (REPEATS repeats, PAIRED_REQUESTS and WAVES per pass),
 # so drift of the machine hits all of them alike. TRACE_DIR=dir writes each server's policy trace
 # (--trace-policy; the plain server's has its round times) to dir/policy_METHOD.jsonl.
+# STEP_TRACE_DIR=dir writes each server's step trace (--trace-steps: round, prefill and the gap
+# before each engine step; the same short line on every server) to dir/steps_METHOD.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:?usage: gpu_load.sh OUT_DIR}
@@ -62,6 +64,7 @@ start_server() {  # start_server METHOD PORT: a server in the background, its pi
   local method=$1 port=$2 draft_flags=()
   [[ $method != none ]] && draft_flags=(--draft "$DRAFT" --budget "$BUDGET")
   [[ -n "${TRACE_DIR:-}" ]] && draft_flags+=(--trace-policy "$TRACE_DIR/policy_$method.jsonl")
+  [[ -n "${STEP_TRACE_DIR:-}" ]] && draft_flags+=(--trace-steps "$STEP_TRACE_DIR/steps_$method.jsonl")
   python3 -m flashtree.cli serve --model "$MODEL" --random-weights --spec "$method" "${draft_flags[@]}" \
     --max-running 32 --max-context 1024 --port "$port" --log-level warning $EXTRA \
     >"${LOG_DIR:-$OUT_DIR}/serve_$method.log" 2>&1 &

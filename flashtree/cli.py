@@ -34,6 +34,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "(default: decode-sized products read the GGUF blocks with an AVX-512 / AVX2 kernel)")
     parser.add_argument("--trace-policy", default=None, metavar="FILE",
                         help="write each round's adaptive-speculation choice, time and estimates as JSON lines")
+    parser.add_argument("--trace-steps", default=None, metavar="FILE",
+                        help="write each engine step's round, prefill and the gap before it (ms) as JSON lines")
     parser.add_argument("--no-cpu-kernels", action="store_true",
                         help="CPU: run norms, rotary and KV writes as plain torch ops "
                              "(default: fused C++ kernels where the AVX-512 / AVX2 kernel library builds)")
@@ -84,7 +86,7 @@ def llm_from_args(args, **extra):
                quant_kernels=not getattr(args, "no_quant_kernels", False),
                gpu_kernels=not getattr(args, "no_gpu_kernels", False),
                cpu_kernels=not getattr(args, "no_cpu_kernels", False), trace_policy=args.trace_policy,
-               triton_attention=args.triton_attention, triton_tree=args.triton_tree, **extra)
+               trace_steps=args.trace_steps, triton_attention=args.triton_attention, triton_tree=args.triton_tree, **extra)
 
 
 def adaptive_spec_of(args, default: bool = True) -> bool:

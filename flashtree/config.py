@@ -45,6 +45,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
     trace_trees: str | None = None  # JSON-lines file: per round, each request's tree and accepted path
     trace_policy: str | None = None  # JSON-lines file: per round, the adaptive policy's choice, timing, estimates
+    trace_steps: str | None = None  # JSON-lines file: per engine step, its round, prefill and the gap before it (ms)
     quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 32 rows straight from the GGUF blocks
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (models/gpu_kernels.py)
     cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (models/cpu_kernels.py; AVX-512 or AVX2 + compiler)

@@ -48,3 +48,44 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
     other_seed = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=1.0, seed=8,
                                                            ignore_eos=True))[0].token_ids
     assert other_seed != alone
+
+
+def test_step_trace_accounts_for_every_step(tiny, tmp_path):
+    """``trace_steps``: one line per engine step; its parts add up, rounds and prefills are where
+    the engine ran them, and benchmarks/step_trace_summary.py reads the file."""
+    import json
+    import sys
+    from pathlib import Path
+
+    hf, _ = tiny
+    hf.save_pretrained(tmp_path / "model")
+    trace = tmp_path / "steps.jsonl"
+    llm = LLM(str(tmp_path / "model"), max_running=4, max_context=128, prefill_chunk=8, trace_steps=str(trace))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    reference = [o.token_ids for o in LLM(str(tmp_path / "model"), max_running=4, max_context=128,
+                                          prefill_chunk=8).generate(PROMPTS, params)]
+    steps = 0
+    real_step = llm.engine.step
+
+    def counting_step():
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    llm.engine.step = counting_step
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference  # tracing changes no token
+    llm.engine.step_tracer.close()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == steps
+    assert sum(line["round_ms"] is not None for line in lines) == sum(llm.engine.rounds_by_nodes.values())
+    assert sum(line["prefill_rows"] for line in lines) >= len(PROMPTS)  # (long prompts take several chunks)
+    for line in lines:
+        assert (line["round_ms"] is None) == (line["rows"] == 0) == (line["nodes"] is None)
+        assert (line["prefill_ms"] is None) == (line["prefill_rows"] == 0)
+        assert line["step_ms"] >= (line["round_ms"] or 0) + (line["prefill_ms"] or 0)
+    assert lines[0]["gap_ms"] is None and all(line["gap_ms"] >= 0 for line in lines[1:])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_trace_summary import summarize
+
+    passes = summarize(trace, gap_s=60.0, min_rounds=1)
+    assert len(passes) == 1 and passes[0]["rounds"] == sum(llm.engine.rounds_by_nodes.values())

@@ -33,6 +33,7 @@ from flashtree.engine.request import Request, Status
 from flashtree.engine.runner import ModelRunner, RoundResult, StageTimer
 from flashtree.engine.scheduler import Scheduler
 from flashtree.engine.spec_policy import FixedNodes, SpecPolicy, node_ladder
+from flashtree.engine.step_trace import StepTracer
 from flashtree.engine.tree_trace import TreeTracer
 from flashtree.errors import RequestError
 from flashtree.kv_cache import KVCache, KVCacheSpec
@@ -88,6 +89,7 @@ class LLMEngine:
         self._untimed_round = False  # the next round follows an idle pause: not timed for the policy
         self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
         self.policy_tracer = PolicyTracer(config.trace_policy) if config.trace_policy else None
+        self.step_tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.tracker = TextTracker(self.tokenizer, config.incremental_text)
         self.default_stop_ids = frozenset(stop_token_ids_for(cfg, self.tokenizer))
         self.load_seconds = time.perf_counter() - t0
@@ -113,21 +115,27 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[StepEvent]:
-        if time.perf_counter() - self._last_step_end > IDLE_GAP_S:  # the engine sat idle before this step
+        started = time.perf_counter()
+        if started - self._last_step_end > IDLE_GAP_S:  # the engine sat idle before this step
             self._untimed_round = True
         scheduled = self.scheduler.schedule()
         events: list[StepEvent] = []
         self.last_round_nodes = None
+        round_s = prefill_s = None
         if scheduled.decode:
+            round_s = time.perf_counter()
             result = self._round(scheduled.decode)
+            round_s = time.perf_counter() - round_s
             for req, tokens, size in zip(scheduled.decode, result.emitted, result.tree_sizes):
                 req.stats.rounds += 1
                 req.stats.acceptance_lengths.append(len(tokens))
                 req.stats.tree_sizes.append(size)
                 events.append(append_tokens(req, tokens, self.tracker, self.config.max_context))
         if scheduled.prefill:
+            prefill_s = time.perf_counter()
             defer = self._prompts_fitting_drafter_lag(scheduled.prefill)
             firsts = self.runner.prefill(scheduled.prefill, self.config.prefill_chunk, defer=defer)
+            prefill_s = time.perf_counter() - prefill_s
             for req, first, deferred in zip(scheduled.prefill, firsts, defer):
                 if deferred:
                     req.drafter_lag = len(req.prompt_ids)
@@ -138,7 +146,12 @@ class LLMEngine:
         for req in self.scheduler.release_finished():
             self.cache.free(torch.tensor([req.slot], device=self.device))
             self.proposer.release([req.slot])
-        self._last_step_end = time.perf_counter()
+        previous_end, self._last_step_end = self._last_step_end, time.perf_counter()
+        if self.step_tracer is not None:
+            self.step_tracer.write(started=started, ended=self._last_step_end,
+                                   previous_end=None if previous_end == float("-inf") else previous_end,
+                                   round_s=round_s, rows=len(scheduled.decode), nodes=self.last_round_nodes,
+                                   prefill_s=prefill_s, prefill_rows=len(scheduled.prefill))
         return events
 
     def _round(self, rows: Sequence[Request]) -> RoundResult:
@@ -200,6 +213,14 @@ class LLMEngine:
         if nodes == 0:
             for req in rows:
                 req.drafter_lag += 1
+
+    def close_traces(self) -> None:
+        """Write out and close the trace files (a server does this when it stops; buffered step
+        lines are also written at interpreter exit, which a signal may skip)."""
+        for tracer in (self.step_tracer, self.policy_tracer):
+            if tracer is not None:
+                tracer.close()
+        self.step_tracer = self.policy_tracer = None
 
     def run_until_done(self, requests: list[Request]) -> None:
         while any(not r.finished for r in requests):

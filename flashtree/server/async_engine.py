@@ -189,6 +189,7 @@ class AsyncEngine:
                 log.exception("engine loop failed; failing the requests in the batch")
                 self._fail_active(f"the engine failed: {type(err).__name__}: {err}")
         self._fail_all("the server is shutting down")
+        self.engine.close_traces()
         self.state = EngineState.STOPPED
 
     def _load_engine(self) -> bool:
