@@ -32,9 +32,10 @@ PORT=${PORT:-8140}
 EXTRA=${EXTRA:-}
 WARMUP=${WARMUP---warmup}  # WARMUP= (empty) measures a fresh server
 mkdir -p "$OUT_DIR" "${LOG_DIR:-$OUT_DIR}" /tmp/site
-if [[ -n "${WHEELS:-}" ]]; then
-  python3 -m pip install -q --no-index --no-compile --find-links "$WHEELS" --target /tmp/site \
-    fastapi uvicorn openai prometheus-client httpx 2>&1 | grep -v -i warning || true
+if [[ -n "${WHEELS:-}" ]]; then  # every wheel there, without resolving (the device has some of the deps itself,
+  # e.g. prometheus-client: resolving by name failed in the tenth session's first call)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl 2>&1 \
+    | grep -v -i warning || true
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
