@@ -402,3 +402,21 @@ def test_validation_errors_name_the_nested_field():
                                                               "type"), "msg": "Input should be 'text'"}])
     assert (err.status, err.param) == (400, "messages[0].content[1].type")
     assert err.message == "messages[0].content[1].type: Input should be 'text'"
+
+
+def test_metrics_count_exactly_what_a_request_used(server):
+    """The token and round counters (updated once per engine step for all its requests) grow by
+    exactly the request's usage."""
+    names = ("flashtree_generation_tokens_total", "flashtree_spec_rounds_total", "flashtree_spec_acceptance_length_count",
+             "flashtree_spec_acceptance_length_sum")
+    before = {n: metric_value(metrics_text(server), n) for n in names}
+    out = client(server).completions.create(model="tiny", prompt="one two three", max_tokens=9, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    after = {n: metric_value(metrics_text(server), n) for n in names}
+    grew = {n: after[n] - before[n] for n in names}
+    assert grew["flashtree_generation_tokens_total"] == out.usage.completion_tokens == 9
+    assert grew["flashtree_spec_rounds_total"] == grew["flashtree_spec_acceptance_length_count"] == out.usage.rounds
+    # every round's acceptance length counts its committed tokens; the first token came from the prefill
+    assert grew["flashtree_spec_acceptance_length_sum"] == out.usage.completion_tokens - 1
+    assert out.usage.mean_acceptance_length == pytest.approx((out.usage.completion_tokens - 1) / out.usage.rounds,
+                                                             abs=1e-4)

@@ -66,7 +66,7 @@ class GenerationDelta:
 
     token_ids: tuple[int, ...]
     text: str
-    usage: RequestUsage
+    usage: RequestUsage | None  # on the last delta (and an error's) only: nothing reads it before
     finish_reason: str | None = None  # set on the last delta: stop | length | abort
     full_text: str | None = None  # the whole output text, on the last delta
     error: str | None = None  # the engine failed this request
@@ -259,29 +259,32 @@ class AsyncEngine:
         self.metrics.observe_round_nodes(self.engine.last_round_nodes)
         now = time.monotonic()
         deliveries = defaultdict(list)
+        step_rounds, generated = _StepRounds(), 0
         for event in events:
             tracked = self._tracked.get(event.request.request_id)
             if tracked is not None:
+                step_rounds.add(tracked)
+                generated += len(event.new_token_ids)
                 deliveries[tracked.stream.loop].append((tracked.stream, self._delta(tracked, event, now)))
+        if generated:  # the step's counters once, not once per request (host time the device waits for)
+            self.metrics.generation_tokens.inc(generated)
+        self.metrics.observe_rounds(step_rounds.lengths, step_rounds.sizes)
         for loop, batch in deliveries.items():
             _post(loop, _deliver, batch)
 
     def _delta(self, tracked: _Tracked, event: StepEvent, now: float) -> GenerationDelta:
         req = event.request
-        self._observe_tokens(tracked, len(event.new_token_ids), now)
-        self._observe_rounds(tracked)
-        usage = RequestUsage.of(req)
+        self._observe_token_times(tracked, len(event.new_token_ids), now)
         if not event.finished:
-            return GenerationDelta(tuple(event.new_token_ids), event.new_text, usage)
+            return GenerationDelta(tuple(event.new_token_ids), event.new_text, None)
         del self._tracked[req.request_id]
         self.metrics.finished.labels(finish_reason=req.finish_reason).inc()
-        return GenerationDelta(tuple(event.new_token_ids), event.new_text, usage,
+        return GenerationDelta(tuple(event.new_token_ids), event.new_text, RequestUsage.of(req),
                                finish_reason=req.finish_reason, full_text=req.text)
 
-    def _observe_tokens(self, tracked: _Tracked, count: int, now: float) -> None:
+    def _observe_token_times(self, tracked: _Tracked, count: int, now: float) -> None:
         if count == 0:
             return
-        self.metrics.generation_tokens.inc(count)
         if tracked.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - tracked.arrival)
         else:
@@ -289,13 +292,6 @@ class AsyncEngine:
             for _ in range(count):
                 self.metrics.inter_token_latency.observe(per_token)
         tracked.last_token_at = now
-
-    def _observe_rounds(self, tracked: _Tracked) -> None:
-        stats = tracked.request.stats
-        lengths = stats.acceptance_lengths[tracked.rounds_seen:]
-        sizes = stats.tree_sizes[tracked.rounds_seen:]
-        tracked.rounds_seen = len(stats.acceptance_lengths)
-        self.metrics.observe_rounds(lengths, sizes)
 
     def _fail_active(self, message: str) -> None:
         for req in list(self.engine.scheduler.active):
@@ -324,6 +320,20 @@ class AsyncEngine:
         held = sum(_kv_tokens(r) for r in scheduler.active)
         self.metrics.set_load(running=len(scheduler.active), waiting=len(scheduler.waiting),
                               kv_usage=held / (config.max_running * config.max_context))
+
+
+class _StepRounds:
+    """The rounds one engine step added to its requests' stats, gathered for one metrics update."""
+
+    def __init__(self):
+        self.lengths: list[int] = []  # acceptance lengths
+        self.sizes: list[int] = []  # tree sizes
+
+    def add(self, tracked: _Tracked) -> None:
+        stats = tracked.request.stats
+        self.lengths += stats.acceptance_lengths[tracked.rounds_seen:]
+        self.sizes += stats.tree_sizes[tracked.rounds_seen:]
+        tracked.rounds_seen = len(stats.acceptance_lengths)
 
 
 def _kv_tokens(req: Request) -> int:
