@@ -24,29 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree import LLM, SamplingParams  # noqa: E402
 from tests.dflash_helpers import tiny_pair  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_plain_round_upkeep import PlainRounds  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_catch_up_rate.json"
-
-
-class PlainRounds:
-    """The policy interface, always choosing plain rounds."""
-
-    probing = False
-
-    def __init__(self, ladder):
-        self.ladder = ladder
-
-    def choose(self, rows: int) -> int:
-        return 0
-
-    def record(self, *args) -> None:
-        pass
 
 
 def catch_ups_per_round(pair, rows: int, steps: int, seed: int = 0) -> dict:
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=16, max_running=max(32, rows),
               max_context=512, prefill_chunk=256)
     engine = llm.engine
-    engine.policy = PlainRounds(engine.policy.ladder)
+    engine.policy = PlainRounds()
     passes = []
     real = engine.proposer.catch_up
     engine.proposer.catch_up = lambda slots, width=None: (passes.append(len(slots)), real(slots, width))

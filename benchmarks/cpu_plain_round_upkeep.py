@@ -35,6 +35,7 @@ class PlainRounds:
     """The policy interface, always choosing plain rounds."""
 
     ladder = (4, 0)
+    probing = False  # (never probes)
 
     def choose(self, rows: int) -> int:
         return 0

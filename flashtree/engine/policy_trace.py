@@ -6,16 +6,15 @@ the round's sync; it does not change what runs on the device.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
+
+from flashtree.engine.json_lines import JsonLines
 
 
 class PolicyTracer:
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("a", encoding="utf-8")
+        self.out = JsonLines(path)  # a line at once
         self.start = time.perf_counter()
 
     def write(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None, policy,
@@ -28,8 +27,7 @@ class PolicyTracer:
         snapshot = getattr(policy, "snapshot", None)
         if snapshot is not None:
             line["estimates"] = snapshot(rows)
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+        self.out.write(line)
 
     def close(self) -> None:
-        self.file.close()
+        self.out.close()

@@ -11,22 +11,18 @@ every ``FLUSH_EVERY`` steps and at exit, to keep the tracing itself cheap.
 
 from __future__ import annotations
 
-import atexit
-import json
 import time
 from pathlib import Path
+
+from flashtree.engine.json_lines import JsonLines
 
 FLUSH_EVERY = 512  # steps between writes
 
 
 class StepTracer:
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("a", encoding="utf-8")
+        self.out = JsonLines(path, FLUSH_EVERY)
         self.start = time.perf_counter()
-        self.pending: list[str] = []
-        atexit.register(self.flush)
 
     def write(self, *, started: float, ended: float, previous_end: float | None, round_s: float | None,
               rows: int, nodes: int | None, prefill_s: float | None, prefill_rows: int) -> None:
@@ -35,17 +31,7 @@ class StepTracer:
         line = {"t": round(ended - self.start, 6), "gap_ms": ms(None if previous_end is None else started - previous_end),
                 "round_ms": ms(round_s), "rows": rows, "nodes": nodes, "prefill_ms": ms(prefill_s),
                 "prefill_rows": prefill_rows, "step_ms": ms(ended - started)}
-        self.pending.append(json.dumps(line))
-        if len(self.pending) >= FLUSH_EVERY:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending and not self.file.closed:
-            self.file.write("\n".join(self.pending) + "\n")
-            self.file.flush()
-        self.pending.clear()
+        self.out.write(line)
 
     def close(self) -> None:
-        self.flush()
-        self.file.close()
-        atexit.unregister(self.flush)
+        self.out.close()

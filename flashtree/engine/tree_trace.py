@@ -6,21 +6,19 @@ Tracing copies each round's tree to the host, so it runs rounds eagerly (no CUDA
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from flashtree.engine.json_lines import JsonLines
 from flashtree.engine.request import Request
 from flashtree.spec.tree import DraftTree
 
 
 class TreeTracer:
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("a", encoding="utf-8")
+        self.out = JsonLines(path)  # a round's lines at once
         self.pending: tuple[torch.Tensor, ...] | None = None
 
     def hold(self, tree: DraftTree, tokens: torch.Tensor, path: torch.Tensor) -> None:
@@ -32,12 +30,12 @@ class TreeTracer:
             return
         tokens, parents, valid, path = (t.tolist() for t in self.pending)
         self.pending = None
+        lines = []
         for b, req in enumerate(rows):
             count = sum(valid[b])  # valid nodes are a leading run: root, then drafted nodes
-            line = {"request_id": req.request_id, "round": req.stats.rounds, "tokens": tokens[b][:count],
-                    "parents": parents[b][:count], "accepted_path": [n for n in path[b] if n >= 0]}
-            self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+            lines.append({"request_id": req.request_id, "round": req.stats.rounds, "tokens": tokens[b][:count],
+                          "parents": parents[b][:count], "accepted_path": [n for n in path[b] if n >= 0]})
+        self.out.write(*lines)
 
     def close(self) -> None:
-        self.file.close()
+        self.out.close()
