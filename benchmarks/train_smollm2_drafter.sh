@@ -10,6 +10,8 @@
 #   PHASE=all     both in one go (when the whole run fits one call).
 #   PHASE=regen   only step 1, appending to $WORK/regenerated.jsonl (skips answered ids): more data
 #                 over several calls before PHASE=first (with REGEN_APPEND=1) and PHASE=resume.
+#   PHASE=train   steps 2 and 3 on the answers already in $WORK/regenerated.jsonl (e.g. greedy and
+#                 sampled answers regenerated in an earlier call, concatenated), from INIT if given.
 # A device call lasts at most 600 s, so each phase stops training DEADLINE_S seconds after the
 # script started, minus what it still has to do. Notes, inputs, files to carry: train_smollm2.md.
 #
@@ -36,6 +38,9 @@
 #                (default: a new drafter of LAYERS layers, block BLOCK)
 #   BENCH_PROMPTS / BENCH_TOKENS / BENCH_METHODS   the tau measurement (16 / 128 / ar,dflash,ddtree:8..64)
 #   MAX_RUNNING  requests decoded together while regenerating (default 512)
+#   BENCH_BF16   0: only the float32 benches (tau on ShareGPT and HumanEval), not the bf16 speed ones (default 1)
+#   BENCH_RESERVE_S  seconds the last phase keeps for the checks and benches (default 200; 120 is enough
+#                without the bf16 benches)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -70,7 +75,8 @@ BENCH_METHODS=${BENCH_METHODS:-ar,dflash,ddtree:8,ddtree:16,ddtree:32,ddtree:64}
 MAX_RUNNING=${MAX_RUNNING:-512}
 DEVICE=${DEVICE:-auto}
 PY=${PY:-python3}
-BENCH_RESERVE_S=200  # what the checks and benches of the last phase take, model loads included
+BENCH_BF16=${BENCH_BF16:-1}
+BENCH_RESERVE_S=${BENCH_RESERVE_S:-200}  # what the checks and benches of the last phase take, model loads included
 mkdir -p "$WORK"
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
@@ -108,6 +114,7 @@ checks_and_bench() {
   stamp "bench: held-out ShareGPT and HumanEval, $BENCH_TOKENS new tokens"
   bench "$HELDOUT" sharegpt 1 float32
   bench "$HUMANEVAL" humaneval 1 float32
+  (( BENCH_BF16 )) || return 0
   bench "$HELDOUT" sharegpt 1 bfloat16
   bench "$HELDOUT" sharegpt 16 bfloat16
 }
@@ -120,7 +127,8 @@ case "$PHASE" in
   first) regenerate; train 20 "${INIT_FLAGS[@]}" ;;
   resume) train "$BENCH_RESERVE_S" --resume "$WORK/drafter"; checks_and_bench ;;
   all) regenerate; train "$BENCH_RESERVE_S" "${INIT_FLAGS[@]}"; checks_and_bench ;;
-  *) echo "PHASE must be regen, first, resume or all, got $PHASE"; exit 2 ;;
+  train) train "$BENCH_RESERVE_S" "${INIT_FLAGS[@]}"; checks_and_bench ;;
+  *) echo "PHASE must be regen, first, resume, all or train, got $PHASE"; exit 2 ;;
 esac
 stamp "done ($PHASE)"
 
