@@ -89,6 +89,9 @@ class ModelRunner:
         use_graphs = cuda_graphs and self.device.type == "cuda" and not timer.sync and tracer is None
         self.graphs = GraphCache() if use_graphs else None
         self.pad_slot = pad_slot
+        # prefill attention builds no per-shape plan (models/attention.py); False: PyTorch's choice
+        # (cuDNN on the H200), for comparisons (benchmarks/gpu_prefill_shapes.py)
+        self.planless_prefill = True
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -109,7 +112,8 @@ class ModelRunner:
         batch = ForwardBatch(
             input_ids=ids, positions=starts[:, None] + torch.arange(width, device=self.device),
             slots=slots, cache_lengths=starts, new_mask=causal_mask(counts, width),
-            kv_len=max(r.prefilled for r in rows) + width, slot_range=slot_range_of(slots_list))
+            kv_len=max(r.prefilled for r in rows) + width, slot_range=slot_range_of(slots_list),
+            one_off_shape=self.planless_prefill)
         last = (counts - 1)[:, None]  # [B, 1]
         out = self.model(batch, self.cache, logits_index=last, capture_layers=self.proposer.capture_layers)
         self.cache.advance(slots, counts)

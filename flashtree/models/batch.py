@@ -21,6 +21,7 @@ class ForwardBatch(NamedTuple):
     new_mask: torch.Tensor  # [B, N, N] bool, new_mask[b, i, j]: new token i sees new token j
     kv_len: int  # keys attended per row; >= max(cache_lengths) + N
     slot_range: tuple[int, int] | None = None  # (first, count) when slots are consecutive
+    one_off_shape: bool = False  # a prefill's shape, which seldom recurs: attention builds no plan for it
 
     @property
     def num_new(self) -> int:

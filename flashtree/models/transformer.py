@@ -150,7 +150,7 @@ class Attention(nn.Module):
                                               batch.cache_lengths, batch.new_mask)  # [B, H, N, D]
         else:
             keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
-            out = masked_attention(q, keys, values, mask)  # [B, H, N, D]
+            out = masked_attention(q, keys, values, mask, batch.one_off_shape)  # [B, H, N, D]
         return linear(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim), self.o_proj.weight, None,
                       self.o_quant)
 
