@@ -5,6 +5,10 @@ A pass is a stretch of steps with no gap longer than ``--gap-s`` (a paired load 
 other servers in between). Per pass: its rounds and most common rows, and per round (ms) the
 round itself, prefill, the rest of the step (appending tokens, freeing slots), and the gap
 before the step (the server's host work outside the engine, the command queue); the median gap.
+Also per pass (``rounds`` in the JSON, a second line when printed): the plain rounds' median and
+mean, the tree rounds and what they cost over as many plain rounds, the slow rounds (over
+``SLOW_FACTOR`` times the median round: captures, rounds waiting on a prefill) and their time, and
+the prefills' count and total time.
 
     python benchmarks/step_trace_summary.py none=steps_none.jsonl ddtree=steps_ddtree.jsonl [--gap-s 0.3] [--json OUT]
 """
@@ -52,9 +56,35 @@ def summarize_pass(steps: list[dict]) -> dict:
     }
 
 
+SLOW_FACTOR = 1.5
+
+
+def round_detail(steps: list[dict]) -> dict:
+    """A pass's rounds in detail (ms): plain rounds' median and mean, tree rounds' count and their
+    cost over that many median plain rounds, slow rounds (> SLOW_FACTOR x the median round), prefills."""
+    rounds = [s for s in steps if s["round_ms"] is not None]
+    plain = [s["round_ms"] for s in rounds if not s["nodes"]]
+    tree = [s["round_ms"] for s in rounds if s["nodes"]]
+    median = statistics.median(s["round_ms"] for s in rounds)
+    plain_median = statistics.median(plain) if plain else None
+    slow = [s["round_ms"] for s in rounds if s["round_ms"] > SLOW_FACTOR * median]
+    prefills = [s["prefill_ms"] for s in steps if s["prefill_ms"] is not None]
+    return {
+        "plain_median_ms": round(plain_median, 4) if plain else None, "plain_mean_ms": round(statistics.mean(plain), 4) if plain else None,
+        "tree_rounds": len(tree),
+        "tree_extra_ms": round(sum(tree) - len(tree) * plain_median, 1) if tree and plain else None,
+        "slow_rounds": len(slow), "slow_ms": round(sum(slow), 1),
+        "prefills": len(prefills), "prefill_ms": round(sum(prefills), 1),
+    }
+
+
 def summarize(path: Path, gap_s: float, min_rounds: int) -> list[dict]:
-    passes = [summarize_pass(p) for p in split_passes(read_trace(path), gap_s)]
-    return [p for p in passes if p["rounds"] >= min_rounds]
+    passes = []
+    for steps in split_passes(read_trace(path), gap_s):
+        summary = summarize_pass(steps)
+        if summary["rounds"] >= min_rounds:
+            passes.append({**summary, "detail": round_detail(steps)})
+    return passes
 
 
 def main() -> None:
@@ -72,6 +102,7 @@ def main() -> None:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in p["ms_per_round"].items())
             print(f"{name:>8} pass {i:2d}: rows {p['rows']:2d}, {p['rounds']:5d} rounds; ms per round: {parts}; "
                   f"median gap {p['median_gap_ms']} ms")
+            print(" " * 18 + ", ".join(f"{k} {v}" for k, v in p["detail"].items()))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 

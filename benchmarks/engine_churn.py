@@ -1,0 +1,154 @@
+"""The paired load test's workload without the server: plain, DDTree-64 and DFlash engines (adaptive
+speculation, as served) sharing one target's weights, each keeping C requests in flight (a finished
+request is replaced at once, prompts of 20-60 tokens, 128 new tokens, end of sequence ignored),
+interleaved level by level and repeat by repeat in rotating order.
+
+Why: served at one row on the H200, the speculative servers' plain rounds took 0.05-0.2 ms (1-4%)
+longer than the plain server's (benchmarks/README.md, "Eleventh session"), while an engine-level
+run with rows starting together showed no such cost. This run has the server's churn but no HTTP,
+event loop or second thread: a gap here lies in the engine; no gap here puts it in the server.
+
+    PYTHONPATH=. python benchmarks/engine_churn.py --shape qwen3-8b [--levels 1,4,16,32] [--repeats 3] [--out FILE]
+    python benchmarks/engine_churn.py --model smollm2 --levels 1,4 --repeats 2 --requests 4     (CPU: the shipped pair)
+
+``--shape qwen3-8b``: random bf16 weights at Qwen3-8B shape with SmolLM2's 49,152-token vocabulary
+and a random z-lab Qwen3-8B-DFlash-b16 drafter, as ``gpu_load.sh`` serves them. Prompts are random
+token ids, so with a real pair (the CPU line) the acceptance says nothing about real text: the run
+compares engines on one workload, it does not measure a speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
+
+from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
+from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
+from flashtree.models.build import resolve_dtype  # noqa: E402
+from flashtree.sampling import SamplingParams  # noqa: E402
+from flashtree.spec.defaults import shipped_drafter  # noqa: E402
+
+METHODS = {"none": None, "ddtree": 64, "dflash": None}  # method -> budget (as gpu_load.sh serves them)
+NEW_TOKENS = 128
+
+
+def qwen3_8b_pair() -> tuple[str, str]:
+    vocab = {"vocab_size": 49152, "eos_token_id": 2}
+    target = write_config("/tmp/flashtree-churn/qwen3-8b-shape", {**QWEN3_8B, **vocab})
+    dflash = {**QWEN3_8B_DFLASH["dflash_config"], "mask_token_id": 8, "mask_token": "<issue_start>"}
+    drafter = write_config("/tmp/flashtree-churn/qwen3-8b-dflash-shape", {**QWEN3_8B_DFLASH, **vocab, "dflash_config": dflash})
+    return str(target), str(drafter)
+
+
+def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int) -> dict:
+    dev = torch.device(device)
+    base = EngineConfig(model=model, random_weights=random_weights, device=device)
+    loaded = load_target(base, dev, resolve_dtype("auto", dev))
+    engines = {}
+    for method, budget in METHODS.items():
+        spec = SpecConfig(method=method, draft=None if method == "none" else draft, budget=budget)
+        config = EngineConfig(model=model, spec=spec, random_weights=random_weights, device=device,
+                              max_running=max_running, max_context=1024, adaptive_spec=True)
+        engines[method] = LLMEngine(config, target=loaded)
+    return engines
+
+
+def workload(concurrency: int, requests: int, vocab: int, seed: int) -> list[list[int]]:
+    """The prompts of one pass: the same for every engine (token ids 3 .. 499, 20-60 tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, min(500, vocab)) for _ in range(rng.randrange(20, 61))] for _ in range(requests)]
+
+
+def run_pass(engine: LLMEngine, prompts: list[list[int]], concurrency: int, device: str) -> dict:
+    """Tokens/s of a closed loop keeping ``concurrency`` requests in flight until all are done."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    queue = list(prompts)
+    before = dict(engine.rounds_by_nodes)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    live = [engine.add_request(queue.pop(0), params) for _ in range(min(concurrency, len(queue)))]
+    steps = 0
+    while live:
+        engine.step()
+        steps += 1
+        done = [r for r in live if r.finished]
+        live = [r for r in live if not r.finished]
+        live += [engine.add_request(queue.pop(0), params) for _ in done if queue]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    rounds = {n: c - before.get(n, 0) for n, c in engine.rounds_by_nodes.items() if c - before.get(n, 0)}
+    return {"tokens_per_s": round(len(prompts) * NEW_TOKENS / seconds, 2), "seconds": round(seconds, 3),
+            "steps": steps, "rounds_by_nodes": rounds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=["qwen3-8b"], help="random weights at this shape (the GPU run)")
+    parser.add_argument("--model", default="smollm2", help="target when no --shape (default: the embedded SmolLM2)")
+    parser.add_argument("--draft", help="drafter when no --shape (default: the embedded one)")
+    parser.add_argument("--levels", default="1,4,16,32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=12, help="at least this many requests per pass (and 4 x level)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    if args.shape:
+        model, draft = qwen3_8b_pair()
+    else:
+        model, draft = args.model, args.draft or str(shipped_drafter(args.model))
+    engines = make_engines(model, draft, bool(args.shape), args.device, max(levels))
+    vocab = next(iter(engines.values())).model.config.vocab_size
+    names = list(engines)
+    rows = []
+    for repeat in range(-1, args.repeats):  # repeat -1: the unmeasured warm-up pass
+        for level in levels:
+            prompts = workload(level, max(args.requests, 4 * level), vocab, seed=level)
+            order = names[(repeat + 1) % len(names):] + names[:(repeat + 1) % len(names)]
+            for name in order:
+                result = run_pass(engines[name], prompts, level, args.device)
+                if repeat >= 0:
+                    rows.append({"method": name, "concurrency": level, "repeat": repeat, **result})
+                    print(json.dumps(rows[-1]), flush=True)
+    summary = summarize(rows, names, levels)
+    print(summary)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "device": args.device,
+                                        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                                        "torch": torch.__version__, "passes": rows}, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(summary + "\n")
+
+
+def summarize(rows: list[dict], names: list[str], levels: list[int]) -> str:
+    """Per level: each method's median tokens/s, and its ratio to plain's pass of the same repeat."""
+    lines = ["| concurrency | " + " | ".join(f"{n} tok/s" for n in names) + " | "
+             + " | ".join(f"{n} / none: median [min, max]" for n in names if n != "none") + " |",
+             "| --- " * (1 + len(names) + len(names) - 1) + "|"]
+    for level in levels:
+        at = {(r["method"], r["repeat"]): r["tokens_per_s"] for r in rows if r["concurrency"] == level}
+        repeats = sorted({rep for _, rep in at})
+        medians = [statistics.median(at[(n, rep)] for rep in repeats) for n in names]
+        ratios = []
+        for n in names:
+            if n != "none":
+                values = [at[(n, rep)] / at[("none", rep)] for rep in repeats]
+                ratios.append(f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]")
+        lines.append(f"| {level} | " + " | ".join(f"{m:.1f}" for m in medians) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
