@@ -359,6 +359,58 @@ def test_health_is_503_while_loading(tmp_path, monkeypatch):
         assert out.usage.completion_tokens == 3
 
 
+def test_the_serve_process_freezes_startup_objects_once_loaded(tmp_path, monkeypatch):
+    """``flashtree serve`` (freeze_gc) exempts startup objects from collection after the load and
+    warm-up; an app built with the default config does not touch the caller's collector."""
+    import dataclasses
+
+    import flashtree.server.app as app_module
+
+    from flashtree.server.cli import config_from_args
+    from flashtree.cli import build_parser
+
+    assert config_from_args(build_parser().parse_args(["serve"])).freeze_gc is True
+    target = save_tiny_chat_model(tmp_path / "target")
+    calls = []
+    monkeypatch.setattr(app_module, "freeze_startup_objects", lambda: calls.append("freeze") or 0)
+    with ServerThread(server_config(target)) as running:  # the library default: no freeze
+        client(running).chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, **GREEDY)
+    assert calls == []
+    with ServerThread(dataclasses.replace(server_config(target), freeze_gc=True)) as running:
+        assert calls == ["freeze"]  # done by the time the server is healthy
+        out = client(running).chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, **GREEDY)
+        assert out.usage.completion_tokens == 2
+    assert calls == ["freeze"]
+
+
+def test_freezing_startup_objects_keeps_collecting_new_garbage():
+    """In a fresh interpreter (freezing is process-wide): the frozen count is returned, and the
+    collector still runs by itself and frees a reference cycle made afterwards."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, weakref
+from flashtree.server.startup import freeze_startup_objects
+frozen = freeze_startup_objects()
+assert frozen > 1000 and gc.get_freeze_count() == frozen, frozen
+class Node: pass
+def cycle():
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+first = cycle()
+before = gc.get_stats()[0]["collections"]
+refs = [cycle() for _ in range(20000)]  # allocations enough for automatic young collections
+assert gc.get_stats()[0]["collections"] > before, "no automatic collection ran after the freeze"
+assert first() is None, "a cycle made after the freeze was not collected"
+print("ok", frozen)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok ")
+
+
 def test_serve_refuses_a_kv_cache_larger_than_memory(tmp_path, capsys):
     target = save_tiny_chat_model(tmp_path / "target")
     status = flashtree_main(["serve", "--model", str(target), "--device", "cpu", "--port", "0",

@@ -7,6 +7,7 @@ The engine loads on its own thread when the app starts (lifespan), so ``/health`
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable
 
 from fastapi import FastAPI
@@ -19,7 +20,9 @@ from flashtree.server.generation import ServedModel
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.middleware import Gate, ResponseCounter
 from flashtree.server.routes import ServerContext, build_router
-from flashtree.server.startup import load_engine
+from flashtree.server.startup import freeze_startup_objects, load_engine
+
+log = logging.getLogger("flashtree.server")
 
 
 def create_app(config: ServerConfig, *,
@@ -28,6 +31,8 @@ def create_app(config: ServerConfig, *,
 
     def load() -> LLMEngine:  # on the engine thread
         engine = load_engine(config.engine)
+        if config.freeze_gc:
+            log.info("%d startup objects exempt from garbage collection", freeze_startup_objects())
         ctx.served = ServedModel.of(engine, config.model_name)
         metrics.engine_info.labels(model=config.model_name, method=engine.proposer.name,
                                    device=str(engine.device), dtype=str(engine.dtype)).set(1)

@@ -55,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         trace_steps=args.trace_steps, adaptive_spec=adaptive_spec_of(args))
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                        log_level=args.log_level)
+                        log_level=args.log_level, freeze_gc=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     log_level: str = "info"
+    freeze_gc: bool = False  # after loading, exempt startup objects from garbage collection (the CLI's own process)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
