@@ -9,7 +9,10 @@ chat prompts at 13-43 ms, and some at 40-200 ms, against about 6 ms for a graphe
 
 1. ``attention``: one SDPA call at prefill shapes (Qwen3-8B heads, bf16, a causal bias over the
    cached keys), first call and the median of the next ``--calls``, per path, each path on its
-   own key lengths.
+   own key lengths. Besides cuDNN and the planless path, three variants locate the planless
+   path's floor (0.18 ms a call at small shapes in the eleventh session): the efficient kernel
+   alone (an error if it refuses, i.e. the planless path fell back to math), keys padded to a
+   multiple of 16, and KV heads repeated instead of query groups folded.
 2. ``engine``: Qwen3-8B shape, random bf16 weights, plain decoding, eager prefill: the wall time
    of a request with one output token (its prefill), for prompts of ``--lengths`` one at a time,
    then the same lengths again (shapes seen), then ``--batch`` prompts together; per path
@@ -28,17 +31,49 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen3_8b_shape import QWEN3_8B, write_config  # noqa: E402
 
 from flashtree.config import EngineConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
-from flashtree.models.attention import masked_attention, planless_attention  # noqa: E402
+from flashtree.models.attention import fold_query_groups, masked_attention, planless_attention  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-PATHS = {"cudnn": masked_attention, "planless": planless_attention}
+
+
+def efficient_only(q, k, v, bias):
+    """The planless path without its math fallback: raises where the efficient kernel refuses."""
+    folded_q, folded_bias = fold_query_groups(q, bias, k.shape[1])
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_bias)
+    return out.reshape(q.shape)
+
+
+def keys_aligned(q, k, v, bias, multiple=16):
+    """The planless path with the keys padded to a multiple of 16 (masked), so PyTorch need not
+    pad the bias on every call."""
+    pad = -k.shape[2] % multiple
+    if pad:
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        bias = F.pad(bias, (0, pad), value=float("-inf"))
+    return planless_attention(q, k, v, bias)
+
+
+def expanded_kv(q, k, v, bias):
+    """No fold: the KV heads repeated to the query heads, the efficient kernel only."""
+    groups = q.shape[1] // k.shape[1]
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                              attn_mask=bias)
+
+
+# what prefill ran before, what it runs now, and three variants that locate the planless floor
+PATHS = {"cudnn": masked_attention, "planless": planless_attention, "efficient_only": efficient_only,
+         "keys_aligned": keys_aligned, "expanded_kv": expanded_kv}
 
 
 def sync() -> None:
@@ -77,7 +112,11 @@ def attention_part(rows_list, new_list, cached_list, calls) -> dict:
         for rows in rows_list:
             for new in new_list:
                 for cached in cached_list:
-                    rows_out.append(time_attention(path, rows, new, new + cached + index, calls))
+                    keys = new + cached + index
+                    try:
+                        rows_out.append(time_attention(path, rows, new, keys, calls))
+                    except RuntimeError as err:  # a kernel that refuses this shape
+                        rows_out.append({"rows": rows, "new": new, "keys": keys, "error": str(err)[:200]})
                     print(name, json.dumps(rows_out[-1]), flush=True)
         out[name] = rows_out
     return out
