@@ -50,15 +50,17 @@ def qwen3_8b_pair() -> tuple[str, str]:
     return str(target), str(drafter)
 
 
-def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int) -> dict:
+def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int,
+                 trace_dir: Path | None = None) -> dict:
     dev = torch.device(device)
     base = EngineConfig(model=model, random_weights=random_weights, device=device)
     loaded = load_target(base, dev, resolve_dtype("auto", dev))
     engines = {}
     for method, budget in METHODS.items():
         spec = SpecConfig(method=method, draft=None if method == "none" else draft, budget=budget)
+        trace = str(trace_dir / f"steps_{method}.jsonl") if trace_dir else None
         config = EngineConfig(model=model, spec=spec, random_weights=random_weights, device=device,
-                              max_running=max_running, max_context=1024, adaptive_spec=True)
+                              max_running=max_running, max_context=1024, adaptive_spec=True, trace_steps=trace)
         engines[method] = LLMEngine(config, target=loaded)
     return engines
 
@@ -102,14 +104,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=12, help="at least this many requests per pass (and 4 x level)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trace-dir", type=Path, help="each engine's step trace (steps_METHOD.jsonl) goes here, "
+                        "for benchmarks/step_trace_summary.py")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.trace_dir:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in args.levels.split(",")]
     if args.shape:
         model, draft = qwen3_8b_pair()
     else:
         model, draft = args.model, args.draft or str(shipped_drafter(args.model))
-    engines = make_engines(model, draft, bool(args.shape), args.device, max(levels))
+    engines = make_engines(model, draft, bool(args.shape), args.device, max(levels), args.trace_dir)
     vocab = next(iter(engines.values())).model.config.vocab_size
     names = list(engines)
     rows = []
@@ -122,6 +128,8 @@ def main() -> None:
                 if repeat >= 0:
                     rows.append({"method": name, "concurrency": level, "repeat": repeat, **result})
                     print(json.dumps(rows[-1]), flush=True)
+    for engine in engines.values():
+        engine.close_traces()
     summary = summarize(rows, names, levels)
     print(summary)
     if args.out:
