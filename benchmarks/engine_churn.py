@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
+from qwen3_8b_shape import write_served_pair  # noqa: E402
 
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
@@ -40,14 +40,6 @@ from flashtree.spec.defaults import shipped_drafter  # noqa: E402
 
 METHODS = {"none": None, "ddtree": 64, "dflash": None}  # method -> budget (as gpu_load.sh serves them)
 NEW_TOKENS = 128
-
-
-def qwen3_8b_pair() -> tuple[str, str]:
-    vocab = {"vocab_size": 49152, "eos_token_id": 2}
-    target = write_config("/tmp/flashtree-churn/qwen3-8b-shape", {**QWEN3_8B, **vocab})
-    dflash = {**QWEN3_8B_DFLASH["dflash_config"], "mask_token_id": 8, "mask_token": "<issue_start>"}
-    drafter = write_config("/tmp/flashtree-churn/qwen3-8b-dflash-shape", {**QWEN3_8B_DFLASH, **vocab, "dflash_config": dflash})
-    return str(target), str(drafter)
 
 
 def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int,
@@ -112,7 +104,8 @@ def main() -> None:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in args.levels.split(",")]
     if args.shape:
-        model, draft = qwen3_8b_pair()
+        model, draft = (str(d) for d in write_served_pair("/tmp/flashtree-churn/qwen3-8b-shape",
+                                                          "/tmp/flashtree-churn/qwen3-8b-dflash-shape"))
     else:
         model, draft = args.model, args.draft or str(shipped_drafter(args.model))
     engines = make_engines(model, draft, bool(args.shape), args.device, max(levels), args.trace_dir)

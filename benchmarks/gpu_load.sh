@@ -42,21 +42,13 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 MODEL=/tmp/flashtree-load/qwen3-8b-shape
 DRAFT=/tmp/flashtree-load/qwen3-8b-dflash-shape
 python3 - "$MODEL" "$DRAFT" "${TOKENIZER:?TOKENIZER=dir with the SmolLM2 tokenizer files}" <<'EOF'
-import shutil, sys
+import json, os, shutil, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
-from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config
-import json, os
+from qwen3_8b_shape import write_served_pair
 model, draft, tokenizer = sys.argv[1:]
-vocab = {"vocab_size": 49152, "eos_token_id": 2}
 small = json.loads(os.environ.get("SHAPE_OVERRIDE", "{}"))  # a tiny shape for a CPU dry run
-write_config(model, {**QWEN3_8B, **vocab, **small})
-dflash = {**QWEN3_8B_DFLASH["dflash_config"], "mask_token_id": 8, "mask_token": "<issue_start>"}
-if small:
-    dflash["target_layer_ids"] = [0, small["num_hidden_layers"] - 1]
-write_config(draft, {**QWEN3_8B_DFLASH, **vocab, **small, "num_hidden_layers": 1,
-                     "num_target_layers": small.get("num_hidden_layers", 36), "dflash_config": dflash}
-             if small else {**QWEN3_8B_DFLASH, **vocab, "dflash_config": dflash})
+write_served_pair(model, draft, small)
 for f in Path(tokenizer).iterdir():
     shutil.copy(f, Path(model) / f.name)
 EOF

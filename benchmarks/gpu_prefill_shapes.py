@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,22 +34,18 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_sdpa_first_call import HEAD_DIM, HEADS, KV_HEADS, sync, time_first_call, tree_bias  # noqa: E402
 from qwen3_8b_shape import QWEN3_8B, write_config  # noqa: E402
 
 from flashtree.config import EngineConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
-from flashtree.models.attention import fold_query_groups, masked_attention, planless_attention  # noqa: E402
+from flashtree.models.attention import masked_attention, planless_attention  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
-
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def efficient_only(q, k, v, bias):
     """The planless path without its math fallback: raises where the efficient kernel refuses."""
-    folded_q, folded_bias = fold_query_groups(q, bias, k.shape[1])
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-        out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_bias)
-    return out.reshape(q.shape)
+    return planless_attention(q, k, v, bias, backends=[SDPBackend.EFFICIENT_ATTENTION])
 
 
 def keys_aligned(q, k, v, bias, multiple=16):
@@ -76,47 +71,20 @@ PATHS = {"cudnn": masked_attention, "planless": planless_attention, "efficient_o
          "keys_aligned": keys_aligned, "expanded_kv": expanded_kv}
 
 
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
-def causal_bias(rows: int, new: int, keys: int) -> torch.Tensor:
-    """``[B, 1, N, K]``: the ``keys - new`` cached keys visible to all, the new ones causal."""
-    allowed = torch.ones(rows, 1, new, keys, dtype=torch.bool, device="cuda")
-    allowed[..., keys - new:] = torch.ones(new, new, dtype=torch.bool, device="cuda").tril()
-    return torch.zeros(allowed.shape, dtype=torch.bfloat16, device="cuda").masked_fill_(~allowed, float("-inf"))
-
-
-def time_attention(path, rows: int, new: int, keys: int, calls: int) -> dict:
-    q = torch.randn(rows, HEADS, new, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(rows, KV_HEADS, keys, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    bias = causal_bias(rows, new, keys)
-    times = []
-    for _ in range(calls + 1):
-        sync()
-        start = time.perf_counter()
-        path(q, k, v, bias)
-        sync()
-        times.append((time.perf_counter() - start) * 1000)
-    return {"rows": rows, "new": new, "keys": keys, "first_ms": round(times[0], 3),
-            "then_ms": round(statistics.median(times[1:]), 4)}
-
-
 def attention_part(rows_list, new_list, cached_list, calls) -> dict:
     out = {}
     for index, (name, path) in enumerate(PATHS.items()):
         path(*(torch.randn(1, h, 8, HEAD_DIM, dtype=torch.bfloat16, device="cuda") for h in (HEADS, KV_HEADS, KV_HEADS)),
-             causal_bias(1, 8, 8))  # library and kernel loading, outside the timings
+             tree_bias(1, 8, 8, torch.bfloat16, "cuda"))  # library and kernel loading, outside the timings
         rows_out = []
         for rows in rows_list:
             for new in new_list:
                 for cached in cached_list:
                     keys = new + cached + index
                     try:
-                        rows_out.append(time_attention(path, rows, new, keys, calls))
+                        rows_out.append(time_first_call(path, rows, new, keys, calls, torch.bfloat16, "cuda"))
                     except RuntimeError as err:  # a kernel that refuses this shape
-                        rows_out.append({"rows": rows, "new": new, "keys": keys, "error": str(err)[:200]})
+                        rows_out.append({"rows": rows, "tokens": new, "keys": keys, "error": str(err)[:200]})
                     print(name, json.dumps(rows_out[-1]), flush=True)
         out[name] = rows_out
     return out
@@ -125,12 +93,12 @@ def attention_part(rows_list, new_list, cached_list, calls) -> dict:
 def prefill_ms(engine: LLMEngine, lengths: list[int], gen: torch.Generator) -> float:
     """Wall ms until every prompt of ``lengths`` (added together) has its one output token."""
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    sync()
+    sync("cuda")
     start = time.perf_counter()
     reqs = [engine.add_request(torch.randint(0, engine.model.config.vocab_size, (n,), generator=gen).tolist(), params) for n in lengths]
     while any(len(r.output_ids) == 0 for r in reqs):
         engine.step()
-    sync()
+    sync("cuda")
     ms = (time.perf_counter() - start) * 1000
     while engine.has_work:
         engine.step()

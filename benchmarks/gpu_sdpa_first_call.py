@@ -42,28 +42,34 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_shape(backend, rows: int, tokens: int, keys: int, calls: int, dtype, device: str) -> dict:
+def time_first_call(attend, rows: int, tokens: int, keys: int, calls: int, dtype, device: str) -> dict:
+    """``attend(q, k, v, bias)`` on random inputs of one shape (Qwen3-8B heads, :func:`tree_bias`):
+    its first call and the median of the next ``calls``, in ms."""
     q = torch.randn(rows, HEADS, tokens, HEAD_DIM, dtype=dtype, device=device)
     k = torch.randn(rows, KV_HEADS, keys, HEAD_DIM, dtype=dtype, device=device)
     v = torch.randn_like(k)
     bias = tree_bias(rows, tokens, keys, dtype, device)
-
-    def attend():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
-
     times = []
     for _ in range(calls + 1):
         sync(device)
         start = time.perf_counter()
-        if backend is None:
-            attend()
-        else:
-            with sdpa_kernel([backend]):
-                attend()
+        attend(q, k, v, bias)
         sync(device)
         times.append((time.perf_counter() - start) * 1000)
     return {"rows": rows, "tokens": tokens, "keys": keys, "first_ms": round(times[0], 3),
             "then_ms": round(statistics.median(times[1:]), 4)}
+
+
+def time_shape(backend, rows: int, tokens: int, keys: int, calls: int, dtype, device: str) -> dict:
+    """:func:`time_first_call` of SDPA with ``backend`` only (None: PyTorch's own choice)."""
+
+    def attend(q, k, v, bias):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+    return time_first_call(attend, rows, tokens, keys, calls, dtype, device)
 
 
 def main() -> None:

@@ -25,3 +25,21 @@ def write_config(directory: str | Path, config: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+SMOLLM2_VOCAB = {"vocab_size": 49152, "eos_token_id": 2}  # the served pair's tokenizer (no Qwen tokenizer on the device)
+
+
+def write_served_pair(target_dir: str | Path, drafter_dir: str | Path, small: dict | None = None) -> tuple[Path, Path]:
+    """The pair ``gpu_load.sh`` serves: Qwen3-8B's shape with SmolLM2's vocabulary, and the z-lab
+    Qwen3-8B-DFlash-b16 shape with SmolLM2's ``<issue_start>`` (id 8) as the mask token. ``small``
+    overrides the shape (a tiny one for a CPU dry run; the drafter then has one layer reading the
+    first and last target layers)."""
+    small = small or {}
+    target = write_config(target_dir, {**QWEN3_8B, **SMOLLM2_VOCAB, **small})
+    dflash = {**QWEN3_8B_DFLASH["dflash_config"], "mask_token_id": 8, "mask_token": "<issue_start>"}
+    drafter = {**QWEN3_8B_DFLASH, **SMOLLM2_VOCAB, "dflash_config": dflash}
+    if small:
+        dflash["target_layer_ids"] = [0, small["num_hidden_layers"] - 1]
+        drafter.update(small, num_hidden_layers=1, num_target_layers=small["num_hidden_layers"])
+    return target, write_config(drafter_dir, drafter)

@@ -70,7 +70,8 @@ def round_detail(steps: list[dict]) -> dict:
     slow = [s["round_ms"] for s in rounds if s["round_ms"] > SLOW_FACTOR * median]
     prefills = [s["prefill_ms"] for s in steps if s["prefill_ms"] is not None]
     return {
-        "plain_median_ms": round(plain_median, 4) if plain else None, "plain_mean_ms": round(statistics.mean(plain), 4) if plain else None,
+        "plain_median_ms": round(plain_median, 4) if plain else None,
+        "plain_mean_ms": round(statistics.mean(plain), 4) if plain else None,
         "tree_rounds": len(tree),
         "tree_extra_ms": round(sum(tree) - len(tree) * plain_median, 1) if tree and plain else None,
         "slow_rounds": len(slow), "slow_ms": round(sum(slow), 1),

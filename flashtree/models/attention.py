@@ -46,11 +46,12 @@ def fold_query_groups(q: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> tup
     return q.reshape(b, kv_heads, groups * n, d), mask.repeat(1, 1, groups, 1)
 
 
-def planless_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def planless_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                       backends: list[SDPBackend] = PLANLESS_BACKENDS) -> torch.Tensor:
     """:func:`masked_attention`'s result through the memory-efficient kernel (math as the fallback
-    for shapes it refuses), never cuDNN: same shapes in and out."""
+    for shapes it refuses), never cuDNN: same shapes in and out. ``backends``: the kernels allowed."""
     b, h, n, d = q.shape
     folded_q, folded_mask = fold_query_groups(q, mask, keys.shape[1])
-    with sdpa_kernel(PLANLESS_BACKENDS):
+    with sdpa_kernel(backends):
         out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=folded_mask)  # [B, KVH, G*N, D]
     return out.reshape(b, h, n, d)
