@@ -8,7 +8,14 @@ longer than the plain server's (benchmarks/README.md, "Eleventh session"), while
 run with rows starting together showed no such cost. This run has the server's churn but no HTTP,
 event loop or second thread: a gap here lies in the engine; no gap here puts it in the server.
 
-    PYTHONPATH=. python benchmarks/engine_churn.py --shape qwen3-8b [--levels 1,4,16,32] [--repeats 3] [--out FILE]
+``--interleave step`` runs the engines' passes at once, one step each in turn: each engine's
+tokens/s then counts only its own steps' wall time, and a drift of the machine's speed over a
+pass falls on all engines alike (whole passes in rotating order, the default, are what the
+paired load test does). Each pass also reports its step time by kind: plain rounds, tree rounds,
+plain rounds with a drafter catch-up, and steps with a prefill.
+
+    PYTHONPATH=. python benchmarks/engine_churn.py --shape qwen3-8b [--levels 1,4,16,32] [--repeats 3]
+        [--interleave pass|step] [--out FILE]
     python benchmarks/engine_churn.py --model smollm2 --levels 1,4 --repeats 2 --requests 4     (CPU: the shipped pair)
 
 ``--shape qwen3-8b``: random bf16 weights at Qwen3-8B shape with SmolLM2's 49,152-token vocabulary
@@ -34,6 +41,7 @@ from qwen3_8b_shape import write_served_pair  # noqa: E402
 
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
+from flashtree.engine.request import Status  # noqa: E402
 from flashtree.models.build import resolve_dtype  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 from flashtree.spec.defaults import shipped_drafter  # noqa: E402
@@ -63,28 +71,77 @@ def workload(concurrency: int, requests: int, vocab: int, seed: int) -> list[lis
     return [[rng.randrange(3, min(500, vocab)) for _ in range(rng.randrange(20, 61))] for _ in range(requests)]
 
 
+class ClosedLoop:
+    """One engine's closed loop over a pass's prompts: ``concurrency`` requests in flight, a
+    finished one replaced at once. ``step()`` runs one engine step and files its wall time
+    (device work included) under what the step did."""
+
+    KINDS = ("plain", "tree", "catch_up", "prefill")  # a step with a prefill counts as "prefill"
+
+    def __init__(self, engine: LLMEngine, prompts: list[list[int]], concurrency: int, device: str,
+                 sync_steps: bool = False):
+        self.engine, self.sync_steps = engine, sync_steps and device == "cuda"
+        self.params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+        self.queue = list(prompts)
+        self.tokens = len(prompts) * NEW_TOKENS
+        self.before = dict(engine.rounds_by_nodes)
+        self.live = [engine.add_request(self.queue.pop(0), self.params) for _ in range(min(concurrency, len(self.queue)))]
+        self.steps = 0
+        self.seconds = {kind: 0.0 for kind in self.KINDS}
+        self.counts = {kind: 0 for kind in self.KINDS}
+
+    @property
+    def done(self) -> bool:
+        return not self.live
+
+    def step(self) -> None:
+        prefilling = any(r.status is not Status.RUNNING for r in self.live)
+        lags = [r.drafter_lag for r in self.live]
+        t0 = time.perf_counter()
+        self.engine.step()
+        if self.sync_steps:
+            torch.cuda.synchronize()  # the work this step queued after its last sync is billed to it
+        elapsed = time.perf_counter() - t0
+        caught_up = any(r.drafter_lag < lag for r, lag in zip(self.live, lags))
+        kind = ("prefill" if prefilling else "tree" if self.engine.last_round_nodes
+                else "catch_up" if caught_up else "plain")
+        self.seconds[kind] += elapsed
+        self.counts[kind] += 1
+        self.steps += 1
+        finished = [r for r in self.live if r.finished]
+        self.live = [r for r in self.live if not r.finished]
+        self.live += [self.engine.add_request(self.queue.pop(0), self.params) for _ in finished if self.queue]
+
+    def result(self, seconds: float) -> dict:
+        rounds = {n: c - self.before.get(n, 0) for n, c in self.engine.rounds_by_nodes.items()
+                  if c - self.before.get(n, 0)}
+        return {"tokens_per_s": round(self.tokens / seconds, 2), "seconds": round(seconds, 3), "steps": self.steps,
+                "rounds_by_nodes": rounds, "step_seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+                "step_counts": self.counts}
+
+
 def run_pass(engine: LLMEngine, prompts: list[list[int]], concurrency: int, device: str) -> dict:
-    """Tokens/s of a closed loop keeping ``concurrency`` requests in flight until all are done."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    queue = list(prompts)
-    before = dict(engine.rounds_by_nodes)
+    """Tokens/s of one engine's closed loop, run alone until all its requests are done."""
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    live = [engine.add_request(queue.pop(0), params) for _ in range(min(concurrency, len(queue)))]
-    steps = 0
-    while live:
-        engine.step()
-        steps += 1
-        done = [r for r in live if r.finished]
-        live = [r for r in live if not r.finished]
-        live += [engine.add_request(queue.pop(0), params) for _ in done if queue]
+    loop = ClosedLoop(engine, prompts, concurrency, device)
+    while not loop.done:
+        loop.step()
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    rounds = {n: c - before.get(n, 0) for n, c in engine.rounds_by_nodes.items() if c - before.get(n, 0)}
-    return {"tokens_per_s": round(len(prompts) * NEW_TOKENS / seconds, 2), "seconds": round(seconds, 3),
-            "steps": steps, "rounds_by_nodes": rounds}
+    return loop.result(time.perf_counter() - start)
+
+
+def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, device: str) -> dict:
+    """Every engine's closed loop at once, one step each in turn (so a drift of the machine's speed
+    over seconds falls on all engines alike); an engine's tokens/s counts its own steps' time."""
+    loops = {name: ClosedLoop(engine, prompts, concurrency, device, sync_steps=True) for name, engine in engines.items()}
+    while not all(loop.done for loop in loops.values()):
+        for loop in loops.values():
+            if not loop.done:
+                loop.step()
+    return {name: loop.result(sum(loop.seconds.values())) for name, loop in loops.items()}
 
 
 def main() -> None:
@@ -98,6 +155,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--trace-dir", type=Path, help="each engine's step trace (steps_METHOD.jsonl) goes here, "
                         "for benchmarks/step_trace_summary.py")
+    parser.add_argument("--interleave", choices=["pass", "step"], default="pass",
+                        help="pass: engines take whole passes in rotating order; step: all engines' passes at "
+                        "once, one step each in turn (each step synchronized and billed to its engine)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.trace_dir:
@@ -116,8 +176,11 @@ def main() -> None:
         for level in levels:
             prompts = workload(level, max(args.requests, 4 * level), vocab, seed=level)
             order = names[(repeat + 1) % len(names):] + names[:(repeat + 1) % len(names)]
-            for name in order:
-                result = run_pass(engines[name], prompts, level, args.device)
+            if args.interleave == "step":
+                results = run_interleaved({name: engines[name] for name in order}, prompts, level, args.device)
+            else:
+                results = {name: run_pass(engines[name], prompts, level, args.device) for name in order}
+            for name, result in results.items():
                 if repeat >= 0:
                     rows.append({"method": name, "concurrency": level, "repeat": repeat, **result})
                     print(json.dumps(rows[-1]), flush=True)

@@ -114,3 +114,27 @@ def test_neighbour_probes_without_a_graph_are_declined_unless_worth_one(pair, mo
         assert not declined and len(probe_rounds) >= 4
     else:
         assert not probe_rounds and len(declined) >= 4 and all(nodes > 0 for nodes in declined)
+
+
+def test_graphed_catch_ups_give_the_eager_tokens_and_leave_the_pad_slot_alone(pair):
+    """Plain stretches longer than the drafter's lag run full-width catch-ups, graphed (padded to
+    a power of two) when graphs are on: the tokens and the drafted rounds' acceptance are the
+    eager engine's, and the pad slot's drafter context does not grow."""
+    from tests.test_plain_round import ScriptedNodes
+
+    knobs = dict(ENGINE, max_context=256)
+    reference = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)
+    graphs = padded(llm)
+    capacity = llm.engine.proposer.lag_capacity
+    for engine in (reference.engine, llm.engine):
+        engine.policy = ScriptedNodes([0] * (capacity + 10) + [3, 0, 3])
+    params = [SamplingParams(max_tokens=2 * capacity + 30 - 7 * i, ignore_eos=True,
+                             temperature=0.0 if i % 2 else 0.9, seed=i) for i in range(3)]
+    expected = reference.generate(PROMPTS[:3], params)
+    got = llm.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.acceptance_lengths for o in got] == [o.acceptance_lengths for o in expected]
+    assert ("catch_up", 4, capacity) in graphs.keys  # 3 rows padded to 4
+    drafter_cache = llm.engine.proposer.runner.cache
+    assert int(drafter_cache.lengths[llm.engine.runner.pad_slot]) <= BLOCK

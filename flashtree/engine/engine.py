@@ -162,10 +162,10 @@ class LLMEngine:
             nodes = fit_to_budgets(self.policy.best(len(rows)), rows, self.policy.ladder)
         after_idle, self._untimed_round = self._untimed_round, False
         t0 = time.perf_counter()
-        self._catch_up_drafter(rows, nodes)  # part of the round's cost
+        captured = self._catch_up_drafter(rows, nodes)  # part of the round's cost
         result = self.runner.round(rows, nodes)
         wall = time.perf_counter() - t0
-        seconds = None if result.captured_graph or after_idle else wall
+        seconds = None if result.captured_graph or captured or after_idle else wall
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
         if self.policy_tracer is not None:
@@ -193,26 +193,29 @@ class LLMEngine:
             return [False] * len(rows)
         return [r.prefilled == 0 and len(r.prompt_ids) <= min(capacity, self.config.prefill_chunk) for r in rows]
 
-    def _catch_up_drafter(self, rows: Sequence[Request], nodes: int) -> None:
+    def _catch_up_drafter(self, rows: Sequence[Request], nodes: int) -> bool:
         """Before a drafted round, or when a row's lag is full, the drafter projects the context
         features it deferred during plain rounds, for every lagging row at once; then counts this
         round's deferrals. (Catching up only the full rows cost a round at 32 rows one eager
         drafter pass every two rounds, since rows join at different times; this way the rows
-        fall into step and one pass serves them all every ``lag_capacity`` rounds.)"""
+        fall into step and one pass serves them all every ``lag_capacity`` rounds.) Returns whether
+        the catch-up captured a CUDA graph (its wall time is then not typical)."""
         capacity = getattr(self.proposer, "lag_capacity", None)
         if capacity is None:
-            return
+            return False
         if nodes > 0 or any(r.drafter_lag >= capacity for r in rows):
             behind = [r for r in rows if r.drafter_lag]
         else:
             behind = []
+        captured = False
         if behind:
-            self.proposer.catch_up([r.slot for r in behind], width=max(r.drafter_lag for r in behind))
+            captured = self.runner.catch_up_drafter([r.slot for r in behind], max(r.drafter_lag for r in behind))
             for req in behind:
                 req.drafter_lag = 0
         if nodes == 0:
             for req in rows:
                 req.drafter_lag += 1
+        return captured
 
     def close_traces(self) -> None:
         """Write out and close the trace files (a server does this when it stops; buffered step

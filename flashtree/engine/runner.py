@@ -92,6 +92,9 @@ class ModelRunner:
         # prefill attention builds no per-shape plan (models/attention.py); False: PyTorch's choice
         # (cuDNN on the H200), for comparisons (benchmarks/gpu_prefill_shapes.py)
         self.planless_prefill = True
+        # plain rounds skip the root-only tree and its accept walk (_plain_round_device); False:
+        # the general path, for comparisons
+        self.plain_fast_path = True
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -161,6 +164,26 @@ class ModelRunner:
             self.tracer.write(rows)
         return result
 
+    def catch_up_drafter(self, slots: Sequence[int], width: int) -> bool:
+        """The proposer projects the context features it deferred for ``slots`` (at most ``width``
+        each, the largest lag). A full-width catch-up, the one a stretch of plain rounds runs every
+        ``lag_capacity`` rounds, replays a CUDA graph when graphs are on (the slots padded to a
+        power of two with the pad slot, which projects nothing): eager, its launches cost more
+        than its device work. Returns whether it captured a graph."""
+        full = width == self.proposer.lag_capacity
+        if self.graphs is None or self.pad_slot is None or not full:
+            self.proposer.catch_up(slots, width)
+            return False
+        padded = list(slots) + [self.pad_slot] * self._pad_rows(len(slots))
+        index = torch.tensor(padded, dtype=torch.long)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)  # [B + pads]
+        captures = self.graphs.captures
+        self.graphs.run(("catch_up", len(padded), width),
+                        lambda i: self.proposer.catch_up_rows(i, width, pad_slot=self.pad_slot), (index,))
+        return self.graphs.captures != captures
+
     def has_graph(self, rows: Sequence[Request], nodes: int) -> bool:
         """A round of ``rows`` with ``nodes`` nodes would replay a captured CUDA graph (always
         true without graphs: nothing to capture)."""
@@ -223,6 +246,8 @@ class ModelRunner:
         D = min(max_depth, nodes) the round's deepest node."""
         rows = RoundInputs(*tensors)
         nodes = shape.nodes
+        if nodes == 0 and self.plain_fast_path and self.tracer is None:
+            return self._plain_round_device(shape, rows, timer)
         t0 = timer.mark() if timer else 0.0
         tree = self.proposer.propose(rows, nodes) if nodes else root_only_tree(rows.bonus)  # N = nodes + 1
         tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, T+1]
@@ -256,6 +281,33 @@ class ModelRunner:
         packed = self._pack(walk, tree.valid)
         if timer:
             timer.add("commit", t2)
+        return packed
+
+    def _plain_round_device(self, shape: "RoundShape", rows: RoundInputs, timer: StageTimer | None) -> torch.Tensor:
+        """A plain round (``nodes`` 0) without the tree machinery: the root-only tree's walk always
+        accepts the root and nothing else, so the round is forward -> choose -> commit the one
+        token. Same values as the general path (tests/test_plain_round.py compares them); it
+        skips the tree's tensors and the accept walk's ops (tens of small kernels)."""
+        t0 = timer.mark() if timer else 0.0
+        num_rows = rows.bonus.shape[0]
+        root_mask = torch.ones(num_rows, 1, 1, dtype=torch.bool, device=rows.bonus.device)  # [B, 1, 1]
+        batch = ForwardBatch(
+            input_ids=rows.bonus[:, None], positions=rows.starts[:, None], slots=rows.slots,
+            cache_lengths=rows.starts, new_mask=root_mask, kv_len=shape.kv_len, slot_range=shape.slot_range)
+        out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
+        sampling = SamplingTensors(rows.temperature, rows.top_p, rows.top_k, rows.seed,
+                                   shape.any_sampled, shape.any_filtered)
+        next_bonus = choose_tokens(out.logits, sampling, rows.generated[:, None])[:, 0].long()  # [B]
+        t1 = timer.add("verify", t0) if timer else 0.0
+        ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
+        self.cache.commit_prefix(rows.slots, rows.starts, ones)
+        if out.hidden is not None and hasattr(self.proposer, "defer"):
+            self.proposer.defer(rows.slots, out.hidden)  # [B, 1, F], projected at the next drafted round
+        elif out.hidden is not None:
+            self.proposer.observe(rows.slots, out.hidden, ones, rows.starts)
+        packed = torch.stack([ones, torch.zeros_like(ones), next_bonus], dim=1)  # [B, 3], as _pack's
+        if timer:
+            timer.add("commit", t1)
         return packed
 
     @staticmethod

@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from flashtree.errors import ConfigError
 
@@ -169,6 +169,16 @@ class _Ema:
         self.value += weight * (sample - self.value)
 
 
+class _BucketEstimates(NamedTuple):
+    """What a rows bucket's estimates say, as of measurement number ``version``."""
+
+    version: int
+    scores: dict  # option -> tokens/s per row (None while unmeasured)
+    best: int  # the option with the highest score
+    bounds: dict  # option -> upper bound on its score (see SpecPolicy._bound)
+    unexplored: list  # options still to explore (see SpecPolicy._unexplored)
+
+
 @dataclasses.dataclass
 class _Probe:
     """A probe in progress: its option, bucket, the best option when it began, the rounds it still
@@ -202,7 +212,7 @@ class SpecPolicy:
         # re-measures, RECHECK_NOW or RECHECK_LATER)
         self._plain_timed_at: dict[int, int] = {}  # rows bucket -> its round count when plain was last timed
         self._measurements = 0  # estimates fed so far (the score cache's version)
-        self._score_cache: dict[int, tuple] = {}  # rows bucket -> (version, scores, best option)
+        self._score_cache: dict[int, _BucketEstimates] = {}  # rows bucket -> its estimates, as last computed
 
     # ------------------------------------------------------------------ decisions
     def choose(self, rows: int) -> int:
@@ -277,14 +287,23 @@ class SpecPolicy:
     def _scores(self, bucket: int) -> tuple[dict[int, float | None], int]:
         """Per option of ``bucket`` its tokens/s per row (None while unmeasured), and the best
         option; recomputed only after a measurement (a round asks for them several times)."""
+        cached = self._estimates(bucket)
+        return cached.scores, cached.best
+
+    def _estimates(self, bucket: int) -> "_BucketEstimates":
+        """The bucket's scores, best option, bounds and options still to explore, recomputed only
+        after a measurement: a settled round asks for them several times, and a round's host time
+        is time the device waits (tens of microseconds per round in a busy engine)."""
         cached = self._score_cache.get(bucket)
-        if cached is not None and cached[0] == self._measurements:
-            return cached[1], cached[2]
-        scores = {n: self._per_row(bucket, n) for n in self.ladder}
+        if cached is not None and cached.version == self._measurements:
+            return cached
+        scores, bounds = self._per_row_all(bucket)
         known = [(score, -n) for n, score in scores.items() if score is not None]
         best = -max(known)[1] if known else self.ladder[-1]
-        self._score_cache[bucket] = (self._measurements, scores, best)
-        return scores, best
+        cached = _BucketEstimates(self._measurements, scores, best, bounds, [])
+        cached.unexplored.extend(self._options_to_explore(bucket, cached))
+        self._score_cache[bucket] = cached
+        return cached
 
     def tokens_per_second(self, rows: int, nodes: int) -> float | None:
         """Expected throughput of a round of ``nodes`` nodes, None while unmeasured."""
@@ -300,6 +319,22 @@ class SpecPolicy:
             return None
         seconds = max(self._seconds[(bucket, n)].value for n in self.ladder if n <= nodes and (bucket, n) in self._seconds)
         return acceptance / max(seconds, 1e-9)
+
+    def _per_row_all(self, bucket: int) -> tuple[dict[int, float | None], dict[int, float]]:
+        """:meth:`_per_row` and :meth:`_bound` of every option, in one pass up the ladder."""
+        per_row, bounds = {}, {}
+        slowest = 0.0  # the largest round-time estimate of the options so far timed in the bucket
+        largest_smaller = None  # the round-time estimate of the largest option so far timed
+        for n in reversed(self.ladder):  # fewest nodes first
+            acceptance = self.acceptance(n)
+            bounds[n] = float("inf") if acceptance is None or largest_smaller is None else \
+                acceptance / max(largest_smaller, 1e-9)
+            ema = self._seconds.get((bucket, n))
+            if ema is not None:
+                slowest = max(slowest, ema.value)
+                largest_smaller = ema.value
+            per_row[n] = None if acceptance is None or ema is None else acceptance / max(slowest, 1e-9)
+        return {n: per_row[n] for n in self.ladder}, bounds
 
     def snapshot(self, rows: int) -> dict[str, list]:
         """The estimates for ``rows``' bucket, per ladder option: [nodes, acceptance, ms, timed rounds]."""
@@ -323,14 +358,18 @@ class SpecPolicy:
         """Options still to try in ``bucket``: too few timed rounds and not clearly worse than the
         best, measured or bounded (:meth:`_bound`); an option not yet timed must also be able to
         beat plain rounds (its bound above plain's score; see "Exploration" above)."""
-        scores = self._scores(bucket)[0]
+        return self._estimates(bucket).unexplored
+
+    def _options_to_explore(self, bucket: int, estimates: "_BucketEstimates") -> list[int]:
+        """:meth:`_unexplored`, computed from the bucket's fresh estimates."""
+        scores = estimates.scores
         top = max((s for s in scores.values() if s is not None), default=0.0)
         plain = scores.get(PLAIN_NODES)
 
         def worth_trying(n: int) -> bool:
             if scores[n] is not None:
                 return scores[n] >= DOMINATED * top
-            bound = self._bound(bucket, n)
+            bound = estimates.bounds[n]
             return bound >= DOMINATED * top and (plain is None or bound > plain)
 
         return [n for n in self.ladder if self._timed(bucket, n) < self.config.explore_rounds and worth_trying(n)]
@@ -339,12 +378,7 @@ class SpecPolicy:
         """An upper bound on the tokens/s per row of an option not yet timed in ``bucket``: its
         acceptance (known from other buckets) over the round time of the largest smaller option
         timed here (verifying more nodes never costs less); infinite without both."""
-        acceptance = self.acceptance(nodes)
-        smaller = [self._seconds[(bucket, n)].value for n in self.ladder
-                   if n < nodes and (bucket, n) in self._seconds]
-        if acceptance is None or not smaller:
-            return float("inf")
-        return acceptance / max(smaller[0], 1e-9)  # ladder order: the largest smaller option first
+        return self._estimates(bucket).bounds[nodes]
 
     def _explored(self, bucket: int) -> bool:
         """Exploration of ``bucket`` is over (the estimates, not round robin, pick its options)."""

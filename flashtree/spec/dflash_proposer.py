@@ -97,10 +97,16 @@ class DrafterRunner:
         """Project the deferred features of ``slots`` (at most ``width`` each: pass the largest lag,
         so nothing is written past the committed tokens) into the drafter's context, in one pass."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.lag.device)  # [B]
-        width = self.lag_capacity if width is None else width
-        self.drafter.observe(self.cache, index, self.lagging[index, :width], self.lag[index],
-                             self.cache.lengths[index])
-        self.lag[index] = 0
+        self.catch_up_rows(index, self.lag_capacity if width is None else width)
+
+    def catch_up_rows(self, index: torch.Tensor, width: int, pad_slot: int | None = None) -> None:
+        """:meth:`catch_up` on the device (capturable): ``index [B]`` the slots. Rows on
+        ``pad_slot`` (a graphed catch-up's padding) project nothing: their context length stays."""
+        counts = self.lag[index]  # [B]
+        if pad_slot is not None:
+            counts = torch.where(index == pad_slot, 0, counts)
+        self.drafter.observe(self.cache, index, self.lagging[index, :width], counts, self.cache.lengths[index])
+        self.lag.index_fill_(0, index, 0)  # (a tensor op: capturable)
 
     def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
                 starts: torch.Tensor) -> None:
@@ -160,6 +166,9 @@ class _DrafterProposer:
 
     def catch_up(self, slots: Sequence[int], width: int | None = None) -> None:
         self.runner.catch_up(slots, width)
+
+    def catch_up_rows(self, index: torch.Tensor, width: int, pad_slot: int | None = None) -> None:
+        self.runner.catch_up_rows(index, width, pad_slot)
 
     def release(self, slots: Sequence[int]) -> None:
         self.runner.release(slots)
