@@ -16,6 +16,7 @@ plain rounds with a drafter catch-up, and steps with a prefill.
 
     PYTHONPATH=. python benchmarks/engine_churn.py --shape qwen3-8b [--levels 1,4,16,32] [--repeats 3]
         [--interleave pass|step] [--out FILE]
+    python benchmarks/engine_churn.py --summarize FILE      (the tables of an earlier run)
     python benchmarks/engine_churn.py --model smollm2 --levels 1,4 --repeats 2 --requests 4     (CPU: the shipped pair)
 
 ``--shape qwen3-8b``: random bf16 weights at Qwen3-8B shape with SmolLM2's 49,152-token vocabulary
@@ -159,7 +160,14 @@ def main() -> None:
                         help="pass: engines take whole passes in rotating order; step: all engines' passes at "
                         "once, one step each in turn (each step synchronized and billed to its engine)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--summarize", type=Path, metavar="JSON", help="print the tables of an earlier run's --out file")
     args = parser.parse_args()
+    if args.summarize:
+        rows = json.loads(args.summarize.read_text())["passes"]
+        names = list(dict.fromkeys(r["method"] for r in rows))
+        levels = sorted({r["concurrency"] for r in rows})
+        print(summarize(rows, names, levels) + "\n\n" + kind_summary(rows, names, levels))
+        return
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     levels = [int(x) for x in args.levels.split(",")]
@@ -187,6 +195,8 @@ def main() -> None:
     for engine in engines.values():
         engine.close_traces()
     summary = summarize(rows, names, levels)
+    if args.interleave == "step":
+        summary += "\n\nStep time by kind (all repeats):\n\n" + kind_summary(rows, names, levels)
     print(summary)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +204,27 @@ def main() -> None:
                                         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                                         "torch": torch.__version__, "passes": rows}, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(summary + "\n")
+
+
+def kind_summary(rows: list[dict], names: list[str], levels: list[int]) -> str:
+    """Per level and method, over all repeats: steps and mean ms per step of each kind (a table
+    of the passes' ``step_seconds`` / ``step_counts``; passes from --interleave step carry them)."""
+    kinds = ClosedLoop.KINDS
+    lines = ["| concurrency | method | " + " | ".join(f"{k}: steps x ms" for k in kinds) + " | total s |",
+             "| --- " * (3 + len(kinds)) + "|"]
+    for level in levels:
+        for name in names:
+            passes = [r for r in rows if r["concurrency"] == level and r["method"] == name and "step_seconds" in r]
+            if not passes:
+                continue
+            cells = []
+            for kind in kinds:
+                count = sum(r["step_counts"][kind] for r in passes)
+                seconds = sum(r["step_seconds"][kind] for r in passes)
+                cells.append(f"{count} x {1e3 * seconds / count:.4f}" if count else "0")
+            total = sum(sum(r["step_seconds"].values()) for r in passes)
+            lines.append(f"| {level} | {name} | " + " | ".join(cells) + f" | {total:.3f} |")
+    return "\n".join(lines)
 
 
 def summarize(rows: list[dict], names: list[str], levels: list[int]) -> str:

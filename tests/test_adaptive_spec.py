@@ -326,10 +326,13 @@ def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool) -> Count
     policy = llm.engine.policy = RecordingPolicy(llm.engine.policy)
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
-    # one timed round of each option first; the engine's very first round is not timed (it follows
-    # an idle engine, IDLE_GAP_S), so its option runs twice
-    explore = len(policy.ladder) + 1
-    assert policy.chosen[0] == policy.chosen[1] and sorted(policy.chosen[1:explore]) == sorted(policy.ladder)
+    # exploration, smaller options first: the first round of each option is not timed (a warm-up;
+    # the engine's very first one also follows an idle engine), so an option runs twice, unless its
+    # warm-up's acceptance (1: a drafter that never matches) shows it cannot beat plain rounds
+    trees = sorted(n for n in policy.ladder if n)
+    exploration = [n for n in [0, *trees] for _ in range(2)] if match else [0, 0, *trees]
+    assert policy.chosen[:len(exploration)] == exploration, policy.chosen
+    explore = len(exploration)
     return Counter(policy.chosen[explore:])
 
 

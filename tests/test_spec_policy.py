@@ -63,7 +63,7 @@ def test_ladders_and_buckets():
 def test_config_is_validated():
     for bad in (dict(smoothing=0.0), dict(smoothing=1.5), dict(explore_rounds=0), dict(probe_interval=0),
                 dict(probe_interval=100, max_probe_interval=50),
-                dict(min_tree_nodes=0), dict(explore_rounds=1.5)):
+                dict(min_tree_nodes=0), dict(explore_rounds=1.5), dict(settled_batch=0)):
         with pytest.raises(ConfigError):
             SpecPolicyConfig(**bad)
     with pytest.raises(ValueError):
@@ -260,20 +260,26 @@ def test_a_choice_moved_by_slow_rounds_rechecks_the_displaced_option():
     assert policy.best(1) == 0 and after[-10:].count(0) >= 10 - config.probe_rounds, after  # ... and won back
 
 
-def test_a_few_slow_rounds_cost_one_recheck_not_an_interval_of_worse_rounds():
+@pytest.mark.parametrize("settled_batch", [1, 8])
+def test_a_few_slow_rounds_cost_one_recheck_not_an_interval_of_worse_rounds(settled_batch):
     """Settled on plain (5 ms; trees 7 ms, accepting 1.15 tokens), three slow plain rounds lift its
     estimate above the trees' and move the choice. The displaced plain option is re-measured
     at once, wins back, and hardly any tree round runs (the H200 server ran about 50 per such
-    event when the recheck waited ``probe_interval`` rounds)."""
-    config = SpecPolicyConfig()
+    event when the recheck waited ``probe_interval`` rounds). Folded in batches of 8 settled
+    rounds, the slow ones are folded with the quiet ones after them (the move may not happen at
+    all); hardly any tree round runs either way."""
+    config = SpecPolicyConfig(settled_batch=settled_batch)
     policy = SpecPolicy((8, 4, 0), config)
     quiet = {0: 0.005, 4: 0.0075, 8: 0.007}
     drive(policy, 2000, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])
     assert policy.best(1) == 0
     slow = drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.0099 if n == 0 else quiet[n])
-    assert slow == [0, 0, 0] and policy.best(1) != 0  # the slow rounds moved the choice
+    assert slow == [0, 0, 0]
+    if settled_batch == 1:
+        assert policy.best(1) != 0  # the slow rounds moved the choice
     after = drive(policy, 100, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])
-    assert after[:config.probe_rounds] == [0] * config.probe_rounds, after  # plain rechecked at once
+    if settled_batch == 1:
+        assert after[:config.probe_rounds] == [0] * config.probe_rounds, after  # plain rechecked at once
     assert policy.best(1) == 0
     assert sum(1 for n in after if n) <= 2 * config.probe_rounds, after  # a regular probe or two at most
 
@@ -325,9 +331,10 @@ def test_probes_average_rounds_so_a_few_unlucky_rounds_do_not_evict_a_better_opt
 
     kept = [tree_rounds(seed) for seed in range(5)]
     assert min(kept) >= 1500  # of 2000; probes of plain aside
-    # the former policy (one-round probes, acceptance EMA as fast as the timing's) mostly settled on
+    # the former policy (one-round probes, acceptance EMA as fast as the timing's, every round folded
+    # in at once) mostly settled on
     # plain: 76 to 572 tree rounds of 2,000 with immediate rechecks, 109 to 334 before them
-    former = [tree_rounds(seed, probe_rounds=1, acceptance_smoothing=0.2) for seed in range(5)]
+    former = [tree_rounds(seed, probe_rounds=1, acceptance_smoothing=0.2, settled_batch=1) for seed in range(5)]
     assert all(new >= 3 * old for new, old in zip(kept, former)), (kept, former)
 
 
@@ -424,3 +431,54 @@ def test_decline_probe_needs_a_neighbour_probe():
     policy = SpecPolicy(LADDER, SpecPolicyConfig())
     with pytest.raises(RuntimeError, match="neighbour probe"):
         policy.decline_probe()
+
+
+# ---------------------------------------------------------------------------- settled rounds
+
+def settled_pair() -> tuple[SpecPolicy, SpecPolicy]:
+    """Two policies in the same state, settled on plain rounds (no probe due for a long while):
+    one folds every round in at once, the other holds settled rounds 8 at a time."""
+    import copy
+    import dataclasses
+
+    config = SpecPolicyConfig(settled_batch=1, probe_interval=800)
+    immediate = SpecPolicy((8, 4, 0), config)
+    drive(immediate, 300, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.005 if n == 0 else 0.007)
+    assert immediate.best(1) == 0
+    batched = copy.deepcopy(immediate)
+    batched.config = dataclasses.replace(config, settled_batch=8)
+    return immediate, batched
+
+
+def test_settled_rounds_are_folded_in_batches_into_the_same_estimates():
+    immediate, batched = settled_pair()
+    before = batched.snapshot(1)
+    seconds = lambda rows, n: 0.006  # noqa: E731 - plain rounds got slower (not enough to move the choice)
+    for i in range(7):
+        assert drive(immediate, 1, 1, TREES_ACCEPT_A_LITTLE, seconds) == drive(batched, 1, 1, TREES_ACCEPT_A_LITTLE, seconds)
+        assert batched.snapshot(1) == before  # held
+        assert immediate.snapshot(1) != before
+    drive(immediate, 1, 1, TREES_ACCEPT_A_LITTLE, seconds)
+    drive(batched, 1, 1, TREES_ACCEPT_A_LITTLE, seconds)  # the 8th: folded, in order
+    assert batched.snapshot(1) == immediate.snapshot(1) != before
+    assert batched._seconds[(1, 0)].value == immediate._seconds[(1, 0)].value
+
+
+def test_held_rounds_are_folded_before_anything_else_happens():
+    """A probe due, another bucket or a round of another option fold the held rounds first, so
+    the measurements go into the estimates in the order they were made."""
+    _, policy = settled_pair()
+    drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.005)
+    assert len(policy._settled) == 3
+    nodes = policy.choose(2)  # another bucket
+    assert policy._settled == []
+    policy.record(2, nodes, 0.005, TREES_ACCEPT_A_LITTLE(nodes))
+    drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.005)
+    assert len(policy._settled) == 3
+    timed = policy._timed(1, 4)
+    policy.record(1, 4, 0.007, 1.15)  # a round of another option (e.g. a request's own budget)
+    assert policy._settled == [] and policy._timed(1, 4) == timed + 1
+    drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.005)
+    assert len(policy._settled) == 3
+    policy._next_probe[1] = policy._rounds[1] + 1  # a neighbour probe is due at the next round
+    assert policy.choose(1) == 4 and policy._settled == []

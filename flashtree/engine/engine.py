@@ -4,7 +4,10 @@
 for the admitted rows -> append committed tokens (stop conditions) -> free finished slots.
 Each round's node count comes from the speculation policy (``engine/spec_policy.py``), which
 is fed the round's wall time and acceptance afterwards (not the wall time of a round after an
-idle pause, see ``IDLE_GAP_S``).
+idle pause, see ``IDLE_GAP_S``, of a round that captured a CUDA graph, or of the first round of
+a node count at a rows bucket: a warm-up, e.g. 3.1 against 2.0 ms for a tiny pair's first tree
+round on a CPU, and one slow sample of the smallest tree caps every tree's score by the
+policy's monotone round times).
 
 Probes and CUDA graphs: a graph is captured per round shape (rows, key-length bucket, slot
 range, node count), and capturing one costs tens of plain rounds or more (H200, Qwen3-8B shape:
@@ -32,7 +35,7 @@ from flashtree.engine.policy_trace import PolicyTracer
 from flashtree.engine.request import Request, Status
 from flashtree.engine.runner import ModelRunner, RoundResult, StageTimer
 from flashtree.engine.scheduler import Scheduler
-from flashtree.engine.spec_policy import FixedNodes, SpecPolicy, node_ladder
+from flashtree.engine.spec_policy import FixedNodes, SpecPolicy, node_ladder, rows_bucket
 from flashtree.engine.step_trace import StepTracer
 from flashtree.engine.tree_trace import TreeTracer
 from flashtree.errors import RequestError
@@ -87,6 +90,7 @@ class LLMEngine:
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
         self._last_step_end = float("-inf")  # perf_counter() when the last step ended
         self._untimed_round = False  # the next round follows an idle pause: not timed for the policy
+        self._warmed_options: set[tuple[int, int]] = set()  # (rows bucket, nodes) run at least once
         self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
         self.policy_tracer = PolicyTracer(config.trace_policy) if config.trace_policy else None
         self.step_tracer = StepTracer(config.trace_steps) if config.trace_steps else None
@@ -161,11 +165,14 @@ class LLMEngine:
         if self._probe_declined(rows, nodes):
             nodes = fit_to_budgets(self.policy.best(len(rows)), rows, self.policy.ladder)
         after_idle, self._untimed_round = self._untimed_round, False
+        option = (rows_bucket(len(rows)), nodes)
+        first_of_option = option not in self._warmed_options
+        self._warmed_options.add(option)
         t0 = time.perf_counter()
         captured = self._catch_up_drafter(rows, nodes)  # part of the round's cost
         result = self.runner.round(rows, nodes)
         wall = time.perf_counter() - t0
-        seconds = None if result.captured_graph or captured or after_idle else wall
+        seconds = None if result.captured_graph or captured or after_idle or first_of_option else wall
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
         if self.policy_tracer is not None:

@@ -37,8 +37,11 @@ still try trees there now and then; the engine declines a probe whose round woul
 for an option that cannot win (:meth:`SpecPolicy.worth_a_graph`, :meth:`SpecPolicy.decline_probe`:
 the next probe then waits twice as long).
 Tracking: after ``probe_interval`` rounds of a bucket, a neighbour of the best option in the
-ladder is tried for ``probe_rounds`` rounds in a row (alternately the larger and the smaller), so
-drift in acceptance or cost moves the choice. The probe's rounds are averaged and go into the
+ladder is tried for ``probe_rounds`` rounds in a row (the one of the two timed longer ago: in a
+settled bucket alternately the larger and the smaller; after the best option moved, first the side
+the move did not come from, whose estimate is the staler; by parity alone, a climb back up from
+plain after a drift down could probe plain first, find it far worse and wait ``max_probe_interval``
+rounds), so drift in acceptance or cost moves the choice. The probe's rounds are averaged and go into the
 estimates as one measurement of weight ``PROBE_WEIGHT`` (the old estimate is stale). One round
 of one row is too few: a row's acceptance length is a small integer that scatters widely (a real
 drafter's rounds accept 1 to 5 tokens around a mean of 2.5), so single-round probes that happened
@@ -74,6 +77,14 @@ uses the largest round-time estimate among it and the smaller options timed in t
 slow stretch that lifts plain's estimate then lifts every tree's with it, and a drafter that
 never matches (acceptance 1) can never make a tree look better than plain rounds (seen on the
 H200: a DDTree server at one row ran 150-190 rounds of a tree in every 1,524-round pass).
+Settled rounds: a round of the best option in an explored bucket, with no probe in progress or
+due, changes nothing but the estimates. Such rounds' measurements are held and folded in
+``settled_batch`` at a time (in order, the same EMA updates), and the best option is recomputed
+once per batch; a change of it then triggers the recheck as above, a few rounds later. A batch is
+folded early when anything else is about to happen (a probe, a plain recheck, another bucket, a
+round of another option). Recomputing the scores after every round cost 65-94 us of host time per
+round in a busy H200 engine, 1.2-1.7% of a 5.4 ms plain round at Qwen3-8B shape, while the device
+waited (benchmarks/README.md, "Twelfth session").
 Everything is deterministic given the same measurements.
 
 The node count only changes the shape of a round, never which tokens are committed: every
@@ -113,13 +124,14 @@ class SpecPolicyConfig:
     min_tree_nodes: int = 4  # smallest non-zero tree in a DDTree ladder (halving stops above it)
     probe_rounds: int = 4  # rows x rounds of a probe (consecutive rounds, averaged into one measurement)
     plain_recheck_interval: int = 200  # rounds of a bucket on trees after which plain is re-measured
+    settled_batch: int = 8  # settled rounds (the best option, nothing due) folded into the estimates at a time
 
     def __post_init__(self) -> None:
         for name in ("smoothing", "acceptance_smoothing"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         for name in ("explore_rounds", "probe_interval", "max_probe_interval", "min_tree_nodes", "probe_rounds",
-                     "plain_recheck_interval"):
+                     "plain_recheck_interval", "settled_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -211,13 +223,22 @@ class SpecPolicy:
         self._recheck: dict[int, tuple[int, int]] = {}  # rows bucket -> (displaced option the next probe
         # re-measures, RECHECK_NOW or RECHECK_LATER)
         self._plain_timed_at: dict[int, int] = {}  # rows bucket -> its round count when plain was last timed
+        self._timed_at: dict[tuple[int, int], int] = {}  # (rows bucket, nodes) -> the bucket's round count
+        # when that option was last timed (fed in; for held settled rounds, when they were folded)
         self._measurements = 0  # estimates fed so far (the score cache's version)
         self._score_cache: dict[int, _BucketEstimates] = {}  # rows bucket -> its estimates, as last computed
+        self._settled: list[tuple] = []  # held settled rounds: (rows, nodes, seconds, acceptance), one bucket
+        self._settled_bucket = 0  # the bucket of the held rounds
 
     # ------------------------------------------------------------------ decisions
     def choose(self, rows: int) -> int:
         """The node count of the next round of ``rows`` rows."""
         bucket = rows_bucket(rows)
+        if self._settled:
+            if bucket == self._settled_bucket and not self._decision_due(bucket):
+                self._rounds[bucket] += 1
+                return self._settled[-1][1]  # settled: the held rounds' option, the best one
+            self._fold_settled()
         self._rounds[bucket] += 1
         probe = self._probe
         if probe is not None:
@@ -239,10 +260,20 @@ class SpecPolicy:
             self._probes[bucket] += 1
             displaced, recheck = self._recheck.pop(bucket, (None, NEIGHBOUR_PROBE))
             if displaced in (None, best):
-                displaced, recheck = self._neighbour(best, larger=self._probes[bucket] % 2 == 1), NEIGHBOUR_PROBE
+                displaced, recheck = self._neighbour(best, larger=self._probe_larger(bucket, best)), NEIGHBOUR_PROBE
             self._probe = _Probe(displaced, bucket, best, rounds_left=self._probe_rounds(rows) - 1, recheck=recheck)
             return displaced
         return best
+
+    def _decision_due(self, bucket: int) -> bool:
+        """The next round of ``bucket`` starts a plain recheck or a neighbour probe (as ``choose``
+        decides them; the estimates are current enough for the best option: it is the held one)."""
+        rounds = self._rounds[bucket] + 1
+        best = self._settled[-1][1]
+        if best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
+                rounds - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval):
+            return True
+        return rounds >= self._next_probe.get(bucket, rounds + 1)
 
     @property
     def probing(self) -> bool:
@@ -388,6 +419,18 @@ class SpecPolicy:
         ema = self._seconds.get((bucket, nodes))
         return ema.count if ema is not None else 0
 
+    def _probe_larger(self, bucket: int, best: int) -> bool:
+        """Whether a neighbour probe of ``bucket`` tries the larger neighbour of ``best``: the one
+        of the two timed longer ago (never: longest ago), alternately on a tie. In a settled
+        bucket that alternates; after the best option moved it first tries the side the move did
+        not come from (its estimate is the staler one)."""
+        index = self.ladder.index(best)
+        if index == 0 or index == len(self.ladder) - 1:
+            return index != 0  # one neighbour only
+        larger = self._timed_at.get((bucket, self.ladder[index - 1]), -1)
+        smaller = self._timed_at.get((bucket, self.ladder[index + 1]), -1)
+        return larger < smaller if larger != smaller else self._probes[bucket] % 2 == 1
+
     def _neighbour(self, nodes: int, larger: bool) -> int:
         """The ladder option next to ``nodes``: the larger one if asked and there is one."""
         index = self.ladder.index(nodes)
@@ -413,9 +456,42 @@ class SpecPolicy:
             if probe.rounds_left == 0:
                 self._finish_probe()
             return
+        if self._is_settled(bucket, nodes):  # see "Settled rounds" above
+            self._settled.append((rows, nodes, seconds, acceptance))
+            self._settled_bucket = bucket
+            if len(self._settled) >= self.config.settled_batch:
+                self._fold_settled()
+            return
+        if self._settled:
+            self._fold_settled()  # (measurements go in in order)
         best_before = self.best(rows) if self._explored(bucket) else None
         self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows)
-        if best_before is not None and self.best(rows) != best_before:  # see "Rechecks" above
+        self._check_best_moved(bucket, best_before)
+
+    def _is_settled(self, bucket: int, nodes: int) -> bool:
+        """A round of ``nodes`` is a settled one: no probe in progress, ``bucket`` explored and
+        ``nodes`` its best option (by the estimates as last computed), the held rounds' bucket."""
+        if self.config.settled_batch == 1 or self._probe is not None:
+            return False
+        if self._settled and bucket != self._settled_bucket:
+            return False
+        cached = self._score_cache.get(bucket)
+        return cached is not None and cached.version == self._measurements and not cached.unexplored \
+            and cached.best == nodes
+
+    def _fold_settled(self) -> None:
+        """The held settled rounds into the estimates, in order; the best option is recomputed once."""
+        held, self._settled = self._settled, []
+        bucket = self._settled_bucket
+        best_before = held[0][1]  # they were held because it was the best option
+        for rows, nodes, seconds, acceptance in held:
+            self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows)
+        self._check_best_moved(bucket, best_before)
+
+    def _check_best_moved(self, bucket: int, best_before: int | None) -> None:
+        """An ordinary measurement moved the best option away from ``best_before`` (None: the bucket
+        was still exploring): the displaced option is rechecked at the next round (see "Rechecks")."""
+        if best_before is not None and self.best(bucket) != best_before:
             self._recheck[bucket] = (best_before, RECHECK_NOW)
             self._interval[bucket] = self.config.probe_interval
             self._next_probe[bucket] = self._rounds[bucket]  # the next round
@@ -429,6 +505,7 @@ class SpecPolicy:
             self._plain_timed_at[bucket] = self._rounds[bucket]
         if seconds is not None:
             self._seconds.setdefault((bucket, nodes), _Ema(self.config.smoothing, OUTLIER_FACTOR)).add(seconds, weight)
+            self._timed_at[(bucket, nodes)] = self._rounds[bucket]
         if acceptance is not None and nodes != PLAIN_NODES:
             per_rows = 1.0 - (1.0 - self.config.acceptance_smoothing) ** rows  # each row one sample
             self._acceptance.setdefault(nodes, _Ema(self.config.acceptance_smoothing)).add(
