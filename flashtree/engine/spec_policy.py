@@ -82,9 +82,10 @@ due, changes nothing but the estimates. Such rounds' measurements are held and f
 ``settled_batch`` at a time (in order, the same EMA updates), and the best option is recomputed
 once per batch; a change of it then triggers the recheck as above, a few rounds later. A batch is
 folded early when anything else is about to happen (a probe, a plain recheck, another bucket, a
-round of another option). Recomputing the scores after every round cost 65-94 us of host time per
-round in a busy H200 engine, 1.2-1.7% of a 5.4 ms plain round at Qwen3-8B shape, while the device
-waited (benchmarks/README.md, "Twelfth session").
+round of another option). With the scores recomputed after every round, ``choose`` + ``record``
+cost 65-94 us of host time per round in a busy H200 engine, 1.2-1.7% of a 5.4 ms plain round at
+Qwen3-8B shape, while the device waited (benchmarks/README.md, "Twelfth session"; 2.3x less so on
+a CPU, ``benchmarks/cpu_policy_cost.py``).
 Everything is deterministic given the same measurements.
 
 The node count only changes the shape of a round, never which tokens are committed: every
