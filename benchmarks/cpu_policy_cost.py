@@ -20,12 +20,13 @@ import platform
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_plain_round_cost import time_policy  # noqa: E402
 from tests.dflash_helpers import tiny_pair  # noqa: E402
 
 from flashtree import LLM, SamplingParams  # noqa: E402
@@ -34,19 +35,8 @@ from flashtree import LLM, SamplingParams  # noqa: E402
 def policy_cost(pair, method: str, steps: int, warmup: int) -> dict:
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=16, max_running=8, max_context=512,
               adaptive_spec=True)
-    engine, policy = llm.engine, llm.engine.policy
-    spent = [0.0, 0]  # seconds, rounds
-
-    def timed(method, counts_a_round: bool):
-        def wrapper(*args):
-            t0 = time.perf_counter()
-            out = method(*args)
-            spent[0] += time.perf_counter() - t0
-            spent[1] += counts_a_round
-            return out
-        return wrapper
-
-    policy.choose, policy.record = timed(policy.choose, True), timed(policy.record, False)
+    engine = llm.engine
+    time_policy(engine)  # engine.policy_seconds: [seconds in choose + record, rounds]
     rng, live = random.Random(0), []
     for step in range(warmup + steps):
         live = [r for r in live if not r.finished]
@@ -55,7 +45,8 @@ def policy_cost(pair, method: str, steps: int, warmup: int) -> dict:
             live.append(engine.add_request(prompt, SamplingParams(max_tokens=300, ignore_eos=True)))
         engine.step()
         if step == warmup - 1:
-            spent[:] = [0.0, 0]
+            engine.policy_seconds = [0.0, 0]
+    spent = engine.policy_seconds
     return {"method": method, "policy_us_per_round": round(1e6 * spent[0] / spent[1], 2), "rounds": spent[1],
             "rounds_by_nodes": {str(k): v for k, v in engine.rounds_by_nodes.items()}}
 

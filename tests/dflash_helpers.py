@@ -1,13 +1,14 @@
 """Test fixtures for DFlash / DDTree: tiny random drafters in the z-lab format, tiny target +
-drafter pairs, a copying test-double proposer, and the exact target distribution of the first
+drafter pairs, a copying test-double proposer, a scripted speculation policy, and the exact target distribution of the first
 sampled tokens with a chi-square check.
 
 Stable names (other test files import them): ``save_tiny_drafter``, ``tiny_pair``, ``TinyPair``,
-``save_tiny_tokenizer``, ``CopyingProposer``, ``use_copying_proposer``.
+``save_tiny_tokenizer``, ``CopyingProposer``, ``use_copying_proposer``, ``ScriptedNodes``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -336,3 +337,23 @@ def assert_first_tokens_match_target(samples: torch.Tensor, hf, prompt: Sequence
         assert df >= 3, f"{what}: too few cells to test ({df} degrees of freedom)"
         critical = chi_square_critical(df)
         assert stat < critical, f"{what}: chi-square {stat:.1f} >= {critical:.1f} (df {df}): not the target's"
+
+
+# ---------------------------------------------------------------------------- scripted policy
+
+class ScriptedNodes:
+    """A policy whose rounds cycle through ``pattern`` (node counts), whatever the rows."""
+
+    probing = False
+
+    def __init__(self, pattern):
+        self.ladder = tuple(sorted(set(pattern), reverse=True))
+        self._cycle = itertools.cycle(pattern)
+
+    def choose(self, rows):
+        return next(self._cycle)
+
+    best = choose
+
+    def record(self, rows, nodes, seconds, acceptance):
+        pass

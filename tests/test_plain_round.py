@@ -5,34 +5,14 @@ features), the target's KV cache and the drafter's deferred features."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401  (fixture)
+from tests.dflash_helpers import ScriptedNodes, one_thread, tiny_pair  # noqa: F401  (fixture)
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
 
 ENGINE = dict(max_running=8, max_context=96, prefill_chunk=8, adaptive_spec=False)
-
-
-class ScriptedNodes:
-    """A policy whose rounds cycle through ``pattern`` (node counts), whatever the rows."""
-
-    probing = False
-
-    def __init__(self, pattern):
-        self.ladder = tuple(sorted(set(pattern), reverse=True))
-        self._cycle = itertools.cycle(pattern)
-
-    def choose(self, rows):
-        return next(self._cycle)
-
-    best = choose
-
-    def record(self, rows, nodes, seconds, acceptance):
-        pass
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,7 +12,7 @@ import pytest
 
 from flashtree import LLM, SamplingParams
 from flashtree.engine.spec_policy import SpecPolicyConfig
-from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401  (fixture)
+from tests.dflash_helpers import ScriptedNodes, one_thread, tiny_pair  # noqa: F401  (fixture)
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
 
 ENGINE = dict(max_running=8, max_context=96, prefill_chunk=8, adaptive_spec=False)
@@ -120,8 +120,6 @@ def test_graphed_catch_ups_give_the_eager_tokens_and_leave_the_pad_slot_alone(pa
     """Plain stretches longer than the drafter's lag run full-width catch-ups, graphed (padded to
     a power of two) when graphs are on: the tokens and the drafted rounds' acceptance are the
     eager engine's, and the pad slot's drafter context does not grow."""
-    from tests.test_plain_round import ScriptedNodes
-
     knobs = dict(ENGINE, max_context=256)
     reference = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)

@@ -175,10 +175,7 @@ class ModelRunner:
             self.proposer.catch_up(slots, width)
             return False
         padded = list(slots) + [self.pad_slot] * self._pad_rows(len(slots))
-        index = torch.tensor(padded, dtype=torch.long)
-        if self.device.type == "cuda":
-            index = index.pin_memory()
-        index = index.to(self.device, non_blocking=True)  # [B + pads]
+        index = self._send(torch.tensor(padded, dtype=torch.long))  # [B + pads]
         captures = self.graphs.captures
         self.graphs.run(("catch_up", len(padded), width),
                         lambda i: self.proposer.catch_up_rows(i, width, pad_slot=self.pad_slot), (index,))
@@ -229,12 +226,21 @@ class ModelRunner:
         ints = torch.tensor(per_row, dtype=torch.long).T.contiguous()  # [7, B + pads]
         temperature_top_p = [(p.temperature, p.top_p) for p in params] + [(0.0, 1.0)] * pads
         floats = torch.tensor(temperature_top_p).T.contiguous()  # [2, B + pads]
-        if self.device.type == "cuda":
-            ints, floats = ints.pin_memory(), floats.pin_memory()
-        ints = ints.to(self.device, non_blocking=True)
-        floats = floats.to(self.device, non_blocking=True)
+        ints, floats = self._send(ints), self._send(floats)
         slots, bonus, starts, budgets, generated, top_k, seed = ints.unbind(0)
         return RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed)
+
+    def _send(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, in a non-blocking copy from pinned memory on CUDA (a copy
+        from pageable memory would make the host wait for all queued device work)."""
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _sampling(shape: "RoundShape", rows: RoundInputs) -> SamplingTensors:
+        return SamplingTensors(rows.temperature, rows.top_p, rows.top_k, rows.seed, shape.any_sampled,
+                               shape.any_filtered)
 
     def _kv_bucket(self, kv_len: int) -> int:
         bucket = 256
@@ -258,8 +264,7 @@ class ModelRunner:
             cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len,
             slot_range=shape.slot_range)
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
-        sampling = SamplingTensors(rows.temperature, rows.top_p, rows.top_k, rows.seed,
-                                   shape.any_sampled, shape.any_filtered)
+        sampling = self._sampling(shape, rows)
         choice = choose_tokens(out.logits, sampling, rows.generated[:, None] + tree.depths)  # [B, T+1]
         t2 = timer.add("verify", t1) if timer else 0.0
 
@@ -295,9 +300,7 @@ class ModelRunner:
             input_ids=rows.bonus[:, None], positions=rows.starts[:, None], slots=rows.slots,
             cache_lengths=rows.starts, new_mask=root_mask, kv_len=shape.kv_len, slot_range=shape.slot_range)
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
-        sampling = SamplingTensors(rows.temperature, rows.top_p, rows.top_k, rows.seed,
-                                   shape.any_sampled, shape.any_filtered)
-        next_bonus = choose_tokens(out.logits, sampling, rows.generated[:, None])[:, 0].long()  # [B]
+        next_bonus = choose_tokens(out.logits, self._sampling(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
         t1 = timer.add("verify", t0) if timer else 0.0
         ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
         self.cache.commit_prefix(rows.slots, rows.starts, ones)

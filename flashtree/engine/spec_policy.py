@@ -251,8 +251,7 @@ class SpecPolicy:
         if unexplored:
             return min(unexplored, key=lambda n: (self._timed(bucket, n), n))  # smaller first: it bounds the rest
         best = self.best(rows)
-        if best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
-                self._rounds[bucket] - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval):
+        if self._plain_recheck_due(bucket, best, self._rounds[bucket]):
             self._plain_timed_at[bucket] = self._rounds[bucket]  # (also if its rounds go untimed: no retry each round)
             self._probe = _Probe(PLAIN_NODES, bucket, best, rounds_left=self._probe_rounds(rows) - 1,
                                  recheck=PLAIN_RECHECK)
@@ -270,11 +269,14 @@ class SpecPolicy:
         """The next round of ``bucket`` starts a plain recheck or a neighbour probe (as ``choose``
         decides them; the estimates are current enough for the best option: it is the held one)."""
         rounds = self._rounds[bucket] + 1
-        best = self._settled[-1][1]
-        if best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
-                rounds - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval):
-            return True
-        return rounds >= self._next_probe.get(bucket, rounds + 1)
+        return (self._plain_recheck_due(bucket, self._settled[-1][1], rounds)
+                or rounds >= self._next_probe.get(bucket, rounds + 1))
+
+    def _plain_recheck_due(self, bucket: int, best: int, rounds: int) -> bool:
+        """At round ``rounds`` of ``bucket``, with a tree as the ``best`` option, plain has gone
+        ``plain_recheck_interval`` rounds unmeasured (see "Plain rechecks" above)."""
+        return best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
+            rounds - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval)
 
     @property
     def probing(self) -> bool:
@@ -346,11 +348,7 @@ class SpecPolicy:
         """acceptance / round seconds: tokens/s per row of the bucket, None while unmeasured. The
         seconds are the largest estimate of the option and every smaller option timed in the
         bucket (see "Monotone round times" above)."""
-        acceptance = self.acceptance(nodes)
-        if acceptance is None or (bucket, nodes) not in self._seconds:
-            return None
-        seconds = max(self._seconds[(bucket, n)].value for n in self.ladder if n <= nodes and (bucket, n) in self._seconds)
-        return acceptance / max(seconds, 1e-9)
+        return self._estimates(bucket).scores.get(nodes)
 
     def _per_row_all(self, bucket: int) -> tuple[dict[int, float | None], dict[int, float]]:
         """:meth:`_per_row` and :meth:`_bound` of every option, in one pass up the ladder."""

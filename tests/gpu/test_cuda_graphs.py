@@ -44,7 +44,7 @@ def test_graphed_plain_stretches_and_catch_ups_equal_eager(tmp_path, spec):
     """Plain rounds (the short path) and the full-width drafter catch-ups they lead to, graphed,
     give the eager engine's tokens and drafted rounds' acceptance."""
     from tests.dflash_helpers import tiny_pair
-    from tests.test_plain_round import ScriptedNodes
+    from tests.dflash_helpers import ScriptedNodes
 
     pair = tiny_pair(tmp_path, vocab=24, block_size=6)
     prompts = [[1, 2, 3], list(range(2, 20)), [7] * 9]
