@@ -5,7 +5,11 @@ per round in the policy (``gpu_plain_round_cost.py``, twelfth session), 1.2-1.7%
 round at Qwen3-8B shape: the device waits for it. A synthetic loop of the same calls takes a few
 times less: inside an engine the interpreter runs with cold caches. This measures it where it
 counts, inside an engine, without a GPU: a tiny random pair (its drafter never matches, so the
-policy settles on plain rounds, as with random weights on the H200), 4 rows kept running.
+policy settles on plain rounds, as with random weights on the H200), 4 rows kept running. Each
+engine runs twice: as on a CPU, and acting as on a device that runs ahead of the host
+(``runner.runs_ahead``, as on CUDA), where the policy folds its held rounds while a round runs
+(``fold_meanwhile_us_per_round``: host time the device does not wait for on a GPU; here, with
+no device to run ahead, it is spent all the same).
 
     python benchmarks/cpu_policy_cost.py [--steps 4000] [--out FILE]
 
@@ -26,17 +30,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_plain_round_cost import time_policy  # noqa: E402
+from gpu_plain_round_cost import policy_figures, time_policy  # noqa: E402
 from tests.dflash_helpers import tiny_pair  # noqa: E402
 
 from flashtree import LLM, SamplingParams  # noqa: E402
 
 
-def policy_cost(pair, method: str, steps: int, warmup: int) -> dict:
+def policy_cost(pair, method: str, steps: int, warmup: int, runs_ahead: bool) -> dict:
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=16, max_running=8, max_context=512,
               adaptive_spec=True)
     engine = llm.engine
-    time_policy(engine)  # engine.policy_seconds: [seconds in choose + record, rounds]
+    engine.runner.runs_ahead = runs_ahead
+    time_policy(engine)
     rng, live = random.Random(0), []
     for step in range(warmup + steps):
         live = [r for r in live if not r.finished]
@@ -45,9 +50,9 @@ def policy_cost(pair, method: str, steps: int, warmup: int) -> dict:
             live.append(engine.add_request(prompt, SamplingParams(max_tokens=300, ignore_eos=True)))
         engine.step()
         if step == warmup - 1:
-            engine.policy_seconds = [0.0, 0]
-    spent = engine.policy_seconds
-    return {"method": method, "policy_us_per_round": round(1e6 * spent[0] / spent[1], 2), "rounds": spent[1],
+            policy_figures(engine)  # (resets the sums)
+    rounds = engine.policy_seconds[1]
+    return {"method": method, "runs_ahead": runs_ahead, **policy_figures(engine), "rounds": rounds,
             "rounds_by_nodes": {str(k): v for k, v in engine.rounds_by_nodes.items()}}
 
 
@@ -58,7 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # tiny models: one thread is fastest
     pair = tiny_pair(tempfile.mkdtemp(prefix="policy-cost-"), vocab=24, block_size=4)
-    results = [policy_cost(pair, method, args.steps, warmup=1000) for method in ("ddtree", "dflash")]
+    results = [policy_cost(pair, method, args.steps, warmup=1000, runs_ahead=ahead)
+               for ahead in (False, True) for method in ("ddtree", "dflash")]
     for result in results:
         print(json.dumps(result))
     if args.out:

@@ -305,14 +305,18 @@ class RecordingPolicy:
     def record(self, *args) -> None:
         self.policy.record(*args)
 
+    def fold_settled(self) -> None:
+        self.policy.fold_settled()
+
     @property
     def probing(self) -> bool:
         return self.policy.probing
 
 
-def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool) -> Counter:
+def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool, runs_ahead: bool = False) -> Counter:
     """Rounds per node count after exploration, for 4 rows of 80 tokens decoded together
-    (prompts within one prefill chunk) under the policy."""
+    (prompts within one prefill chunk) under the policy. ``runs_ahead``: the engine acts as on a
+    device that runs ahead of the host (CUDA): the policy folds its held rounds during each round."""
     prompts = [p for p in PROMPTS if len(p) <= ENGINE["prefill_chunk"]][:4]
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     long = plain.generate(prompts, SamplingParams(max_tokens=80 + ORACLE_DEPTH + 1, ignore_eos=True))
@@ -328,6 +332,7 @@ def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool) -> Count
     config = SpecPolicyConfig(explore_rounds=1, probe_interval=10)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, spec_policy=config, **ENGINE)
     made[-1].engine = llm.engine
+    llm.engine.runner.runs_ahead = runs_ahead
     policy = llm.engine.policy = RecordingPolicy(llm.engine.policy)
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
@@ -341,15 +346,17 @@ def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool) -> Count
     return Counter(policy.chosen[explore:])
 
 
+@pytest.mark.parametrize("runs_ahead", [False, True])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_never_matching_drafter_ends_on_plain_rounds(pair, plain, monkeypatch, method):
-    rounds = run_with_oracle(pair, plain, monkeypatch, method, match=False)
+def test_never_matching_drafter_ends_on_plain_rounds(pair, plain, monkeypatch, method, runs_ahead):
+    rounds = run_with_oracle(pair, plain, monkeypatch, method, match=False, runs_ahead=runs_ahead)
     assert rounds.get(0, 0) >= 0.8 * sum(rounds.values()), rounds
 
 
+@pytest.mark.parametrize("runs_ahead", [False, True])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_always_matching_drafter_stays_on_drafted_rounds(pair, plain, monkeypatch, method):
-    rounds = run_with_oracle(pair, plain, monkeypatch, method, match=True)
+def test_always_matching_drafter_stays_on_drafted_rounds(pair, plain, monkeypatch, method, runs_ahead):
+    rounds = run_with_oracle(pair, plain, monkeypatch, method, match=True, runs_ahead=runs_ahead)
     drafted = sum(c for n, c in rounds.items() if n >= ORACLE_DEPTH)  # nodes enough for the oracle's full depth
     assert drafted >= 0.8 * sum(rounds.values()), rounds
 

@@ -16,11 +16,15 @@ from flashtree.errors import ConfigError
 LADDER = node_ladder(256, chain=False)  # (256, 128, 64, 32, 16, 8, 4, 0)
 
 
-def drive(policy: SpecPolicy, rounds: int, rows: int, acceptance, seconds) -> list[int]:
-    """Run ``rounds`` decisions, feeding back ``acceptance(nodes)`` and ``seconds(rows, nodes)``."""
+def drive(policy: SpecPolicy, rounds: int, rows: int, acceptance, seconds, overlapped: bool = False) -> list[int]:
+    """Run ``rounds`` decisions, feeding back ``acceptance(nodes)`` and ``seconds(rows, nodes)``;
+    ``overlapped``: the held settled rounds are folded after each decision, as an engine whose
+    device runs ahead does while the round runs."""
     chosen = []
     for _ in range(rounds):
         nodes = policy.choose(rows)
+        if overlapped:
+            policy.fold_settled()
         policy.record(rows, nodes, seconds(rows, nodes), acceptance(nodes) if nodes else 1.0)
         chosen.append(nodes)
     return chosen
@@ -260,25 +264,27 @@ def test_a_choice_moved_by_slow_rounds_rechecks_the_displaced_option():
     assert policy.best(1) == 0 and after[-10:].count(0) >= 10 - config.probe_rounds, after  # ... and won back
 
 
-@pytest.mark.parametrize("settled_batch", [1, 8])
-def test_a_few_slow_rounds_cost_one_recheck_not_an_interval_of_worse_rounds(settled_batch):
+@pytest.mark.parametrize("settled_batch, overlapped", [(1, False), (8, False), (8, True)])
+def test_a_few_slow_rounds_cost_one_recheck_not_an_interval_of_worse_rounds(settled_batch, overlapped):
     """Settled on plain (5 ms; trees 7 ms, accepting 1.15 tokens), three slow plain rounds lift its
     estimate above the trees' and move the choice. The displaced plain option is re-measured
     at once, wins back, and hardly any tree round runs (the H200 server ran about 50 per such
     event when the recheck waited ``probe_interval`` rounds). Folded in batches of 8 settled
     rounds, the slow ones are folded with the quiet ones after them (the move may not happen at
-    all); hardly any tree round runs either way."""
+    all); hardly any tree round runs either way. Folded while the next round runs (``overlapped``),
+    the move and the recheck come one round later."""
     config = SpecPolicyConfig(settled_batch=settled_batch)
     policy = SpecPolicy((8, 4, 0), config)
     quiet = {0: 0.005, 4: 0.0075, 8: 0.007}
-    drive(policy, 2000, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])
+    drive(policy, 2000, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n], overlapped)
     assert policy.best(1) == 0
-    slow = drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.0099 if n == 0 else quiet[n])
+    slow = drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.0099 if n == 0 else quiet[n], overlapped)
     assert slow == [0, 0, 0]
-    if settled_batch == 1:
+    if settled_batch == 1 or overlapped:
+        policy.fold_settled()  # (overlapped: what the next round's fold does)
         assert policy.best(1) != 0  # the slow rounds moved the choice
-    after = drive(policy, 100, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])
-    if settled_batch == 1:
+    after = drive(policy, 100, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n], overlapped)
+    if settled_batch == 1 or overlapped:
         assert after[:config.probe_rounds] == [0] * config.probe_rounds, after  # plain rechecked at once
     assert policy.best(1) == 0
     assert sum(1 for n in after if n) <= 2 * config.probe_rounds, after  # a regular probe or two at most
@@ -462,6 +468,23 @@ def test_settled_rounds_are_folded_in_batches_into_the_same_estimates():
     drive(batched, 1, 1, TREES_ACCEPT_A_LITTLE, seconds)  # the 8th: folded, in order
     assert batched.snapshot(1) == immediate.snapshot(1) != before
     assert batched._seconds[(1, 0)].value == immediate._seconds[(1, 0)].value
+
+
+def test_rounds_folded_while_the_next_round_runs_reach_the_same_estimates_a_round_later():
+    """The engine's cadence on a device that runs ahead: choose, fold the held rounds while the
+    round runs, record. Each round is held for one round, then goes in exactly as if folded at once."""
+    immediate, overlapped = settled_pair()
+    seconds = lambda rows, n: 0.006  # noqa: E731 - plain rounds got slower (not enough to move the choice)
+    for i in range(20):
+        nodes = overlapped.choose(1)
+        overlapped.fold_settled()
+        assert overlapped.snapshot(1) == immediate.snapshot(1)  # every round before this one is in
+        overlapped.record(1, nodes, seconds(1, nodes), 1.0)
+        assert len(overlapped._settled) == 1  # this one is held
+        assert drive(immediate, 1, 1, TREES_ACCEPT_A_LITTLE, seconds) == [nodes]
+    assert overlapped._seconds[(1, 0)].value != immediate._seconds[(1, 0)].value  # (the last one is held)
+    overlapped.fold_settled()
+    assert overlapped._seconds[(1, 0)].value == immediate._seconds[(1, 0)].value
 
 
 def test_held_rounds_are_folded_before_anything_else_happens():

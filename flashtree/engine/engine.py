@@ -170,7 +170,9 @@ class LLMEngine:
         self._warmed_options.add(option)
         t0 = time.perf_counter()
         captured = self._catch_up_drafter(rows, nodes)  # part of the round's cost
-        result = self.runner.round(rows, nodes)
+        # the policy folds the rounds it holds while the device runs this one (it waits otherwise)
+        meanwhile = self.policy.fold_settled if self.runner.runs_ahead else None
+        result = self.runner.round(rows, nodes, meanwhile)
         wall = time.perf_counter() - t0
         seconds = None if result.captured_graph or captured or after_idle or first_of_option else wall
         acceptance = mean_acceptance(rows, result, nodes)

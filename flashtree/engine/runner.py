@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -95,6 +95,9 @@ class ModelRunner:
         # plain rounds skip the root-only tree and its accept walk (_plain_round_device); False:
         # the general path, for comparisons
         self.plain_fast_path = True
+        # the host returns from queuing a round's device work before the device is done with it
+        # (CUDA); on a CPU the work runs as it is queued
+        self.runs_ahead = self.device.type == "cuda"
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -140,10 +143,13 @@ class ModelRunner:
         if not all(defer):
             self.proposer.observe(slots, hidden, counts * (1 - deferred), starts)
 
-    def round(self, rows: Sequence[Request], nodes: int | None = None) -> RoundResult:
+    def round(self, rows: Sequence[Request], nodes: int | None = None, meanwhile: Callable[[], None] | None = None
+              ) -> RoundResult:
         """One round for the running rows verifying ``nodes`` drafted nodes per row (default and
         at most ``proposer.max_nodes``; rows' own budgets cap theirs); the device work is
-        replayed as a CUDA graph when enabled (captured first if its key is new)."""
+        replayed as a CUDA graph when enabled (captured first if its key is new). ``meanwhile``:
+        host work to do once the round's device work is queued, before the host waits for it (on
+        a device that runs ahead of the host, see ``runs_ahead``, it then costs the round nothing)."""
         nodes = self.proposer.max_nodes if nodes is None else nodes
         if not 0 <= nodes <= self.proposer.max_nodes:
             raise ValueError(f"nodes must be in [0, {self.proposer.max_nodes}], got {nodes}")
@@ -156,6 +162,8 @@ class ModelRunner:
             packed = self._round_device(shape, *inputs, timer=self.timer)
         else:
             packed = self.graphs.run((len(slots_list), shape), lambda *t: self._round_device(shape, *t), inputs)
+        if meanwhile is not None:
+            meanwhile()
         result = self._to_host(packed, len(rows))  # the one sync
         if self.graphs is not None:
             self.timer.add("round", t0)

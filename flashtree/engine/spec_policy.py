@@ -82,10 +82,12 @@ due, changes nothing but the estimates. Such rounds' measurements are held and f
 ``settled_batch`` at a time (in order, the same EMA updates), and the best option is recomputed
 once per batch; a change of it then triggers the recheck as above, a few rounds later. A batch is
 folded early when anything else is about to happen (a probe, a plain recheck, another bucket, a
-round of another option). With the scores recomputed after every round, ``choose`` + ``record``
-cost 65-94 us of host time per round in a busy H200 engine, 1.2-1.7% of a 5.4 ms plain round at
-Qwen3-8B shape, while the device waited (benchmarks/README.md, "Twelfth session"; 2.3x less so on
-a CPU, ``benchmarks/cpu_policy_cost.py``).
+round of another option). An engine whose device runs ahead of the host (CUDA) folds them itself
+while the next round runs (:meth:`fold_settled`), so the fold costs no round anything and a change
+of the best option is acted on one round later. With the scores recomputed after every round,
+``choose`` + ``record`` cost 65-94 us of host time per round in a busy H200 engine, 1.2-1.7% of a
+5.4 ms plain round at Qwen3-8B shape, while the device waited (benchmarks/README.md, "Twelfth
+session"; 2.3x less so on a CPU, ``benchmarks/cpu_policy_cost.py``).
 Everything is deterministic given the same measurements.
 
 The node count only changes the shape of a round, never which tokens are committed: every
@@ -239,7 +241,7 @@ class SpecPolicy:
             if bucket == self._settled_bucket and not self._decision_due(bucket):
                 self._rounds[bucket] += 1
                 return self._settled[-1][1]  # settled: the held rounds' option, the best one
-            self._fold_settled()
+            self._fold_held()
         self._rounds[bucket] += 1
         probe = self._probe
         if probe is not None:
@@ -459,10 +461,9 @@ class SpecPolicy:
             self._settled.append((rows, nodes, seconds, acceptance))
             self._settled_bucket = bucket
             if len(self._settled) >= self.config.settled_batch:
-                self._fold_settled()
+                self._fold_held()
             return
-        if self._settled:
-            self._fold_settled()  # (measurements go in in order)
+        self._fold_held()  # (measurements go in in order)
         best_before = self.best(rows) if self._explored(bucket) else None
         self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows)
         self._check_best_moved(bucket, best_before)
@@ -478,8 +479,17 @@ class SpecPolicy:
         return cached is not None and cached.version == self._measurements and not cached.unexplored \
             and cached.best == nodes
 
-    def _fold_settled(self) -> None:
-        """The held settled rounds into the estimates, in order; the best option is recomputed once."""
+    def fold_settled(self) -> None:
+        """The held settled rounds into the estimates, in order; the best option is recomputed once.
+        An engine whose device runs ahead of the host calls this while a round runs: the fold then
+        costs the round nothing (see "Settled rounds" above)."""
+        self._fold_held()
+
+    def _fold_held(self) -> None:
+        """:meth:`fold_settled`, as the policy itself calls it (when a batch is full or something
+        else is about to happen)."""
+        if not self._settled:
+            return
         held, self._settled = self._settled, []
         bucket = self._settled_bucket
         best_before = held[0][1]  # they were held because it was the best option
@@ -552,4 +562,7 @@ class FixedNodes:
         return self.ladder[0]
 
     def record(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None) -> None:
+        pass
+
+    def fold_settled(self) -> None:
         pass
