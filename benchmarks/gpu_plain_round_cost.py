@@ -9,6 +9,8 @@ and keep the same number of rows running; each engine takes one step in turn:
 
 - ``none``: the plain engine;
 - ``spec``: a DDTree engine whose every round is plain (``FixedNodes(0)``): capture, defer, catch-up;
+- ``spec-no-defer``: the same, the captured features dropped instead of deferred (the round's
+  ``defer`` a no-op): what keeping them costs beyond capturing them;
 - ``spec-no-features``: the same, its drafter given no capture layers: the plain engine's round
   plus the speculative engine's host bookkeeping;
 - ``ddtree-adaptive``, ``dflash-adaptive``: DDTree-64 and DFlash engines with their adaptive policy,
@@ -44,7 +46,7 @@ from flashtree.models.build import resolve_dtype  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 from flashtree.spec.defaults import shipped_drafter  # noqa: E402
 
-VARIANTS = ("none", "spec", "spec-no-features", "ddtree-adaptive", "dflash-adaptive")
+VARIANTS = ("none", "spec", "spec-no-defer", "spec-no-features", "ddtree-adaptive", "dflash-adaptive")
 
 
 def make_engines(model: str, draft: str, random_weights: bool, device: str, max_running: int) -> dict:
@@ -65,6 +67,8 @@ def make_engines(model: str, draft: str, random_weights: bool, device: str, max_
             time_policy(engine)
         elif name != "none":
             engine.policy = FixedNodes(0)  # every round plain
+        if name == "spec-no-defer":
+            engine.proposer.defer = lambda *args: None  # captured, then dropped
         if name == "spec-no-features":
             engine.proposer.capture_layers = ()  # the round keeps no features (nothing to defer)
             engine._catch_up_drafter = lambda rows, nodes: None  # and there is nothing to catch up

@@ -357,3 +357,6 @@ class ScriptedNodes:
 
     def record(self, rows, nodes, seconds, acceptance):
         pass
+
+    def fold_settled(self):
+        pass

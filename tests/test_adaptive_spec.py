@@ -43,6 +43,9 @@ class ScriptedPolicy:
     def record(self, rows, nodes, seconds, acceptance) -> None:
         pass
 
+    def fold_settled(self) -> None:
+        pass
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
@@ -162,12 +165,12 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, monke
         lags.append(req.drafter_lag)
         drafter_cache = llm.engine.proposer.runner.cache
         assert int(drafter_cache.lengths[req.slot]) == len(committed) - req.drafter_lag
-        llm.engine.proposer.catch_up([req.slot], width=max(req.drafter_lag, 1))
+        llm.engine.proposer.catch_up([req.slot], [req.drafter_lag])
         length, context = drafter_context(llm, req.slot)
         twin = reference.engine.add_request(committed, SamplingParams(max_tokens=2, ignore_eos=True))
         reference.engine.step()  # one prefill chunk holds the whole text
         if twin.drafter_lag:  # a prompt that fits the lag is deferred at prefill too
-            reference.engine.proposer.catch_up([twin.slot], width=twin.drafter_lag)
+            reference.engine.proposer.catch_up([twin.slot], [twin.drafter_lag])
             twin.drafter_lag = 0
         ref_length, ref_context = drafter_context(reference, twin.slot)
         reference.engine.run_until_done([twin])
@@ -193,7 +196,7 @@ def test_short_prompts_defer_the_drafter_at_prefill(pair, plain, method):
     chunked.engine.step(), chunked.engine.step()  # 9 + 8 tokens, each projected at once
     assert req.drafter_lag == len(prompt) and drafter_context(deferring, req.slot)[0] == 0
     assert twin.drafter_lag == 0
-    deferring.engine.proposer.catch_up([req.slot], width=req.drafter_lag)
+    deferring.engine.proposer.catch_up([req.slot], [req.drafter_lag])
     req.drafter_lag = 0
     (length, context), (twin_length, twin_context) = drafter_context(deferring, req.slot), drafter_context(chunked, twin.slot)
     assert length == twin_length == len(prompt)
@@ -420,7 +423,7 @@ def test_a_full_lag_catches_up_every_lagging_row_in_one_pass(pair, plain, method
     passes = []
     real_catch_up = llm.engine.proposer.catch_up
     monkeypatch.setattr(llm.engine.proposer, "catch_up",
-                        lambda slots, width=None: (passes.append(sorted(slots)), real_catch_up(slots, width)))
+                        lambda slots, lags: (passes.append(sorted(slots)), real_catch_up(slots, lags)))
     prompts = [p for p in PROMPTS if len(p) > ENGINE["prefill_chunk"]][:3]  # (not deferred at prefill)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     reqs = []

@@ -38,7 +38,7 @@ def run(pair, method: str, fast: bool):
     lagging = None
     if method != "none":
         runner = engine.proposer.runner
-        lagging = (runner.lagging.clone(), runner.lag.clone(), runner.cache.storage.clone())
+        lagging = (runner.lagging.clone(), runner.cache.storage.clone())
     return outputs, engine.cache.storage.clone(), lagging
 
 

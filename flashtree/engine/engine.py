@@ -174,6 +174,7 @@ class LLMEngine:
         meanwhile = self.policy.fold_settled if self.runner.runs_ahead else None
         result = self.runner.round(rows, nodes, meanwhile)
         wall = time.perf_counter() - t0
+        self._count_deferrals(rows, nodes)
         seconds = None if result.captured_graph or captured or after_idle or first_of_option else wall
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
@@ -204,11 +205,11 @@ class LLMEngine:
 
     def _catch_up_drafter(self, rows: Sequence[Request], nodes: int) -> bool:
         """Before a drafted round, or when a row's lag is full, the drafter projects the context
-        features it deferred during plain rounds, for every lagging row at once; then counts this
-        round's deferrals. (Catching up only the full rows cost a round at 32 rows one eager
-        drafter pass every two rounds, since rows join at different times; this way the rows
-        fall into step and one pass serves them all every ``lag_capacity`` rounds.) Returns whether
-        the catch-up captured a CUDA graph (its wall time is then not typical)."""
+        features it deferred during plain rounds, for every lagging row at once. (Catching up only
+        the full rows cost a round at 32 rows one eager drafter pass every two rounds, since rows
+        join at different times; this way the rows fall into step and one pass serves them all
+        every ``lag_capacity`` rounds.) Returns whether the catch-up captured a CUDA graph (its
+        wall time is then not typical)."""
         capacity = getattr(self.proposer, "lag_capacity", None)
         if capacity is None:
             return False
@@ -218,13 +219,17 @@ class LLMEngine:
             behind = []
         captured = False
         if behind:
-            captured = self.runner.catch_up_drafter([r.slot for r in behind], max(r.drafter_lag for r in behind))
+            captured = self.runner.catch_up_drafter([r.slot for r in behind], [r.drafter_lag for r in behind])
             for req in behind:
                 req.drafter_lag = 0
-        if nodes == 0:
+        return captured
+
+    def _count_deferrals(self, rows: Sequence[Request], nodes: int) -> None:
+        """A plain round deferred each row's committed token (after the row's lag so far, which
+        went into the round's inputs)."""
+        if nodes == 0 and hasattr(self.proposer, "lag_capacity"):
             for req in rows:
                 req.drafter_lag += 1
-        return captured
 
     def close_traces(self) -> None:
         """Write out and close the trace files (a server does this when it stops; buffered step

@@ -42,6 +42,7 @@ class RoundInputs(NamedTuple):
     top_p: torch.Tensor
     top_k: torch.Tensor
     seed: torch.Tensor
+    lags: torch.Tensor  # the drafter's deferred tokens of the row before this round (see DrafterRunner.defer)
 
 
 class RoundShape(NamedTuple):
@@ -124,22 +125,24 @@ class ModelRunner:
         out = self.model(batch, self.cache, logits_index=last, capture_layers=self.proposer.capture_layers)
         self.cache.advance(slots, counts)
         if out.hidden is not None:
-            self._hand_features(slots, out.hidden, counts, starts, defer)
+            self._hand_features(rows, slots, out.hidden, counts, starts, defer)
         sampling = SamplingTensors.build([r.params for r in rows], self.device)
         first = choose_tokens(out.logits, sampling, torch.zeros_like(last))[:, 0].tolist()  # the one sync
         self.timer.add("prefill", t0)
         done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
         return [tok if d else None for tok, d in zip(first, done)]
 
-    def _hand_features(self, slots: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
-                       defer: Sequence[bool] | None) -> None:
+    def _hand_features(self, rows: Sequence[Request], slots: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor,
+                       starts: torch.Tensor, defer: Sequence[bool] | None) -> None:
         """A prefill chunk's context features ``[B, W, F]`` to the proposer: deferred for the rows
-        ``defer`` marks, projected now for the others (each call sees the other rows' counts as 0)."""
+        ``defer`` marks (after their lag so far), projected now for the others (each call sees the
+        other rows' counts as 0)."""
         if not defer or not any(defer):
             self.proposer.observe(slots, hidden, counts, starts)
             return
+        lags = self._tensor([r.drafter_lag for r in rows])  # [B]
         deferred = self._tensor([int(d) for d in defer])  # [B] 1: deferred
-        self.proposer.defer(slots, hidden, counts * deferred)
+        self.proposer.defer(slots, hidden, lags, counts * deferred)
         if not all(defer):
             self.proposer.observe(slots, hidden, counts * (1 - deferred), starts)
 
@@ -172,21 +175,22 @@ class ModelRunner:
             self.tracer.write(rows)
         return result
 
-    def catch_up_drafter(self, slots: Sequence[int], width: int) -> bool:
-        """The proposer projects the context features it deferred for ``slots`` (at most ``width``
-        each, the largest lag). A full-width catch-up, the one a stretch of plain rounds runs every
-        ``lag_capacity`` rounds, replays a CUDA graph when graphs are on (the slots padded to a
-        power of two with the pad slot, which projects nothing): eager, its launches cost more
-        than its device work. Returns whether it captured a graph."""
-        full = width == self.proposer.lag_capacity
-        if self.graphs is None or self.pad_slot is None or not full:
-            self.proposer.catch_up(slots, width)
+    def catch_up_drafter(self, slots: Sequence[int], lags: Sequence[int]) -> bool:
+        """The proposer projects the ``lags[i]`` context features it deferred for each of ``slots``.
+        A full-width catch-up (the largest lag is ``lag_capacity``), the one a stretch of plain rounds
+        runs every ``lag_capacity`` rounds, replays a CUDA graph when graphs are on (the slots padded
+        to a power of two with the pad slot, whose count 0 projects nothing): eager, its launches
+        cost more than its device work. Returns whether it captured a graph."""
+        width = max(lags)
+        if self.graphs is None or self.pad_slot is None or width != self.proposer.lag_capacity:
+            self.proposer.catch_up(slots, lags)
             return False
-        padded = list(slots) + [self.pad_slot] * self._pad_rows(len(slots))
-        index = self._send(torch.tensor(padded, dtype=torch.long))  # [B + pads]
+        pads = self._pad_rows(len(slots))
+        index_counts = torch.tensor([list(slots) + [self.pad_slot] * pads, list(lags) + [0] * pads])  # [2, B + pads]
+        index, counts = self._send(index_counts).unbind(0)
         captures = self.graphs.captures
-        self.graphs.run(("catch_up", len(padded), width),
-                        lambda i: self.proposer.catch_up_rows(i, width, pad_slot=self.pad_slot), (index,))
+        self.graphs.run(("catch_up", len(slots) + pads, width),
+                        lambda i, c: self.proposer.catch_up_rows(i, c, width), (index, counts))
         return self.graphs.captures != captures
 
     def has_graph(self, rows: Sequence[Request], nodes: int) -> bool:
@@ -225,18 +229,18 @@ class ModelRunner:
         copy from pageable memory would make the host wait for all queued device work).
 
         ``pads`` pad rows follow the real ones: all on the pad slot with identical inputs (token 0
-        at position 0, greedy, budget 0), so they write identical values to the same pad-slot
-        entries and their outputs are dropped."""
+        at position 0, greedy, budget 0, a full lag: deferred features go to the padding column),
+        so they write identical values to the same pad-slot entries and their outputs are dropped."""
         params = [r.params for r in rows]
         per_row = [(r.slot, r.output_ids[-1], r.committed_length, nodes if r.budget is None else min(r.budget, nodes),
-                    len(r.output_ids), p.top_k, seed_value(p)) for r, p in zip(rows, params)]
-        per_row += [(self.pad_slot, 0, 0, 0, 0, 0, 0)] * pads
-        ints = torch.tensor(per_row, dtype=torch.long).T.contiguous()  # [7, B + pads]
+                    len(r.output_ids), p.top_k, seed_value(p), r.drafter_lag) for r, p in zip(rows, params)]
+        per_row += [(self.pad_slot, 0, 0, 0, 0, 0, 0, getattr(self.proposer, "lag_capacity", 0))] * pads
+        ints = torch.tensor(per_row, dtype=torch.long).T.contiguous()  # [8, B + pads]
         temperature_top_p = [(p.temperature, p.top_p) for p in params] + [(0.0, 1.0)] * pads
         floats = torch.tensor(temperature_top_p).T.contiguous()  # [2, B + pads]
         ints, floats = self._send(ints), self._send(floats)
-        slots, bonus, starts, budgets, generated, top_k, seed = ints.unbind(0)
-        return RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed)
+        slots, bonus, starts, budgets, generated, top_k, seed, lags = ints.unbind(0)
+        return RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed, lags)
 
     def _send(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device, in a non-blocking copy from pinned memory on CUDA (a copy
@@ -287,7 +291,7 @@ class ModelRunner:
         else:
             self.cache.commit(rows.slots, rows.starts, path, walk.accept_lengths)
         if out.hidden is not None and nodes == 0 and hasattr(self.proposer, "defer"):
-            self.proposer.defer(rows.slots, out.hidden[:, :1])  # projected at the next drafted round
+            self.proposer.defer(rows.slots, out.hidden[:, :1], rows.lags)  # projected at the next drafted round
         elif out.hidden is not None:  # the drafter sees every committed token
             features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
             self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
@@ -313,7 +317,7 @@ class ModelRunner:
         ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
         self.cache.commit_prefix(rows.slots, rows.starts, ones)
         if out.hidden is not None and hasattr(self.proposer, "defer"):
-            self.proposer.defer(rows.slots, out.hidden)  # [B, 1, F], projected at the next drafted round
+            self.proposer.defer(rows.slots, out.hidden, rows.lags)  # [B, 1, F], projected at the next drafted round
         elif out.hidden is not None:
             self.proposer.observe(rows.slots, out.hidden, ones, rows.starts)
         packed = torch.stack([ones, torch.zeros_like(ones), next_bonus], dim=1)  # [B, 3], as _pack's

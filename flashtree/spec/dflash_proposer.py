@@ -70,43 +70,42 @@ class DrafterRunner:
         slots, width = cache.spec.max_slots, drafter.fc.in_features
         weight = drafter.fc.weight
         # [S, W + 1, F]: W = LAG_CAPACITY deferred tokens per slot, then a column that takes the
-        # writes of padding (positions past a row's count, the pad slot's excess)
+        # writes of padding (positions past a row's count, pad rows). How many tokens each slot has
+        # deferred is the host's count (Request.drafter_lag), passed in: the device keeps none.
         self.lag_capacity = LAG_CAPACITY
         self.lagging = torch.zeros(slots, LAG_CAPACITY + 1, width, dtype=weight.dtype, device=weight.device)
-        self.lag = torch.zeros(slots, dtype=torch.long, device=weight.device)  # [S] deferred tokens per slot
 
-    def defer(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    def defer(self, slots: torch.Tensor, features: torch.Tensor, lags: torch.Tensor,
+              counts: torch.Tensor | None = None) -> None:
         """Keep the context features ``[B, P, F]`` of each row's ``counts[b]`` newly committed
-        tokens (default: all P; a plain round has P = 1) for a later :meth:`catch_up`. Capturable;
-        the host keeps every real slot's lag within LAG_CAPACITY (the clamps only keep the pad
-        slot's writes in bounds)."""
+        tokens (default: all P; a plain round has P = 1) for a later :meth:`catch_up`, after the
+        ``lags[b]`` tokens the row has deferred already (``[B]``; LAG_CAPACITY for a pad row: its
+        writes go to the padding column). Capturable; the host keeps every real row's lag within
+        LAG_CAPACITY."""
         width, capacity = features.shape[1], self.lag_capacity
-        if counts is None and width == 1:  # a plain round (inside its CUDA graph): a few small ops
-            at = self.lag[slots].clamp(max=capacity - 1)  # [B]
-            self.lagging[slots, at] = features[:, 0].to(self.lagging.dtype)
-            self.lag[slots] = at + 1  # = (lag + 1).clamp(max=capacity)
+        if counts is None and width == 1:  # a plain round (inside its CUDA graph): one small op
+            self.lagging[slots, lags] = features[:, 0].to(self.lagging.dtype)
             return
         j = torch.arange(width, device=slots.device)  # [P]
         counts = torch.full_like(slots, width) if counts is None else counts  # [B]
-        at = self.lag[slots][:, None] + j  # [B, P]
+        at = lags[:, None] + j  # [B, P]
         at = torch.where((j < counts[:, None]) & (at < capacity), at, capacity)  # [B, P]
         self.lagging[slots[:, None], at] = features.to(self.lagging.dtype)
-        self.lag[slots] = (self.lag[slots] + counts).clamp(max=capacity)
 
-    def catch_up(self, slots: Sequence[int], width: int | None = None) -> None:
-        """Project the deferred features of ``slots`` (at most ``width`` each: pass the largest lag,
-        so nothing is written past the committed tokens) into the drafter's context, in one pass."""
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.lag.device)  # [B]
-        self.catch_up_rows(index, self.lag_capacity if width is None else width)
+    def catch_up(self, slots: Sequence[int], lags: Sequence[int]) -> None:
+        """Project the ``lags[i]`` deferred features of each of ``slots`` into the drafter's
+        context, in one pass."""
+        width = max(lags, default=0)
+        if width:
+            device = self.lagging.device
+            index, counts = (torch.tensor(list(v), dtype=torch.long, device=device) for v in (slots, lags))  # [B]
+            self.catch_up_rows(index, counts, width)
 
-    def catch_up_rows(self, index: torch.Tensor, width: int, pad_slot: int | None = None) -> None:
-        """:meth:`catch_up` on the device (capturable): ``index [B]`` the slots. Rows on
-        ``pad_slot`` (a graphed catch-up's padding) project nothing: their context length stays."""
-        counts = self.lag[index]  # [B]
-        if pad_slot is not None:
-            counts = torch.where(index == pad_slot, 0, counts)
+    def catch_up_rows(self, index: torch.Tensor, counts: torch.Tensor, width: int) -> None:
+        """:meth:`catch_up` on the device (capturable): ``index [B]`` the slots, ``counts [B]`` their
+        deferred tokens (0 for a graphed catch-up's pad rows: they project nothing), ``width`` at
+        least the largest count."""
         self.drafter.observe(self.cache, index, self.lagging[index, :width], counts, self.cache.lengths[index])
-        self.lag.index_fill_(0, index, 0)  # (a tensor op: capturable)
 
     def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
                 starts: torch.Tensor) -> None:
@@ -139,7 +138,6 @@ class DrafterRunner:
         if len(slots):
             index = torch.tensor(list(slots), dtype=torch.long, device=self.cache.lengths.device)
             self.cache.free(index)
-            self.lag[index] = 0
 
 
 class _DrafterProposer:
@@ -161,14 +159,15 @@ class _DrafterProposer:
     def observe(self, slots, features, counts, starts) -> None:
         self.runner.observe(slots, features, counts, starts)
 
-    def defer(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-        self.runner.defer(slots, features, counts)
+    def defer(self, slots: torch.Tensor, features: torch.Tensor, lags: torch.Tensor,
+              counts: torch.Tensor | None = None) -> None:
+        self.runner.defer(slots, features, lags, counts)
 
-    def catch_up(self, slots: Sequence[int], width: int | None = None) -> None:
-        self.runner.catch_up(slots, width)
+    def catch_up(self, slots: Sequence[int], lags: Sequence[int]) -> None:
+        self.runner.catch_up(slots, lags)
 
-    def catch_up_rows(self, index: torch.Tensor, width: int, pad_slot: int | None = None) -> None:
-        self.runner.catch_up_rows(index, width, pad_slot)
+    def catch_up_rows(self, index: torch.Tensor, counts: torch.Tensor, width: int) -> None:
+        self.runner.catch_up_rows(index, counts, width)
 
     def release(self, slots: Sequence[int]) -> None:
         self.runner.release(slots)
