@@ -37,7 +37,7 @@ def catch_ups_per_round(pair, rows: int, steps: int, seed: int = 0) -> dict:
     engine.policy = PlainRounds()
     passes = []
     real = engine.proposer.catch_up
-    engine.proposer.catch_up = lambda slots, lags: (passes.append(len(slots)), real(slots, lags))
+    engine.proposer.catch_up = lambda slots, starts, lags: (passes.append(len(slots)), real(slots, starts, lags))
     rng = random.Random(seed)
 
     def new_request():

@@ -16,7 +16,7 @@ import flashtree.engine.engine as engine_module
 from flashtree import LLM, SamplingParams
 from flashtree.engine.spec_policy import SpecPolicyConfig
 from flashtree.spec.tree import build_tree, chain_tree
-from tests.dflash_helpers import one_thread, tiny_pair
+from tests.dflash_helpers import PassThroughGraphs, one_thread, tiny_pair
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
 
 BUDGET = 16  # DDTree ladder (16, 8, 4, 0)
@@ -137,17 +137,21 @@ def drafter_context(llm: LLM, slot: int) -> tuple[int, torch.Tensor]:
     return length, cache.storage[:, :, slot, :, :length].clone()
 
 
-@pytest.mark.parametrize("lag_capacity", [64, 2])
+@pytest.mark.parametrize("lag_capacity, graphed", [(64, False), (2, False), (2, True)])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, monkeypatch):
+def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, graphed, monkeypatch):
     """After a mix of plain and drafted rounds, the drafter holds the context K/V of every
     committed token once it catches up: the same as a drafter that prefilled the whole committed
     text. Plain rounds defer the projection: the drafter lags by the trailing plain rounds (or
-    by fewer, when the lag capacity forced a catch-up)."""
+    by fewer, when the lag capacity forced a catch-up). ``graphed``: rounds and full-width
+    catch-ups go through a pass-through graph cache (padded rows; a new key runs twice, as a
+    capture's warm-up and replay do)."""
     import flashtree.spec.dflash_proposer as proposer_module
 
     monkeypatch.setattr(proposer_module, "LAG_CAPACITY", lag_capacity)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)
+    if graphed:
+        llm.engine.runner.graphs = graphs = PassThroughGraphs()
     ladder = llm.engine.policy.ladder
     llm.engine.policy = ScriptedPolicy(ladder, [0, 0, ladder[0], 0, ladder[-2], ladder[0], 0, 0, 0])
     reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=100, ignore_eos=True)) for p in PROMPTS[:3]]
@@ -165,18 +169,20 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, monke
         lags.append(req.drafter_lag)
         drafter_cache = llm.engine.proposer.runner.cache
         assert int(drafter_cache.lengths[req.slot]) == len(committed) - req.drafter_lag
-        llm.engine.proposer.catch_up([req.slot], [req.drafter_lag])
+        llm.engine.proposer.catch_up([req.slot], [len(committed) - req.drafter_lag], [req.drafter_lag])
         length, context = drafter_context(llm, req.slot)
         twin = reference.engine.add_request(committed, SamplingParams(max_tokens=2, ignore_eos=True))
         reference.engine.step()  # one prefill chunk holds the whole text
         if twin.drafter_lag:  # a prompt that fits the lag is deferred at prefill too
-            reference.engine.proposer.catch_up([twin.slot], [twin.drafter_lag])
+            reference.engine.proposer.catch_up([twin.slot], [0], [twin.drafter_lag])  # (its whole prompt)
             twin.drafter_lag = 0
         ref_length, ref_context = drafter_context(reference, twin.slot)
         reference.engine.run_until_done([twin])
         assert length == ref_length == len(committed)
         torch.testing.assert_close(context, ref_context, atol=1e-4, rtol=1e-4)
     assert max(lags) >= min(2, lag_capacity - 1)  # the check above ran on a drafter that had deferred tokens
+    if graphed:
+        assert any(key[0] == "catch_up" for key in graphs.keys)
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
@@ -196,7 +202,7 @@ def test_short_prompts_defer_the_drafter_at_prefill(pair, plain, method):
     chunked.engine.step(), chunked.engine.step()  # 9 + 8 tokens, each projected at once
     assert req.drafter_lag == len(prompt) and drafter_context(deferring, req.slot)[0] == 0
     assert twin.drafter_lag == 0
-    deferring.engine.proposer.catch_up([req.slot], [req.drafter_lag])
+    deferring.engine.proposer.catch_up([req.slot], [0], [req.drafter_lag])  # (its whole prompt)
     req.drafter_lag = 0
     (length, context), (twin_length, twin_context) = drafter_context(deferring, req.slot), drafter_context(chunked, twin.slot)
     assert length == twin_length == len(prompt)
@@ -423,7 +429,7 @@ def test_a_full_lag_catches_up_every_lagging_row_in_one_pass(pair, plain, method
     passes = []
     real_catch_up = llm.engine.proposer.catch_up
     monkeypatch.setattr(llm.engine.proposer, "catch_up",
-                        lambda slots, lags: (passes.append(sorted(slots)), real_catch_up(slots, lags)))
+                        lambda slots, starts, lags: (passes.append(sorted(slots)), real_catch_up(slots, starts, lags)))
     prompts = [p for p in PROMPTS if len(p) > ENGINE["prefill_chunk"]][:3]  # (not deferred at prefill)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     reqs = []

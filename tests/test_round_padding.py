@@ -12,25 +12,10 @@ import pytest
 
 from flashtree import LLM, SamplingParams
 from flashtree.engine.spec_policy import SpecPolicyConfig
-from tests.dflash_helpers import ScriptedNodes, one_thread, tiny_pair  # noqa: F401  (fixture)
+from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, one_thread, tiny_pair  # noqa: F401  (fixture)
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
 
 ENGINE = dict(max_running=8, max_context=96, prefill_chunk=8, adaptive_spec=False)
-
-
-class PassThroughGraphs:
-    """GraphCache's interface without CUDA: remembers the keys it was asked for."""
-
-    def __init__(self):
-        self.keys: list = []
-        self.captures = 0
-
-    def has(self, key):
-        return key in self.keys
-
-    def run(self, key, fn, inputs):
-        self.keys.append(key)
-        return fn(*inputs)
 
 
 @pytest.fixture(scope="module", autouse=True)

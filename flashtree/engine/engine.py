@@ -219,7 +219,7 @@ class LLMEngine:
             behind = []
         captured = False
         if behind:
-            captured = self.runner.catch_up_drafter([r.slot for r in behind], [r.drafter_lag for r in behind])
+            captured = self.runner.catch_up_drafter(behind)
             for req in behind:
                 req.drafter_lag = 0
         return captured

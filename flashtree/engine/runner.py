@@ -175,22 +175,24 @@ class ModelRunner:
             self.tracer.write(rows)
         return result
 
-    def catch_up_drafter(self, slots: Sequence[int], lags: Sequence[int]) -> bool:
-        """The proposer projects the ``lags[i]`` context features it deferred for each of ``slots``.
-        A full-width catch-up (the largest lag is ``lag_capacity``), the one a stretch of plain rounds
-        runs every ``lag_capacity`` rounds, replays a CUDA graph when graphs are on (the slots padded
-        to a power of two with the pad slot, whose count 0 projects nothing): eager, its launches
-        cost more than its device work. Returns whether it captured a graph."""
+    def catch_up_drafter(self, rows: Sequence[Request]) -> bool:
+        """The proposer projects the context features it deferred for ``rows`` (``drafter_lag`` each,
+        after the ``committed_length - drafter_lag`` tokens its context holds). A full-width
+        catch-up (the largest lag is ``lag_capacity``), the one a stretch of plain rounds runs every
+        ``lag_capacity`` rounds, replays a CUDA graph when graphs are on (the rows padded to a power
+        of two with the pad slot, whose count 0 projects nothing): eager, its launches cost more
+        than its device work. Returns whether it captured a graph."""
+        slots, lags = [r.slot for r in rows], [r.drafter_lag for r in rows]
+        starts = [r.committed_length - r.drafter_lag for r in rows]
         width = max(lags)
         if self.graphs is None or self.pad_slot is None or width != self.proposer.lag_capacity:
-            self.proposer.catch_up(slots, lags)
+            self.proposer.catch_up(slots, starts, lags)
             return False
-        pads = self._pad_rows(len(slots))
-        index_counts = torch.tensor([list(slots) + [self.pad_slot] * pads, list(lags) + [0] * pads])  # [2, B + pads]
-        index, counts = self._send(index_counts).unbind(0)
+        pads = self._pad_rows(len(rows))
+        host = torch.tensor([slots + [self.pad_slot] * pads, starts + [0] * pads, lags + [0] * pads])  # [3, B + pads]
         captures = self.graphs.captures
-        self.graphs.run(("catch_up", len(slots) + pads, width),
-                        lambda i, c: self.proposer.catch_up_rows(i, c, width), (index, counts))
+        self.graphs.run(("catch_up", len(rows) + pads, width),
+                        lambda *t: self.proposer.catch_up_rows(*t, width), self._send(host).unbind(0))
         return self.graphs.captures != captures
 
     def has_graph(self, rows: Sequence[Request], nodes: int) -> bool:

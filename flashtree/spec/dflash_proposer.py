@@ -92,20 +92,21 @@ class DrafterRunner:
         at = torch.where((j < counts[:, None]) & (at < capacity), at, capacity)  # [B, P]
         self.lagging[slots[:, None], at] = features.to(self.lagging.dtype)
 
-    def catch_up(self, slots: Sequence[int], lags: Sequence[int]) -> None:
+    def catch_up(self, slots: Sequence[int], starts: Sequence[int], lags: Sequence[int]) -> None:
         """Project the ``lags[i]`` deferred features of each of ``slots`` into the drafter's
-        context, in one pass."""
+        context, which holds ``starts[i]`` tokens of it so far (the committed length minus the
+        lag), in one pass."""
         width = max(lags, default=0)
         if width:
-            device = self.lagging.device
-            index, counts = (torch.tensor(list(v), dtype=torch.long, device=device) for v in (slots, lags))  # [B]
-            self.catch_up_rows(index, counts, width)
+            rows = torch.tensor([list(slots), list(starts), list(lags)], dtype=torch.long, device=self.lagging.device)
+            self.catch_up_rows(*rows.unbind(0), width)  # [B] each
 
-    def catch_up_rows(self, index: torch.Tensor, counts: torch.Tensor, width: int) -> None:
-        """:meth:`catch_up` on the device (capturable): ``index [B]`` the slots, ``counts [B]`` their
-        deferred tokens (0 for a graphed catch-up's pad rows: they project nothing), ``width`` at
-        least the largest count."""
-        self.drafter.observe(self.cache, index, self.lagging[index, :width], counts, self.cache.lengths[index])
+    def catch_up_rows(self, index: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, width: int) -> None:
+        """:meth:`catch_up` on the device (capturable): ``index [B]`` the slots, ``starts [B]`` their
+        context lengths, ``counts [B]`` their deferred tokens (0 for a graphed catch-up's pad rows:
+        they project nothing), ``width`` at least the largest count. All from the host, so running
+        it twice (a CUDA-graph capture's warm-up, then the replay) leaves what running it once does."""
+        self.drafter.observe(self.cache, index, self.lagging[index, :width], counts, starts)
 
     def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
                 starts: torch.Tensor) -> None:
@@ -163,11 +164,11 @@ class _DrafterProposer:
               counts: torch.Tensor | None = None) -> None:
         self.runner.defer(slots, features, lags, counts)
 
-    def catch_up(self, slots: Sequence[int], lags: Sequence[int]) -> None:
-        self.runner.catch_up(slots, lags)
+    def catch_up(self, slots: Sequence[int], starts: Sequence[int], lags: Sequence[int]) -> None:
+        self.runner.catch_up(slots, starts, lags)
 
-    def catch_up_rows(self, index: torch.Tensor, counts: torch.Tensor, width: int) -> None:
-        self.runner.catch_up_rows(index, counts, width)
+    def catch_up_rows(self, index: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, width: int) -> None:
+        self.runner.catch_up_rows(index, starts, counts, width)
 
     def release(self, slots: Sequence[int]) -> None:
         self.runner.release(slots)
