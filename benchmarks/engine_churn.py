@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # flashtree, without PYTHONPATH (the device has no install)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen3_8b_shape import write_served_pair  # noqa: E402
 
