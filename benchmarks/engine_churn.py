@@ -12,10 +12,16 @@ event loop or second thread: a gap here lies in the engine; no gap here puts it 
 tokens/s then counts only its own steps' wall time, and a drift of the machine's speed over a
 pass falls on all engines alike (whole passes in rotating order, the default, are what the
 paired load test does). Each pass also reports its step time by kind: plain rounds, tree rounds,
-plain rounds with a drafter catch-up, and steps with a prefill.
+plain rounds with a drafter catch-up, and steps with a prefill. Each step is synchronized, so
+an engine that queues its next plain round before reading the current one (engine.py, "Queued
+plain rounds", on by default on CUDA) gains nothing from it there: ``--interleave block`` runs
+``--block-steps`` steps of one engine, synchronizes and bills their wall time to it, then the
+next engine's, so queued rounds overlap the host's work within a block while the engines still
+share the machine's drift. ``--unqueued`` adds a plain engine that does not queue its rounds
+(``none-unqueued``), to show what queueing gives.
 
     PYTHONPATH=. python benchmarks/engine_churn.py --shape qwen3-8b [--levels 1,4,16,32] [--repeats 3]
-        [--interleave pass|step] [--out FILE]
+        [--interleave pass|step|block] [--block-steps 32] [--unqueued] [--out FILE]
     python benchmarks/engine_churn.py --summarize FILE      (the tables of an earlier run)
     python benchmarks/engine_churn.py --model smollm2 --levels 1,4 --repeats 2 --requests 4     (CPU: the shipped pair)
 
@@ -53,17 +59,19 @@ NEW_TOKENS = 128
 
 
 def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int,
-                 trace_dir: Path | None = None) -> dict:
+                 trace_dir: Path | None = None, unqueued: bool = False) -> dict:
     dev = torch.device(device)
     base = EngineConfig(model=model, random_weights=random_weights, device=device)
     loaded = load_target(base, dev, resolve_dtype("auto", dev))
     engines = {}
-    for method, budget in METHODS.items():
-        spec = SpecConfig(method=method, draft=None if method == "none" else draft, budget=budget)
-        trace = str(trace_dir / f"steps_{method}.jsonl") if trace_dir else None
+    variants = [(m, m, None) for m in METHODS] + ([("none-unqueued", "none", False)] if unqueued else [])
+    for name, method, queue in variants:
+        spec = SpecConfig(method=method, draft=None if method == "none" else draft, budget=METHODS[method])
+        trace = str(trace_dir / f"steps_{name}.jsonl") if trace_dir else None
         config = EngineConfig(model=model, spec=spec, random_weights=random_weights, device=device,
-                              max_running=max_running, max_context=1024, adaptive_spec=True, trace_steps=trace)
-        engines[method] = LLMEngine(config, target=loaded)
+                              max_running=max_running, max_context=1024, adaptive_spec=True, trace_steps=trace,
+                              queue_plain_rounds=queue)
+        engines[name] = LLMEngine(config, target=loaded)
     return engines
 
 
@@ -87,6 +95,7 @@ class ClosedLoop:
         self.queue = list(prompts)
         self.tokens = len(prompts) * NEW_TOKENS
         self.before = dict(engine.rounds_by_nodes)
+        self.queued_before = engine.queued_rounds
         self.live = [engine.add_request(self.queue.pop(0), self.params) for _ in range(min(concurrency, len(self.queue)))]
         self.steps = 0
         self.seconds = {kind: 0.0 for kind in self.KINDS}
@@ -118,8 +127,8 @@ class ClosedLoop:
         rounds = {n: c - self.before.get(n, 0) for n, c in self.engine.rounds_by_nodes.items()
                   if c - self.before.get(n, 0)}
         return {"tokens_per_s": round(self.tokens / seconds, 2), "seconds": round(seconds, 3), "steps": self.steps,
-                "rounds_by_nodes": rounds, "step_seconds": {k: round(v, 4) for k, v in self.seconds.items()},
-                "step_counts": self.counts}
+                "rounds_by_nodes": rounds, "queued_rounds": self.engine.queued_rounds - self.queued_before,
+                "step_seconds": {k: round(v, 4) for k, v in self.seconds.items()}, "step_counts": self.counts}
 
 
 def run_pass(engine: LLMEngine, prompts: list[list[int]], concurrency: int, device: str) -> dict:
@@ -135,15 +144,27 @@ def run_pass(engine: LLMEngine, prompts: list[list[int]], concurrency: int, devi
     return loop.result(time.perf_counter() - start)
 
 
-def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, device: str) -> dict:
+def run_interleaved(engines: dict, prompts: list[list[int]], concurrency: int, device: str,
+                    block_steps: int | None = None) -> dict:
     """Every engine's closed loop at once, one step each in turn (so a drift of the machine's speed
-    over seconds falls on all engines alike); an engine's tokens/s counts its own steps' time."""
-    loops = {name: ClosedLoop(engine, prompts, concurrency, device, sync_steps=True) for name, engine in engines.items()}
+    over seconds falls on all engines alike); an engine's tokens/s counts its own steps' time.
+    ``block_steps``: that many steps of an engine in turn instead, synchronized and billed per
+    block (its steps' own times are then not synchronized: the step kinds' times are rough)."""
+    sync_steps = block_steps is None
+    loops = {name: ClosedLoop(engine, prompts, concurrency, device, sync_steps=sync_steps)
+             for name, engine in engines.items()}
+    billed = {name: 0.0 for name in loops}
     while not all(loop.done for loop in loops.values()):
-        for loop in loops.values():
-            if not loop.done:
-                loop.step()
-    return {name: loop.result(sum(loop.seconds.values())) for name, loop in loops.items()}
+        for name, loop in loops.items():
+            t0 = time.perf_counter()
+            for _ in range(block_steps or 1):
+                if not loop.done:
+                    loop.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            billed[name] += time.perf_counter() - t0
+    return {name: loop.result(sum(loop.seconds.values()) if sync_steps else billed[name])
+            for name, loop in loops.items()}
 
 
 def main() -> None:
@@ -157,9 +178,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--trace-dir", type=Path, help="each engine's step trace (steps_METHOD.jsonl) goes here, "
                         "for benchmarks/step_trace_summary.py")
-    parser.add_argument("--interleave", choices=["pass", "step"], default="pass",
+    parser.add_argument("--interleave", choices=["pass", "step", "block"], default="pass",
                         help="pass: engines take whole passes in rotating order; step: all engines' passes at "
-                        "once, one step each in turn (each step synchronized and billed to its engine)")
+                        "once, one step each in turn (each step synchronized and billed to its engine); block: "
+                        "the same, --block-steps steps at a time")
+    parser.add_argument("--block-steps", type=int, default=32)
+    parser.add_argument("--unqueued", action="store_true", help="add a plain engine that does not queue its rounds")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--summarize", type=Path, metavar="JSON", help="print the tables of an earlier run's --out file")
     args = parser.parse_args()
@@ -177,7 +201,7 @@ def main() -> None:
                                                           "/tmp/flashtree-churn/qwen3-8b-dflash-shape"))
     else:
         model, draft = args.model, args.draft or str(shipped_drafter(args.model))
-    engines = make_engines(model, draft, bool(args.shape), args.device, max(levels), args.trace_dir)
+    engines = make_engines(model, draft, bool(args.shape), args.device, max(levels), args.trace_dir, args.unqueued)
     vocab = next(iter(engines.values())).model.config.vocab_size
     names = list(engines)
     rows = []
@@ -185,8 +209,9 @@ def main() -> None:
         for level in levels:
             prompts = workload(level, max(args.requests, 4 * level), vocab, seed=level)
             order = names[(repeat + 1) % len(names):] + names[:(repeat + 1) % len(names)]
-            if args.interleave == "step":
-                results = run_interleaved({name: engines[name] for name in order}, prompts, level, args.device)
+            if args.interleave != "pass":
+                block = args.block_steps if args.interleave == "block" else None
+                results = run_interleaved({name: engines[name] for name in order}, prompts, level, args.device, block)
             else:
                 results = {name: run_pass(engines[name], prompts, level, args.device) for name in order}
             for name, result in results.items():
@@ -196,7 +221,7 @@ def main() -> None:
     for engine in engines.values():
         engine.close_traces()
     summary = summarize(rows, names, levels)
-    if args.interleave == "step":
+    if args.interleave != "pass":
         summary += "\n\nStep time by kind (all repeats):\n\n" + kind_summary(rows, names, levels)
     print(summary)
     if args.out:

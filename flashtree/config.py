@@ -58,6 +58,8 @@ class EngineConfig:
     incremental_text: bool = True  # keep each request's text current every step (streaming); False:
     # decode it once when the request finishes (batch jobs: regenerate, bench), unless it has stop strings
     adaptive_spec: bool = True  # pick each round's node count (0 = plain) for throughput; False: always max
+    queue_plain_rounds: bool | None = None  # queue the next plain round before reading this one's results
+    # (engine.py, "Queued plain rounds"); None: where the device runs ahead of the host (CUDA)
     spec_policy: SpecPolicyConfig = SpecPolicyConfig()  # knobs of the adaptive policy
 
     def __post_init__(self) -> None:
@@ -67,3 +69,5 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.adaptive_spec, bool):
             raise ConfigError(f"adaptive_spec must be True or False, got {self.adaptive_spec!r}")
+        if self.queue_plain_rounds not in (None, True, False):
+            raise ConfigError(f"queue_plain_rounds must be True, False or None (auto), got {self.queue_plain_rounds!r}")

@@ -348,12 +348,17 @@ class ScriptedNodes:
 
     def __init__(self, pattern):
         self.ladder = tuple(sorted(set(pattern), reverse=True))
-        self._cycle = itertools.cycle(pattern)
+        self.pattern, self.at = list(pattern), 0
 
     def choose(self, rows):
-        return next(self._cycle)
+        self.at += 1
+        return self.pattern[(self.at - 1) % len(self.pattern)]
 
     best = choose
+
+    def next_is_settled_plain(self, rows):
+        """(Queued plain rounds, engine.py: the pattern's next round is plain.)"""
+        return self.pattern[self.at % len(self.pattern)] == 0
 
     def record(self, rows, nodes, seconds, acceptance):
         pass

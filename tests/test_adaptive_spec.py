@@ -35,10 +35,15 @@ class ScriptedPolicy:
     probing = False
 
     def __init__(self, ladder, script):
-        self.ladder, self.script = tuple(ladder), itertools.cycle(script)
+        self.ladder, self.script, self.at = tuple(ladder), list(script), 0
 
     def choose(self, rows: int) -> int:
-        return next(self.script)
+        self.at += 1
+        return self.script[(self.at - 1) % len(self.script)]
+
+    def next_is_settled_plain(self, rows: int) -> bool:
+        """(Queued plain rounds: the script's next round is plain.)"""
+        return self.script[self.at % len(self.script)] == 0
 
     def record(self, rows, nodes, seconds, acceptance) -> None:
         pass
@@ -137,23 +142,27 @@ def drafter_context(llm: LLM, slot: int) -> tuple[int, torch.Tensor]:
     return length, cache.storage[:, :, slot, :, :length].clone()
 
 
-@pytest.mark.parametrize("lag_capacity, graphed", [(64, False), (2, False), (2, True)])
+@pytest.mark.parametrize("lag_capacity, graphed, queued", [(64, False, False), (2, False, False), (2, True, False),
+                                                             (64, False, True), (4, False, True), (4, True, True)])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, graphed, monkeypatch):
+def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, graphed, queued, monkeypatch):
     """After a mix of plain and drafted rounds, the drafter holds the context K/V of every
     committed token once it catches up: the same as a drafter that prefilled the whole committed
     text. Plain rounds defer the projection: the drafter lags by the trailing plain rounds (or
     by fewer, when the lag capacity forced a catch-up). ``graphed``: rounds and full-width
     catch-ups go through a pass-through graph cache (padded rows; a new key runs twice, as a
-    capture's warm-up and replay do)."""
+    capture's warm-up and replay do). ``queued``: plain rounds after plain rounds are queued
+    before the round ahead is read (engine.py, "Queued plain rounds"; the script's tenth round,
+    never run, is drafted, so the ninth queues nothing behind it)."""
     import flashtree.spec.dflash_proposer as proposer_module
 
     monkeypatch.setattr(proposer_module, "LAG_CAPACITY", lag_capacity)
-    llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)
+    llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, queue_plain_rounds=queued,
+              **ENGINE)
     if graphed:
         llm.engine.runner.graphs = graphs = PassThroughGraphs()
     ladder = llm.engine.policy.ladder
-    llm.engine.policy = ScriptedPolicy(ladder, [0, 0, ladder[0], 0, ladder[-2], ladder[0], 0, 0, 0])
+    llm.engine.policy = ScriptedPolicy(ladder, [0, 0, ladder[0], 0, ladder[-2], ladder[0], 0, 0, 0, ladder[0]])
     reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=100, ignore_eos=True)) for p in PROMPTS[:3]]
     for _ in range(10):  # a prefill step, then 9 rounds: the script once, ending in 3 plain rounds
         llm.engine.step()
@@ -181,6 +190,8 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, graph
         assert length == ref_length == len(committed)
         torch.testing.assert_close(context, ref_context, atol=1e-4, rtol=1e-4)
     assert max(lags) >= min(2, lag_capacity - 1)  # the check above ran on a drafter that had deferred tokens
+    # queued: rounds 8 and 9 (rounds 1 and 2 run beside the long prompt's prefill chunks, so nothing is queued then)
+    assert llm.engine.queued_rounds == (2 if queued else 0), llm.engine.queued_rounds
     if graphed:
         assert any(key[0] == "catch_up" for key in graphs.keys)
 

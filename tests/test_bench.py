@@ -84,18 +84,18 @@ def break_ddtree16(monkeypatch):
 
 
 def perturb_rounds(engine):
-    real_round = engine.runner.round
+    real_finish = engine.runner.finish  # (where the engine reads every round's tokens)
     vocab = engine.model.config.vocab_size
     calls = []
 
-    def round_with_wrong_token(rows, *args):
-        result = real_round(rows, *args)
+    def finish_with_wrong_token(launched, *args):
+        result = real_finish(launched, *args)
         calls.append(1)
         if len(calls) % 3 == 0:
             result.emitted[0][0] = (result.emitted[0][0] + 1) % vocab
         return result
 
-    engine.runner.round = round_with_wrong_token
+    engine.runner.finish = finish_with_wrong_token
 
 
 def test_bench_flags_a_method_whose_tokens_differ(bench_inputs, tmp_path, monkeypatch, capsys):

@@ -79,19 +79,19 @@ def test_neighbour_probes_without_a_graph_are_declined_unless_worth_one(pair, mo
     monkeypatch.setattr(runner, "has_graph", lambda rows, nodes: False)  # as if every shape were new
     monkeypatch.setattr(policy, "worth_a_graph", lambda rows, nodes: worth)
     declined, probe_rounds = [], []
-    real_decline, real_round = policy.decline_probe, runner.round
+    real_decline, real_launch = policy.decline_probe, runner.launch
 
     def decline():
         declined.append(policy._probe.nodes)
         real_decline()
 
-    def spy(rows, nodes=None, meanwhile=None):
+    def spy(rows, nodes=None):
         if policy.probing:
             probe_rounds.append(nodes)
-        return real_round(rows, nodes, meanwhile)
+        return real_launch(rows, nodes)
 
     monkeypatch.setattr(policy, "decline_probe", decline)
-    monkeypatch.setattr(runner, "round", spy)
+    monkeypatch.setattr(runner, "launch", spy)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     got = llm.generate(PROMPTS[:2], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS[:2], params)]

@@ -314,18 +314,18 @@ def test_client_timeout_on_a_whole_response_frees_the_slot(plain_server):
 
 def test_engine_failure_is_a_500_for_that_request_only(plain_server):
     runner = plain_server.engine.runner
-    real_round = runner.round
+    real_launch = runner.launch
 
     def fail_once(rows, *args):
-        runner.round = real_round
+        runner.launch = real_launch
         raise RuntimeError("injected failure")
 
     expected = client(plain_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, **GREEDY)
-    runner.round = fail_once
+    runner.launch = fail_once
     with pytest.raises(openai.InternalServerError) as err:
         client(plain_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, **GREEDY)
     assert "injected failure" in err.value.message
-    runner.round = fail_once  # after the headers went out: an error event ends the stream
+    runner.launch = fail_once  # after the headers went out: an error event ends the stream
     with pytest.raises(openai.APIError, match="injected failure"):
         streamed_chat(plain_server, messages=CHAT, max_tokens=6, **GREEDY)
     after = client(plain_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, **GREEDY)

@@ -19,6 +19,21 @@ instead, and the policy waits longer before the next probe. A drafter that never
 costs no captures after its first bucket. (Running such probes eagerly instead, untimed, took
 85-250 ms a round at 4-32 rows on the H200, and an untimed probe never backed off: one every
 50 rounds cost DDTree and DFlash servers 15-28% of a pass; benchmarks/README.md, "Tenth session".)
+
+Queued plain rounds: between two rounds the host appends the committed tokens (stop checks, text),
+schedules and builds the next round's inputs: 0.35-0.57 ms per step on the H200 at 1-32 rows
+(benchmarks/README.md, "Third session"), time the device sits idle if each round waits for the one
+before it to be read. A plain round's successor needs nothing the host has to read first: its
+bonus token is the one the round chooses (on the device), and its positions, output count and
+drafter lag are one further. So when this round and the next are plain (the policy is settled on
+plain rounds: ``next_is_settled_plain``), no row's drafter must catch up first and no prefill runs
+this step, the next round is queued right behind this one (``ModelRunner.launch_plain_after``)
+before this one's results are read, and the device runs it while the host does this step's work.
+Rows that finish in this step (a stop token, an abort) ran one more token in the queued round; it
+is dropped, and their slots are freed behind it on the device. A queued round's wall time for the
+policy runs from the previous round's end to its own (the device's pace). Only plain rounds are
+queued: a drafted round's successor depends on how many tokens it accepts. Lossless as before: a
+queued round computes exactly what the same round run a step later would.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ from flashtree.errors import RequestError
 from flashtree.kv_cache import KVCache, KVCacheSpec
 from flashtree.models import gpu_kernels
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
+from flashtree.device_copy import to_device
 from flashtree.models.cpu_quant_linear import maybe_attach_quantized
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.transformer import CausalLM
@@ -91,6 +107,11 @@ class LLMEngine:
         self._last_step_end = float("-inf")  # perf_counter() when the last step ended
         self._untimed_round = False  # the next round follows an idle pause: not timed for the policy
         self._warmed_options: set[tuple[int, int]] = set()  # (rows bucket, nodes) run at least once
+        self._last_round_end = float("-inf")  # perf_counter() when the host last read a round's results
+        self._ahead = None  # LaunchedRound queued for the next step (see "Queued plain rounds")
+        self.queued_rounds = 0  # rounds that were queued before the round ahead of them was read
+        self.queue_plain_rounds = (config.queue_plain_rounds if config.queue_plain_rounds is not None
+                                   else self.runner.runs_ahead) and self.runner.tracer is None
         self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
         self.policy_tracer = PolicyTracer(config.trace_policy) if config.trace_policy else None
         self.step_tracer = StepTracer(config.trace_steps) if config.trace_steps else None
@@ -126,11 +147,15 @@ class LLMEngine:
         events: list[StepEvent] = []
         self.last_round_nodes = None
         round_s = prefill_s = None
+        if not scheduled.decode:
+            self._ahead = None  # (a round queued for rows that have all finished since: nothing to read)
         if scheduled.decode:
             round_s = time.perf_counter()
-            result = self._round(scheduled.decode)
+            rows, result = self._round(scheduled.decode, may_queue_next=not scheduled.prefill)
             round_s = time.perf_counter() - round_s
-            for req, tokens, size in zip(scheduled.decode, result.emitted, result.tree_sizes):
+            for req, tokens, size in zip(rows, result.emitted, result.tree_sizes):
+                if req.finished:  # it finished (or was aborted) after the round was queued
+                    continue
                 req.stats.rounds += 1
                 req.stats.acceptance_lengths.append(len(tokens))
                 req.stats.tree_sizes.append(size)
@@ -147,9 +172,10 @@ class LLMEngine:
                 if first is not None:
                     req.status = Status.RUNNING
                     events.append(append_tokens(req, [first], self.tracker, self.config.max_context))
-        for req in self.scheduler.release_finished():
-            self.cache.free(torch.tensor([req.slot], device=self.device))
-            self.proposer.release([req.slot])
+        released = [req.slot for req in self.scheduler.release_finished()]
+        if released:  # (sent without waiting for queued device work: a queued round may still run)
+            self.cache.free(to_device(torch.tensor(released), self.device))
+            self.proposer.release(released)
         previous_end, self._last_step_end = self._last_step_end, time.perf_counter()
         if self.step_tracer is not None:
             self.step_tracer.write(started=started, ended=self._last_step_end,
@@ -158,9 +184,41 @@ class LLMEngine:
                                    prefill_s=prefill_s, prefill_rows=len(scheduled.prefill))
         return events
 
-    def _round(self, rows: Sequence[Request]) -> RoundResult:
+    def _round(self, rows: Sequence[Request], may_queue_next: bool) -> tuple[list[Request], RoundResult]:
         """One round with the policy's node count; its wall time (the host sync included) and
-        acceptance go back to the policy."""
+        acceptance go back to the policy. Returns the round's rows (a round queued in the last step
+        may hold rows that have finished since) and its result. ``may_queue_next``: the next round
+        may be queued before this one's results are read (see "Queued plain rounds" above)."""
+        queued, self._ahead = self._ahead, None
+        if queued is not None and not _serves(queued.rows, rows):
+            queued = None  # (not expected: its results are dropped, and the rows run a round as usual)
+        if queued is None:
+            launched, started, untimed = self._launch_round(rows)
+        else:
+            launched, started, untimed = queued, max(queued.launched_at, self._last_round_end), False
+            self.queued_rounds += 1
+        if may_queue_next and self._may_queue_after(launched):
+            self._ahead = self.runner.launch_plain_after(launched)  # (None: its graph is not captured yet)
+            if self._ahead is not None:
+                self.policy.choose(len(launched.rows))  # plain (see SpecPolicy.next_is_settled_plain)
+        # the policy folds the rounds it holds while the device runs this one (it waits otherwise)
+        meanwhile = self.policy.fold_settled if self.runner.runs_ahead else None
+        result = self.runner.finish(launched, meanwhile)
+        self._last_round_end = time.perf_counter()
+        nodes, rows = launched.nodes, launched.rows
+        self._count_deferrals(rows, nodes)
+        seconds = None if result.captured_graph or untimed else self._last_round_end - started
+        acceptance = mean_acceptance(rows, result, nodes)
+        self.policy.record(len(rows), nodes, seconds, acceptance)
+        if self.policy_tracer is not None:
+            self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy, self._last_round_end - started)
+        self.rounds_by_nodes[nodes] += 1
+        self.last_round_nodes = nodes
+        return rows, result
+
+    def _launch_round(self, rows: Sequence[Request]):
+        """Choose the round's node count and queue it (a drafter catch-up first when due); returns
+        the launched round, when it started and whether its wall time goes untimed."""
         nodes = fit_to_budgets(self.policy.choose(len(rows)), rows, self.policy.ladder)
         if self._probe_declined(rows, nodes):
             nodes = fit_to_budgets(self.policy.best(len(rows)), rows, self.policy.ladder)
@@ -168,21 +226,26 @@ class LLMEngine:
         option = (rows_bucket(len(rows)), nodes)
         first_of_option = option not in self._warmed_options
         self._warmed_options.add(option)
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         captured = self._catch_up_drafter(rows, nodes)  # part of the round's cost
-        # the policy folds the rounds it holds while the device runs this one (it waits otherwise)
-        meanwhile = self.policy.fold_settled if self.runner.runs_ahead else None
-        result = self.runner.round(rows, nodes, meanwhile)
-        wall = time.perf_counter() - t0
-        self._count_deferrals(rows, nodes)
-        seconds = None if result.captured_graph or captured or after_idle or first_of_option else wall
-        acceptance = mean_acceptance(rows, result, nodes)
-        self.policy.record(len(rows), nodes, seconds, acceptance)
-        if self.policy_tracer is not None:
-            self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy, wall)
-        self.rounds_by_nodes[nodes] += 1
-        self.last_round_nodes = nodes
-        return result
+        launched = self.runner.launch(rows, nodes)
+        return launched, started, captured or after_idle or first_of_option
+
+    def _may_queue_after(self, launched) -> bool:
+        """The next round may be queued now, before ``launched``'s results are read: this round and
+        the next are plain (the policy is settled on plain rounds), no row's drafter must catch up
+        first and every row has room for two more tokens."""
+        if not self.queue_plain_rounds or launched.nodes != 0:
+            return False
+        rows = launched.rows
+        settled_plain = getattr(self.policy, "next_is_settled_plain", None)  # (a policy that cannot tell: never)
+        if settled_plain is None or not settled_plain(len(rows)):
+            return False
+        limit = self.config.max_context - 2
+        if any(r.committed_length >= limit for r in rows):
+            return False
+        capacity = getattr(self.proposer, "lag_capacity", None)
+        return capacity is None or all(r.drafter_lag + 1 < capacity for r in rows)
 
     def _probe_declined(self, rows: Sequence[Request], nodes: int) -> bool:
         """A neighbour probe's tree round that would capture a graph for an option that cannot
@@ -257,6 +320,13 @@ def make_policy(config: EngineConfig, proposer) -> SpecPolicy | FixedNodes:
         return FixedNodes(proposer.max_nodes)
     ladder = node_ladder(proposer.max_nodes, getattr(proposer, "chain", False), config.spec_policy.min_tree_nodes)
     return SpecPolicy(ladder, config.spec_policy)
+
+
+def _serves(queued_rows: Sequence[Request], rows: Sequence[Request]) -> bool:
+    """A round queued for ``queued_rows`` serves the step's ``rows``: they are the queued rows that
+    have not finished since, in the same order."""
+    live = [r for r in queued_rows if not r.finished]
+    return len(live) == len(rows) and all(a is b for a, b in zip(live, rows))
 
 
 def fit_to_budgets(nodes: int, rows: Sequence[Request], ladder: Sequence[int]) -> int:

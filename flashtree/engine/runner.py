@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from flashtree.device_copy import to_device
 from flashtree.engine.cuda_graphs import GraphCache
 from flashtree.engine.request import Request
 from flashtree.engine.tree_trace import TreeTracer
@@ -61,6 +62,21 @@ class RoundResult(NamedTuple):
     captured_graph: bool = False  # this round captured a CUDA graph (its wall time is not typical)
 
 
+class LaunchedRound(NamedTuple):
+    """A round whose device work is queued and whose results the host has not read yet
+    (:meth:`ModelRunner.launch`; read with :meth:`ModelRunner.finish`)."""
+
+    rows: list[Request]  # the real rows, in the round's order (pad rows follow them on the device)
+    nodes: int
+    ints: torch.Tensor  # [8, B + pads] the RoundInputs' integer rows on the device (slots ... lags)
+    floats: torch.Tensor  # [2, B + pads] temperature, top_p
+    packed: torch.Tensor  # [B + pads, 2 + D + 1] see ModelRunner._pack (a graph's static buffer)
+    host: torch.Tensor  # packed, copied to (pinned) host memory once ``done``
+    done: object  # a torch.cuda.Event recorded after that copy (None on a CPU: already done)
+    captured_graph: bool  # launching it captured a CUDA graph
+    launched_at: float  # perf_counter() when its device work was queued
+
+
 class StageTimer:
     """Wall time per stage; synchronizes the device around stages only when ``sync``."""
 
@@ -99,6 +115,7 @@ class ModelRunner:
         # the host returns from queuing a round's device work before the device is done with it
         # (CUDA); on a CPU the work runs as it is queued
         self.runs_ahead = self.device.type == "cuda"
+        self._plain_steps: dict[tuple[int, int], torch.Tensor] = {}  # see _plain_step
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -153,26 +170,78 @@ class ModelRunner:
         replayed as a CUDA graph when enabled (captured first if its key is new). ``meanwhile``:
         host work to do once the round's device work is queued, before the host waits for it (on
         a device that runs ahead of the host, see ``runs_ahead``, it then costs the round nothing)."""
+        return self.finish(self.launch(rows, nodes), meanwhile)
+
+    def launch(self, rows: Sequence[Request], nodes: int | None = None) -> LaunchedRound:
+        """Queue :meth:`round`'s device work; :meth:`finish` reads its results."""
         nodes = self.proposer.max_nodes if nodes is None else nodes
         if not 0 <= nodes <= self.proposer.max_nodes:
             raise ValueError(f"nodes must be in [0, {self.proposer.max_nodes}], got {nodes}")
         slots_list = self._padded_slots(rows)
         shape = self._shape(rows, nodes, slots_list)
-        inputs = self._round_inputs(rows, nodes, len(slots_list) - len(rows))
-        t0 = self.timer.mark()
+        ints, floats = self._round_inputs(rows, nodes, len(slots_list) - len(rows))
+        return self._launch(list(rows), shape, len(slots_list), ints, floats)
+
+    def launch_plain_after(self, previous: LaunchedRound) -> LaunchedRound | None:
+        """Queue the plain round that follows the plain round ``previous`` for the same rows, before
+        the host has read ``previous``: its inputs come from ``previous``'s on the device (the bonus
+        token is the one ``previous`` chooses; position, output count and drafter lag one further
+        for the real rows, the pad rows' unchanged). The caller checked that no row needs a drafter
+        catch-up first and that every row has room for the token. None (nothing queued) when its
+        CUDA graph is not captured yet: a capture would wait for the device."""
+        if previous.nodes != 0:
+            raise ValueError("only a plain round's successor can be queued before its results are read")
+        rows = previous.rows
+        slots_list = self._padded_slots(rows)
+        shape = self._shape(rows, 0, slots_list, ahead=1)
+        if self.graphs is not None and not self.graphs.has((len(slots_list), shape)):
+            return None
+        ints = previous.ints + self._plain_step(len(rows), len(slots_list) - len(rows))  # [8, B + pads]
+        ints[1] = previous.packed[:, 2]  # the next bonus token
+        return self._launch(rows, shape, len(slots_list), ints, previous.floats)
+
+    def _plain_step(self, rows: int, pads: int) -> torch.Tensor:
+        """``[8, rows + pads]``: what a plain round adds to a real row's inputs (starts, generated
+        and lags + 1), nothing to a pad row's; cached per batch layout."""
+        key = (rows, pads)
+        step = self._plain_steps.get(key)
+        if step is None:
+            step = torch.zeros(8, rows + pads, dtype=torch.long)
+            step[[2, 4, 7], :rows] = 1  # RoundInputs rows: starts, generated, lags
+            step = self._plain_steps[key] = step.to(self.device)
+        return step
+
+    def _launch(self, rows: list[Request], shape: "RoundShape", width: int, ints: torch.Tensor,
+                floats: torch.Tensor) -> LaunchedRound:
+        launched_at = self.timer.mark()
         captures = self.graphs.captures if self.graphs is not None else 0
+        slots, bonus, starts, budgets, generated, top_k, seed, lags = ints.unbind(0)
+        inputs = RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed, lags)
         if self.graphs is None:
             packed = self._round_device(shape, *inputs, timer=self.timer)
         else:
-            packed = self.graphs.run((len(slots_list), shape), lambda *t: self._round_device(shape, *t), inputs)
+            packed = self.graphs.run((width, shape), lambda *t: self._round_device(shape, *t), inputs)
+        host, done = packed, None
+        if self.device.type == "cuda":  # read through an event: a later queued round need not finish first
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        captured = self.graphs is not None and self.graphs.captures != captures
+        return LaunchedRound(rows, shape.nodes, ints, floats, packed, host, done, captured, launched_at)
+
+    def finish(self, launched: LaunchedRound, meanwhile: Callable[[], None] | None = None) -> RoundResult:
+        """Wait for ``launched``'s results (the host's one wait per round; ``meanwhile`` runs before it)."""
         if meanwhile is not None:
             meanwhile()
-        result = self._to_host(packed, len(rows))  # the one sync
+        if launched.done is not None:
+            launched.done.synchronize()
+        result = self._to_host(launched.host, len(launched.rows))
         if self.graphs is not None:
-            self.timer.add("round", t0)
-            result = result._replace(captured_graph=self.graphs.captures != captures)
+            self.timer.add("round", launched.launched_at)
+            result = result._replace(captured_graph=launched.captured_graph)
         if self.tracer is not None:
-            self.tracer.write(rows)
+            self.tracer.write(launched.rows)
         return result
 
     def catch_up_drafter(self, rows: Sequence[Request]) -> bool:
@@ -207,10 +276,11 @@ class ModelRunner:
         """The rows' KV slots, then the pad slot for each pad row (see ``_pad_rows``)."""
         return [r.slot for r in rows] + [self.pad_slot] * self._pad_rows(len(rows))
 
-    def _shape(self, rows: Sequence[Request], nodes: int, slots_list: list[int]) -> RoundShape:
-        """The round's static shape (with graphs: its key-length bucket)."""
+    def _shape(self, rows: Sequence[Request], nodes: int, slots_list: list[int], ahead: int = 0) -> RoundShape:
+        """The round's static shape (with graphs: its key-length bucket); ``ahead``: tokens the rows
+        will have committed by then beyond what the host knows (see :meth:`launch_plain_after`)."""
         params = [r.params for r in rows]
-        shape = RoundShape(kv_len=max(r.committed_length for r in rows) + nodes + 1,
+        shape = RoundShape(kv_len=max(r.committed_length for r in rows) + ahead + nodes + 1,
                            slot_range=slot_range_of(slots_list), any_sampled=any(not p.greedy for p in params),
                            any_filtered=any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params),
                            nodes=nodes)
@@ -226,9 +296,10 @@ class ModelRunner:
             return 0
         return (1 << (rows - 1).bit_length()) - rows
 
-    def _round_inputs(self, rows: Sequence[Request], nodes: int, pads: int = 0) -> RoundInputs:
-        """The rows' inputs on the device, sent in two non-blocking copies from pinned memory (a
-        copy from pageable memory would make the host wait for all queued device work).
+    def _round_inputs(self, rows: Sequence[Request], nodes: int, pads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' inputs on the device (``[8, B + pads]`` integers in RoundInputs' order,
+        ``[2, B + pads]`` temperature and top_p), sent in two non-blocking copies from pinned memory
+        (a copy from pageable memory would make the host wait for all queued device work).
 
         ``pads`` pad rows follow the real ones: all on the pad slot with identical inputs (token 0
         at position 0, greedy, budget 0, a full lag: deferred features go to the padding column),
@@ -240,16 +311,10 @@ class ModelRunner:
         ints = torch.tensor(per_row, dtype=torch.long).T.contiguous()  # [8, B + pads]
         temperature_top_p = [(p.temperature, p.top_p) for p in params] + [(0.0, 1.0)] * pads
         floats = torch.tensor(temperature_top_p).T.contiguous()  # [2, B + pads]
-        ints, floats = self._send(ints), self._send(floats)
-        slots, bonus, starts, budgets, generated, top_k, seed, lags = ints.unbind(0)
-        return RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed, lags)
+        return self._send(ints), self._send(floats)
 
     def _send(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device, in a non-blocking copy from pinned memory on CUDA (a copy
-        from pageable memory would make the host wait for all queued device work)."""
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return to_device(host, self.device)
 
     @staticmethod
     def _sampling(shape: "RoundShape", rows: RoundInputs) -> SamplingTensors:

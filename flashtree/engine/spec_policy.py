@@ -267,6 +267,14 @@ class SpecPolicy:
             return displaced
         return best
 
+    def next_is_settled_plain(self, rows: int) -> bool:
+        """The next :meth:`choose` of ``rows`` rows will return plain rounds from the settled path:
+        it changes nothing but a round count, so it may be made before the current round's
+        :meth:`record` (the engine queues such a round early: engine.py, "Queued plain rounds")."""
+        bucket = rows_bucket(rows)
+        return bool(self._settled) and bucket == self._settled_bucket and \
+            self._settled[-1][1] == PLAIN_NODES and not self._decision_due(bucket)
+
     def _decision_due(self, bucket: int) -> bool:
         """The next round of ``bucket`` starts a plain recheck or a neighbour probe (as ``choose``
         decides them; the estimates are current enough for the best option: it is the held one)."""
@@ -560,6 +568,9 @@ class FixedNodes:
 
     def choose(self, rows: int) -> int:
         return self.ladder[0]
+
+    def next_is_settled_plain(self, rows: int) -> bool:
+        return self.ladder[0] == PLAIN_NODES
 
     def record(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None) -> None:
         pass

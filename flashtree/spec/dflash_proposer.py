@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from flashtree.config import EngineConfig
+from flashtree.device_copy import to_device
 from flashtree.kv_cache import KVCache
 from flashtree.models import cpu_kernels
 from flashtree.models.batch import slot_range_of
@@ -137,8 +138,7 @@ class DrafterRunner:
 
     def release(self, slots: Sequence[int]) -> None:
         if len(slots):
-            index = torch.tensor(list(slots), dtype=torch.long, device=self.cache.lengths.device)
-            self.cache.free(index)
+            self.cache.free(to_device(torch.tensor(list(slots), dtype=torch.long), self.cache.lengths.device))
 
 
 class _DrafterProposer:

@@ -61,3 +61,29 @@ def test_graphed_plain_stretches_and_catch_ups_equal_eager(tmp_path, spec):
             assert any(key[0] == "catch_up" for key in llm.engine.runner.graphs.graphs)
     assert outs[True] == outs[False]
     assert any(max(lengths) > 1 for _, lengths in outs[True])
+
+
+@pytest.mark.parametrize("spec", ["none", "dflash", "ddtree"])
+def test_queued_plain_rounds_equal_unqueued_on_cuda(tmp_path, spec):
+    """Plain rounds queued before the round ahead is read (engine.py, "Queued plain rounds"), graphed,
+    with catch-ups, drafted rounds, stop tokens, seeded sampling and slots reused by later requests:
+    the tokens and acceptance of an engine that reads every round before queuing the next."""
+    from tests.dflash_helpers import ScriptedNodes, tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=24, block_size=6)
+    prompts = [[1, 2, 3], list(range(2, 20)), [7] * 9, [5, 4, 3, 2], [9, 9, 1]]
+    params = [SamplingParams(max_tokens=150 - 9 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
+              for i in range(5)]
+    params[3] = SamplingParams(max_tokens=60, stop_token_ids=(5, 6))
+    outs, queued = {}, {}
+    for queue in (False, True):
+        kwargs = {} if spec == "none" else dict(spec=spec, draft=str(pair.drafter), budget=8, adaptive_spec=False)
+        llm = LLM(str(pair.target), device="cuda", dtype="float32", max_running=3, max_context=256,
+                  queue_plain_rounds=queue, **kwargs)
+        if spec != "none":
+            capacity = llm.engine.proposer.lag_capacity
+            llm.engine.policy = ScriptedNodes([0] * (capacity + 7) + [4, 0, 4])
+        outs[queue] = [(o.token_ids, o.acceptance_lengths, o.finish_reason) for o in llm.generate(prompts, params)]
+        queued[queue] = llm.engine.queued_rounds
+    assert outs[True] == outs[False]
+    assert queued[False] == 0 and queued[True] > 100

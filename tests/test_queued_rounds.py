@@ -1,0 +1,136 @@
+"""Queued plain rounds (engine.py, "Queued plain rounds"): the next plain round is queued before
+the host reads the current one. On a CPU the queued round runs at once, so these tests check the
+bookkeeping a GPU relies on: the same tokens as unqueued plain decoding (greedy, stop tokens,
+length limits, seeded sampling, aborts, slots reused right after a row finished), one round per
+token, and a drafter that stays in sync through queued rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+from flashtree.engine.spec_policy import SpecPolicyConfig
+from tests.dflash_helpers import PassThroughGraphs, one_thread, tiny_pair
+from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
+
+ENGINE = dict(max_running=3, max_context=96, prefill_chunk=8)  # few slots: finished rows' slots are reused
+SETTLES = SpecPolicyConfig(explore_rounds=1, probe_interval=20)  # a drafter that never matches: plain soon
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    pass
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("queued"), vocab=VOCAB, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    return LLM(str(pair.target), **ENGINE, queue_plain_rounds=False)
+
+
+def queued_llm(pair, method: str, graphed: bool) -> LLM:
+    spec = {} if method == "none" else dict(spec=method, draft=str(pair.drafter), budget=16, spec_policy=SETTLES)
+    llm = LLM(str(pair.target), **ENGINE, **spec, queue_plain_rounds=True)
+    if graphed:  # a queued round needs its graph captured already (a capture would wait for the device)
+        llm.engine.runner.graphs = PassThroughGraphs()
+    return llm
+
+
+def run_staggered(llm: LLM, prompts, params, abort_at: dict[int, int]) -> list:
+    """Requests join two steps apart (prefills between queued rounds); request i is aborted after
+    step ``abort_at[i]``. Returns the requests."""
+    engine = llm.engine
+    reqs, step = [], 0
+    pending = list(zip(prompts, params))
+    while pending or engine.has_work:
+        if pending and step % 2 == 0:
+            prompt, p = pending.pop(0)
+            reqs.append(engine.add_request(prompt, p))
+        engine.step()
+        step += 1
+        for i, at in abort_at.items():
+            if at == step and i < len(reqs):
+                engine.abort(reqs[i].request_id)
+    return reqs
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+@pytest.mark.parametrize("method", ["none", "dflash", "ddtree"])
+def test_queued_rounds_give_plain_decodings_tokens(pair, plain, method, graphed):
+    prompts = PROMPTS * 2
+    params = mixed_params(plain, prompts)
+    params[4] = SamplingParams(max_tokens=30, temperature=0.9, top_k=5, seed=7, ignore_eos=True)
+    params[9] = SamplingParams(max_tokens=30, temperature=1.2, top_p=0.8, seed=3, ignore_eos=True)
+    params[2] = SamplingParams(max_tokens=60, ignore_eos=True)  # aborted mid-way
+    llm = queued_llm(pair, method, graphed)
+    got = run_staggered(llm, prompts, params, abort_at={2: 25})
+    expected = run_staggered(plain, prompts, params, abort_at={2: 25})
+    assert llm.engine.queued_rounds > 20  # most rounds once the policy settled
+    for out, ref in zip(got, expected):
+        assert out.finish_reason == ref.finish_reason
+        if ref.finish_reason == "abort":
+            n = min(len(out.output_ids), len(ref.output_ids))  # (aborted after different step counts)
+            assert n > 3 and out.output_ids[:n] == ref.output_ids[:n]
+        else:
+            assert out.output_ids == ref.output_ids
+        # every round's tokens were appended once (a queued round's token for a row that finished is dropped)
+        assert out.stats.rounds == len(out.stats.acceptance_lengths)
+        assert sum(out.stats.acceptance_lengths) == len(out.output_ids) - 1  # (the first came from prefill)
+
+
+def test_a_finished_rows_queued_token_is_dropped(pair, plain):
+    """A row that stops on a token ran one more token in the queued round; none of it shows."""
+    prompt = PROMPTS[1]
+    free = plain.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
+    stop = free[8]
+    first_stop = free.index(stop)
+    llm = queued_llm(pair, "none", graphed=False)
+    out = llm.generate([prompt, PROMPTS[4]], [SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,)),
+                                              SamplingParams(max_tokens=40, ignore_eos=True)])
+    assert out[0].token_ids == free[:first_stop + 1] and out[0].finish_reason == "stop"
+    assert llm.engine.queued_rounds > 0
+
+
+def test_no_queue_across_a_drafter_catch_up_or_a_prefill(pair, plain, monkeypatch):
+    """With a lag capacity of 4, a row whose next round must catch the drafter up first is never
+    queued; rows whose lag stays under it are, and the drafter's lag counts every plain round."""
+    import flashtree.spec.dflash_proposer as proposer_module
+
+    monkeypatch.setattr(proposer_module, "LAG_CAPACITY", 4)
+    llm = queued_llm(pair, "ddtree", graphed=False)
+    engine = llm.engine
+    lags_when_queued = []
+    real = engine.runner.launch_plain_after
+
+    def spy(previous):
+        lags_when_queued.append(max(r.drafter_lag for r in previous.rows))
+        return real(previous)
+
+    monkeypatch.setattr(engine.runner, "launch_plain_after", spy)
+    prompts = [p for p in PROMPTS if len(p) > ENGINE["prefill_chunk"]][:2]  # (not deferred at prefill)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert lags_when_queued and max(lags_when_queued) + 1 < 4
+
+
+def test_queue_setting_is_validated():
+    from flashtree.config import EngineConfig
+    from flashtree.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="queue_plain_rounds"):
+        EngineConfig(queue_plain_rounds="yes")
+    assert EngineConfig().queue_plain_rounds is None  # auto: where the device runs ahead (CUDA)
+
+
+def test_queue_is_off_by_default_on_a_cpu(plain, pair):
+    llm = LLM(str(pair.target), **ENGINE)
+    assert not llm.engine.queue_plain_rounds
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert llm.engine.queued_rounds == 0
+    assert torch.device(llm.engine.device).type == "cpu"
