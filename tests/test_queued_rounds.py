@@ -96,27 +96,37 @@ def test_a_finished_rows_queued_token_is_dropped(pair, plain):
     assert llm.engine.queued_rounds > 0
 
 
-def test_no_queue_across_a_drafter_catch_up_or_a_prefill(pair, plain, monkeypatch):
-    """With a lag capacity of 4, a row whose next round must catch the drafter up first is never
-    queued; rows whose lag stays under it are, and the drafter's lag counts every plain round."""
+@pytest.mark.parametrize("graphed", [False, True])
+def test_queued_rounds_catch_the_drafter_up_when_a_lag_fills(pair, plain, monkeypatch, graphed):
+    """With a lag capacity of 4, a queued round whose rows' lag would fill catches the drafter up
+    first (on the device, as the engine's own catch-up does); after every step the drafter's
+    context holds each row's committed tokens but its lag, and the tokens are plain decoding's."""
     import flashtree.spec.dflash_proposer as proposer_module
 
     monkeypatch.setattr(proposer_module, "LAG_CAPACITY", 4)
-    llm = queued_llm(pair, "ddtree", graphed=False)
+    llm = queued_llm(pair, "ddtree", graphed)
     engine = llm.engine
-    lags_when_queued = []
+    catch_ups = []
     real = engine.runner.launch_plain_after
 
-    def spy(previous):
-        lags_when_queued.append(max(r.drafter_lag for r in previous.rows))
-        return real(previous)
+    def spy(previous, catch_up=False):
+        launched = real(previous, catch_up)
+        catch_ups.append(catch_up and launched is not None)
+        return launched
 
     monkeypatch.setattr(engine.runner, "launch_plain_after", spy)
     prompts = [p for p in PROMPTS if len(p) > ENGINE["prefill_chunk"]][:2]  # (not deferred at prefill)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    got = llm.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
-    assert lags_when_queued and max(lags_when_queued) + 1 < 4
+    reqs = [engine.add_request(prompt, params) for prompt in prompts]
+    drafter_lengths = engine.proposer.runner.cache.lengths
+    while engine.has_work:
+        engine.step()
+        for req in reqs:
+            if not req.finished and req.output_ids:
+                assert int(drafter_lengths[req.slot]) == req.committed_length - req.drafter_lag
+                assert 0 <= req.drafter_lag <= 4  # (a full lag is caught up at the next round)
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert sum(catch_ups) >= 4 and engine.queued_rounds >= 15
 
 
 def test_queue_setting_is_validated():

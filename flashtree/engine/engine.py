@@ -26,9 +26,10 @@ schedules and builds the next round's inputs: 0.35-0.57 ms per step on the H200 
 before it to be read. A plain round's successor needs nothing the host has to read first: its
 bonus token is the one the round chooses (on the device), and its positions, output count and
 drafter lag are one further. So when this round and the next are plain (the policy is settled on
-plain rounds: ``next_is_settled_plain``), no row's drafter must catch up first and no prefill runs
-this step, the next round is queued right behind this one (``ModelRunner.launch_plain_after``)
-before this one's results are read, and the device runs it while the host does this step's work.
+plain rounds: ``next_is_settled_plain``) and no prefill runs this step, the next round is queued
+right behind this one (``ModelRunner.launch_plain_after``; with the drafter catch-up first when a
+row's lag is full) before this one's results are read, and the device runs it while the host does
+this step's work.
 Rows that finish in this step (a stop token, an abort) ran one more token in the queued round; it
 is dropped, and their slots are freed behind it on the device. A queued round's wall time for the
 policy runs from the previous round's end to its own (the device's pace). Only plain rounds are
@@ -197,8 +198,10 @@ class LLMEngine:
         else:
             launched, started, untimed = queued, max(queued.launched_at, self._last_round_end), False
             self.queued_rounds += 1
+        catches_up = False
         if may_queue_next and self._may_queue_after(launched):
-            self._ahead = self.runner.launch_plain_after(launched)  # (None: its graph is not captured yet)
+            catches_up = self._lag_full_after(launched.rows)
+            self._ahead = self.runner.launch_plain_after(launched, catches_up)  # (None: a graph is not captured yet)
             if self._ahead is not None:
                 self.policy.choose(len(launched.rows))  # plain (see SpecPolicy.next_is_settled_plain)
         # the policy folds the rounds it holds while the device runs this one (it waits otherwise)
@@ -207,6 +210,9 @@ class LLMEngine:
         self._last_round_end = time.perf_counter()
         nodes, rows = launched.nodes, launched.rows
         self._count_deferrals(rows, nodes)
+        if catches_up and self._ahead is not None:  # the queued round's catch-up projects them all
+            for req in rows:
+                req.drafter_lag = 0
         seconds = None if result.captured_graph or untimed else self._last_round_end - started
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
@@ -233,8 +239,8 @@ class LLMEngine:
 
     def _may_queue_after(self, launched) -> bool:
         """The next round may be queued now, before ``launched``'s results are read: this round and
-        the next are plain (the policy is settled on plain rounds), no row's drafter must catch up
-        first and every row has room for two more tokens."""
+        the next are plain (the policy is settled on plain rounds) and every row has room for two
+        more tokens."""
         if not self.queue_plain_rounds or launched.nodes != 0:
             return False
         rows = launched.rows
@@ -242,10 +248,13 @@ class LLMEngine:
         if settled_plain is None or not settled_plain(len(rows)):
             return False
         limit = self.config.max_context - 2
-        if any(r.committed_length >= limit for r in rows):
-            return False
+        return all(r.committed_length < limit for r in rows)
+
+    def _lag_full_after(self, rows: Sequence[Request]) -> bool:
+        """After this plain round some row's drafter lag is full: the next round catches every
+        lagging row up first (as ``_catch_up_drafter`` would)."""
         capacity = getattr(self.proposer, "lag_capacity", None)
-        return capacity is None or all(r.drafter_lag + 1 < capacity for r in rows)
+        return capacity is not None and any(r.drafter_lag + 1 >= capacity for r in rows)
 
     def _probe_declined(self, rows: Sequence[Request], nodes: int) -> bool:
         """A neighbour probe's tree round that would capture a graph for an option that cannot

@@ -182,23 +182,41 @@ class ModelRunner:
         ints, floats = self._round_inputs(rows, nodes, len(slots_list) - len(rows))
         return self._launch(list(rows), shape, len(slots_list), ints, floats)
 
-    def launch_plain_after(self, previous: LaunchedRound) -> LaunchedRound | None:
+    def launch_plain_after(self, previous: LaunchedRound, catch_up: bool = False) -> LaunchedRound | None:
         """Queue the plain round that follows the plain round ``previous`` for the same rows, before
         the host has read ``previous``: its inputs come from ``previous``'s on the device (the bonus
         token is the one ``previous`` chooses; position, output count and drafter lag one further
-        for the real rows, the pad rows' unchanged). The caller checked that no row needs a drafter
-        catch-up first and that every row has room for the token. None (nothing queued) when its
-        CUDA graph is not captured yet: a capture would wait for the device."""
+        for the real rows, the pad rows' unchanged). ``catch_up``: the drafter first projects every
+        row's deferred features (its lag by then: one more than ``previous``'s), as
+        :meth:`catch_up_drafter` does when a row's lag is full, and the round starts from lag 0. The
+        caller checked that every row has room for the token. None (nothing queued) when a CUDA
+        graph it needs is not captured yet: a capture would wait for the device."""
         if previous.nodes != 0:
             raise ValueError("only a plain round's successor can be queued before its results are read")
         rows = previous.rows
         slots_list = self._padded_slots(rows)
+        width, pads = len(slots_list), len(slots_list) - len(rows)
         shape = self._shape(rows, 0, slots_list, ahead=1)
-        if self.graphs is not None and not self.graphs.has((len(slots_list), shape)):
+        if self.graphs is not None and not self.graphs.has((width, shape)):
             return None
-        ints = previous.ints + self._plain_step(len(rows), len(slots_list) - len(rows))  # [8, B + pads]
+        capacity = getattr(self.proposer, "lag_capacity", 0)
+        catch_up_key = ("catch_up", width, capacity)
+        if catch_up and self.graphs is not None and not self.graphs.has(catch_up_key):
+            return None
+        step = self._plain_step(len(rows), pads)  # [8, B + pads]
+        ints = previous.ints + step
         ints[1] = previous.packed[:, 2]  # the next bonus token
-        return self._launch(rows, shape, len(slots_list), ints, previous.floats)
+        if catch_up:
+            real = step[2]  # [B + pads] 1 for a real row
+            counts = ints[7] * real  # [B + pads] deferred features (0 for the pad rows: they project nothing)
+            starts = (ints[2] - ints[7]) * real  # the drafter context's length before them
+            if self.graphs is None:
+                self.proposer.catch_up_rows(ints[0], starts, counts, capacity)
+            else:
+                self.graphs.run(catch_up_key, lambda *t: self.proposer.catch_up_rows(*t, capacity),
+                                (ints[0], starts, counts))
+            ints[7] = ints[7] * (1 - real)  # caught up: real rows start from lag 0
+        return self._launch(rows, shape, width, ints, previous.floats)
 
     def _plain_step(self, rows: int, pads: int) -> torch.Tensor:
         """``[8, rows + pads]``: what a plain round adds to a real row's inputs (starts, generated
