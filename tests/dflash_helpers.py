@@ -356,7 +356,7 @@ class ScriptedNodes:
 
     best = choose
 
-    def next_is_settled_plain(self, rows):
+    def settled_on_plain(self, rows):
         """(Queued plain rounds, engine.py: the pattern's next round is plain.)"""
         return self.pattern[self.at % len(self.pattern)] == 0
 

@@ -41,7 +41,7 @@ class ScriptedPolicy:
         self.at += 1
         return self.script[(self.at - 1) % len(self.script)]
 
-    def next_is_settled_plain(self, rows: int) -> bool:
+    def settled_on_plain(self, rows: int) -> bool:
         """(Queued plain rounds: the script's next round is plain.)"""
         return self.script[self.at % len(self.script)] == 0
 

@@ -144,3 +144,21 @@ def test_queue_is_off_by_default_on_a_cpu(plain, pair):
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
     assert llm.engine.queued_rounds == 0
     assert torch.device(llm.engine.device).type == "cpu"
+
+
+def test_a_declined_probe_keeps_the_rounds_queued(pair, plain, monkeypatch):
+    """A neighbour probe falls due while the policy is settled on plain rounds: the next round's
+    choice is made before the current round is read; a probe the engine declines (no captured
+    graph, cannot win) becomes a plain round, queued like the others."""
+    llm = queued_llm(pair, "ddtree", graphed=False)
+    engine = llm.engine
+    monkeypatch.setattr(engine.runner, "has_graph", lambda rows, nodes: nodes == 0)  # as if trees had no graph
+    monkeypatch.setattr(engine.policy, "worth_a_graph", lambda rows, nodes: False)
+    declined = []
+    real_decline = engine.policy.decline_probe
+    monkeypatch.setattr(engine.policy, "decline_probe", lambda: (declined.append(engine._ahead), real_decline()))
+    params = SamplingParams(max_tokens=90, ignore_eos=True)
+    got = llm.generate([PROMPTS[1]], params)
+    assert got[0].token_ids == plain.generate([PROMPTS[1]], params)[0].token_ids
+    assert len(declined) >= 2  # probes fell due and were declined ...
+    assert engine.queued_rounds >= 0.85 * got[0].rounds  # ... and the rounds after exploration stayed queued

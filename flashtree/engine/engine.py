@@ -25,11 +25,13 @@ schedules and builds the next round's inputs: 0.35-0.57 ms per step on the H200 
 (benchmarks/README.md, "Third session"), time the device sits idle if each round waits for the one
 before it to be read. A plain round's successor needs nothing the host has to read first: its
 bonus token is the one the round chooses (on the device), and its positions, output count and
-drafter lag are one further. So when this round and the next are plain (the policy is settled on
-plain rounds: ``next_is_settled_plain``) and no prefill runs this step, the next round is queued
-right behind this one (``ModelRunner.launch_plain_after``; with the drafter catch-up first when a
-row's lag is full) before this one's results are read, and the device runs it while the host does
-this step's work.
+drafter lag are one further. So when this round is plain, the policy is settled on plain rounds
+(``settled_on_plain``) and no prefill runs this step, the policy chooses the next round's node
+count before this round's results are read; if it is plain (also when it was a neighbour probe the
+engine declines, see above), the next round is queued right behind this one
+(``ModelRunner.launch_plain_after``; with the drafter catch-up first when a row's lag is full), and
+the device runs it while the host does this step's work; otherwise the next step runs the chosen
+round as usual.
 Rows that finish in this step (a stop token, an abort) ran one more token in the queued round; it
 is dropped, and their slots are freed behind it on the device. A queued round's wall time for the
 policy runs from the previous round's end to its own (the device's pace). Only plain rounds are
@@ -111,6 +113,7 @@ class LLMEngine:
         self._last_round_end = float("-inf")  # perf_counter() when the host last read a round's results
         self._ahead = None  # LaunchedRound queued for the next step (see "Queued plain rounds")
         self.queued_rounds = 0  # rounds that were queued before the round ahead of them was read
+        self._chosen_ahead: int | None = None  # the next round's node count, chosen in the last step
         self.queue_plain_rounds = (config.queue_plain_rounds if config.queue_plain_rounds is not None
                                    else self.runner.runs_ahead) and self.runner.tracer is None
         self.last_round_nodes: int | None = None  # node count of the last step's round (None: no round)
@@ -149,7 +152,7 @@ class LLMEngine:
         self.last_round_nodes = None
         round_s = prefill_s = None
         if not scheduled.decode:
-            self._ahead = None  # (a round queued for rows that have all finished since: nothing to read)
+            self._ahead = self._chosen_ahead = None  # (for rows that have all finished since)
         if scheduled.decode:
             round_s = time.perf_counter()
             rows, result = self._round(scheduled.decode, may_queue_next=not scheduled.prefill)
@@ -200,10 +203,12 @@ class LLMEngine:
             self.queued_rounds += 1
         catches_up = False
         if may_queue_next and self._may_queue_after(launched):
-            catches_up = self._lag_full_after(launched.rows)
-            self._ahead = self.runner.launch_plain_after(launched, catches_up)  # (None: a graph is not captured yet)
-            if self._ahead is not None:
-                self.policy.choose(len(launched.rows))  # plain (see SpecPolicy.next_is_settled_plain)
+            nodes = self._choose_nodes(launched.rows)  # the next round's, made now (see "Queued plain rounds")
+            if nodes == 0:
+                catches_up = self._lag_full_after(launched.rows)
+                self._ahead = self.runner.launch_plain_after(launched, catches_up)
+            if self._ahead is None:  # a drafted round, or a graph is not captured yet: the next step runs it
+                self._chosen_ahead = nodes
         # the policy folds the rounds it holds while the device runs this one (it waits otherwise)
         meanwhile = self.policy.fold_settled if self.runner.runs_ahead else None
         result = self.runner.finish(launched, meanwhile)
@@ -223,11 +228,12 @@ class LLMEngine:
         return rows, result
 
     def _launch_round(self, rows: Sequence[Request]):
-        """Choose the round's node count and queue it (a drafter catch-up first when due); returns
-        the launched round, when it started and whether its wall time goes untimed."""
-        nodes = fit_to_budgets(self.policy.choose(len(rows)), rows, self.policy.ladder)
-        if self._probe_declined(rows, nodes):
-            nodes = fit_to_budgets(self.policy.best(len(rows)), rows, self.policy.ladder)
+        """Choose the round's node count (unless the last step did) and queue it (a drafter
+        catch-up first when due); returns the launched round, when it started and whether its wall
+        time goes untimed."""
+        nodes, self._chosen_ahead = self._chosen_ahead, None
+        if nodes is None:
+            nodes = self._choose_nodes(rows)
         after_idle, self._untimed_round = self._untimed_round, False
         option = (rows_bucket(len(rows)), nodes)
         first_of_option = option not in self._warmed_options
@@ -237,14 +243,23 @@ class LLMEngine:
         launched = self.runner.launch(rows, nodes)
         return launched, started, captured or after_idle or first_of_option
 
+    def _choose_nodes(self, rows: Sequence[Request]) -> int:
+        """The policy's node count for a round of ``rows`` (a neighbour probe the engine declines
+        gives the best option instead)."""
+        nodes = fit_to_budgets(self.policy.choose(len(rows)), rows, self.policy.ladder)
+        if self._probe_declined(rows, nodes):
+            nodes = fit_to_budgets(self.policy.best(len(rows)), rows, self.policy.ladder)
+        return nodes
+
     def _may_queue_after(self, launched) -> bool:
-        """The next round may be queued now, before ``launched``'s results are read: this round and
-        the next are plain (the policy is settled on plain rounds) and every row has room for two
-        more tokens."""
+        """The next round's node count may be chosen now, before ``launched``'s results are read,
+        and the round queued if it is plain: this round is plain, the policy is settled on plain
+        rounds (its choice then hardly depends on this round's measurement) and every row has room
+        for two more tokens."""
         if not self.queue_plain_rounds or launched.nodes != 0:
             return False
         rows = launched.rows
-        settled_plain = getattr(self.policy, "next_is_settled_plain", None)  # (a policy that cannot tell: never)
+        settled_plain = getattr(self.policy, "settled_on_plain", None)  # (a policy that cannot tell: never)
         if settled_plain is None or not settled_plain(len(rows)):
             return False
         limit = self.config.max_context - 2

@@ -267,13 +267,13 @@ class SpecPolicy:
             return displaced
         return best
 
-    def next_is_settled_plain(self, rows: int) -> bool:
-        """The next :meth:`choose` of ``rows`` rows will return plain rounds from the settled path:
-        it changes nothing but a round count, so it may be made before the current round's
-        :meth:`record` (the engine queues such a round early: engine.py, "Queued plain rounds")."""
-        bucket = rows_bucket(rows)
-        return bool(self._settled) and bucket == self._settled_bucket and \
-            self._settled[-1][1] == PLAIN_NODES and not self._decision_due(bucket)
+    def settled_on_plain(self, rows: int) -> bool:
+        """A plain round of ``rows`` rows is a settled one (see :meth:`_is_settled`: no probe in
+        progress, the bucket explored, plain its best option). One more plain round's measurement
+        then hardly matters, so the engine may call :meth:`choose` for the next round before
+        :meth:`record` of the current one (and queue the next round early if it is plain: engine.py,
+        "Queued plain rounds")."""
+        return self._is_settled(rows_bucket(rows), PLAIN_NODES)
 
     def _decision_due(self, bucket: int) -> bool:
         """The next round of ``bucket`` starts a plain recheck or a neighbour probe (as ``choose``
@@ -569,7 +569,7 @@ class FixedNodes:
     def choose(self, rows: int) -> int:
         return self.ladder[0]
 
-    def next_is_settled_plain(self, rows: int) -> bool:
+    def settled_on_plain(self, rows: int) -> bool:
         return self.ladder[0] == PLAIN_NODES
 
     def record(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None) -> None:
