@@ -49,6 +49,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--triton-tree", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: DDTree tree work (kept lists, node selection, accept walk) in Triton kernels "
                              "(same trees; default: on)")
+    parser.add_argument("--queue-plain-rounds", action=argparse.BooleanOptionalAction, default=None,
+                        help="queue the next plain round on the device before reading this one's results, so the "
+                             "host's work between rounds overlaps the device's (same tokens; default: on CUDA)")
 
 
 def add_trace_arg(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +89,8 @@ def llm_from_args(args, **extra):
                quant_kernels=not getattr(args, "no_quant_kernels", False),
                gpu_kernels=not getattr(args, "no_gpu_kernels", False),
                cpu_kernels=not getattr(args, "no_cpu_kernels", False), trace_policy=args.trace_policy,
-               trace_steps=args.trace_steps, triton_attention=args.triton_attention, triton_tree=args.triton_tree, **extra)
+               trace_steps=args.trace_steps, triton_attention=args.triton_attention, triton_tree=args.triton_tree,
+               queue_plain_rounds=getattr(args, "queue_plain_rounds", None), **extra)
 
 
 def adaptive_spec_of(args, default: bool = True) -> bool:

@@ -52,7 +52,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prefill_tokens=args.max_prefill_tokens, random_weights=args.random_weights,
         quant_kernels=not args.no_quant_kernels, gpu_kernels=not args.no_gpu_kernels, cpu_kernels=not args.no_cpu_kernels,
         triton_attention=args.triton_attention, triton_tree=args.triton_tree, trace_policy=args.trace_policy,
-        trace_steps=args.trace_steps, adaptive_spec=adaptive_spec_of(args))
+        trace_steps=args.trace_steps, adaptive_spec=adaptive_spec_of(args), queue_plain_rounds=args.queue_plain_rounds)
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         log_level=args.log_level, freeze_gc=True)
