@@ -87,7 +87,8 @@ if [[ -n "${PAIRED:-}" ]]; then  # every server up at once, measured in alternat
   done
   python3 benchmarks/load_paired.py "${servers[@]}" --model "$MODEL" --concurrency $LEVELS \
     --requests "${PAIRED_REQUESTS:-12}" --waves "${WAVES:-4}" --max-tokens "$MAX_TOKENS" --ignore-eos \
-    --repeats "$REPEATS" --out "$OUT_DIR/load_paired_h200_qwen3_8b_shape" 2>&1 | tail -40
+    --repeats "$REPEATS" --out "$OUT_DIR/load_paired_h200_qwen3_8b_shape" 2>&1 \
+    | tee "$OUT_DIR/load_paired_progress.txt" | tail -40  # (the progress file keeps what a timed-out run printed)
   kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null || true
   exit 0
 fi
@@ -97,6 +98,6 @@ for method in $METHODS; do
   wait_healthy "$method" "$PORT" "$server"
   python3 benchmarks/load_test.py --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
     --concurrency $LEVELS --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP --repeats "$REPEATS" \
-    --out "$OUT_DIR/load_h200_qwen3_8b_shape_$method" 2>&1 | tail -8
+    --out "$OUT_DIR/load_h200_qwen3_8b_shape_$method" 2>&1 | tee "$OUT_DIR/load_progress_$method.txt" | tail -8
   kill $server; wait $server 2>/dev/null || true
 done
