@@ -61,8 +61,12 @@ def make_engines(model: str, draft: str, random_weights: bool, device: str, max_
         else:
             spec = SpecConfig(method="dflash", draft=draft) if name.startswith("dflash") else \
                 SpecConfig(method="ddtree", draft=draft, budget=64)
+        # unqueued: the engines take steps in turn without a sync, so one engine's queued round would
+        # run inside the next engine's timed step (engine.py, "Queued plain rounds"; engine_churn.py
+        # --interleave block measures engines that queue)
         config = EngineConfig(model=model, spec=spec, random_weights=random_weights, device=device,
-                              max_running=max_running, max_context=2048, adaptive_spec=True)
+                              max_running=max_running, max_context=2048, adaptive_spec=True,
+                              queue_plain_rounds=False)
         engine = LLMEngine(config, target=loaded)
         if name.endswith("adaptive"):
             time_policy(engine)
