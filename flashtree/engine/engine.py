@@ -48,6 +48,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from flashtree.config import EngineConfig
+from flashtree.device_copy import to_device
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.policy_trace import PolicyTracer
 from flashtree.engine.request import Request, Status
@@ -60,7 +61,6 @@ from flashtree.errors import RequestError
 from flashtree.kv_cache import KVCache, KVCacheSpec
 from flashtree.models import gpu_kernels
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
-from flashtree.device_copy import to_device
 from flashtree.models.cpu_quant_linear import maybe_attach_quantized
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.transformer import CausalLM
@@ -153,7 +153,7 @@ class LLMEngine:
         round_s = prefill_s = None
         if not scheduled.decode:
             self._ahead = self._chosen_ahead = None  # (for rows that have all finished since)
-        if scheduled.decode:
+        else:
             round_s = time.perf_counter()
             rows, result = self._round(scheduled.decode, may_queue_next=not scheduled.prefill)
             round_s = time.perf_counter() - round_s
@@ -218,11 +218,12 @@ class LLMEngine:
         if catches_up and self._ahead is not None:  # the queued round's catch-up projects them all
             for req in rows:
                 req.drafter_lag = 0
-        seconds = None if result.captured_graph or untimed else self._last_round_end - started
+        wall = self._last_round_end - started
+        seconds = None if result.captured_graph or untimed else wall
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
         if self.policy_tracer is not None:
-            self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy, self._last_round_end - started)
+            self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy, wall)
         self.rounds_by_nodes[nodes] += 1
         self.last_round_nodes = nodes
         return rows, result

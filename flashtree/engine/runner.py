@@ -200,8 +200,7 @@ class ModelRunner:
         if self.graphs is not None and not self.graphs.has((width, shape)):
             return None
         capacity = getattr(self.proposer, "lag_capacity", 0)
-        catch_up_key = ("catch_up", width, capacity)
-        if catch_up and self.graphs is not None and not self.graphs.has(catch_up_key):
+        if catch_up and self.graphs is not None and not self.graphs.has(self._catch_up_key(width, capacity)):
             return None
         step = self._plain_step(len(rows), pads)  # [8, B + pads]
         ints = previous.ints + step
@@ -213,8 +212,7 @@ class ModelRunner:
             if self.graphs is None:
                 self.proposer.catch_up_rows(ints[0], starts, counts, capacity)
             else:
-                self.graphs.run(catch_up_key, lambda *t: self.proposer.catch_up_rows(*t, capacity),
-                                (ints[0], starts, counts))
+                self._replay_catch_up((ints[0], starts, counts), capacity)
             ints[7] = ints[7] * (1 - real)  # caught up: real rows start from lag 0
         return self._launch(rows, shape, width, ints, previous.floats)
 
@@ -278,9 +276,17 @@ class ModelRunner:
         pads = self._pad_rows(len(rows))
         host = torch.tensor([slots + [self.pad_slot] * pads, starts + [0] * pads, lags + [0] * pads])  # [3, B + pads]
         captures = self.graphs.captures
-        self.graphs.run(("catch_up", len(rows) + pads, width),
-                        lambda *t: self.proposer.catch_up_rows(*t, width), self._send(host).unbind(0))
+        self._replay_catch_up(to_device(host, self.device).unbind(0), width)
         return self.graphs.captures != captures
+
+    @staticmethod
+    def _catch_up_key(padded_rows: int, width: int) -> tuple:
+        return ("catch_up", padded_rows, width)
+
+    def _replay_catch_up(self, rows: Sequence[torch.Tensor], width: int) -> None:
+        """The graphed catch-up of ``rows`` = (slots, starts, counts), each ``[B + pads]``."""
+        self.graphs.run(self._catch_up_key(len(rows[0]), width),
+                        lambda *t: self.proposer.catch_up_rows(*t, width), tuple(rows))
 
     def has_graph(self, rows: Sequence[Request], nodes: int) -> bool:
         """A round of ``rows`` with ``nodes`` nodes would replay a captured CUDA graph (always
@@ -329,10 +335,7 @@ class ModelRunner:
         ints = torch.tensor(per_row, dtype=torch.long).T.contiguous()  # [8, B + pads]
         temperature_top_p = [(p.temperature, p.top_p) for p in params] + [(0.0, 1.0)] * pads
         floats = torch.tensor(temperature_top_p).T.contiguous()  # [2, B + pads]
-        return self._send(ints), self._send(floats)
-
-    def _send(self, host: torch.Tensor) -> torch.Tensor:
-        return to_device(host, self.device)
+        return to_device(ints, self.device), to_device(floats, self.device)
 
     @staticmethod
     def _sampling(shape: "RoundShape", rows: RoundInputs) -> SamplingTensors:
