@@ -45,13 +45,14 @@ class PlainRounds:
 
 
 class WithoutDefer:
-    """The proposer with ``defer`` hidden: the runner then projects every committed token."""
+    """The proposer with ``defer`` and ``feature_sink`` hidden: the runner then projects every
+    committed token."""
 
     def __init__(self, proposer):
         self.__dict__["proposer"] = proposer
 
     def __getattr__(self, name):
-        if name == "defer":
+        if name in ("defer", "feature_sink"):
             raise AttributeError(name)
         return getattr(self.proposer, name)
 

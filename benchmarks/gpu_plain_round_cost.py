@@ -3,14 +3,15 @@
 Served at one row on the H200, the speculative servers' plain rounds took 0.04-0.2 ms (1-4%) longer
 than the plain server's (benchmarks/README.md, "Eleventh session"). A speculative engine's plain
 round differs from the plain engine's in two ways: inside the round it keeps the drafter's context
-features (the captured layers' outputs, then ``DrafterRunner.defer``), and every ``LAG_CAPACITY``
-rounds it runs a drafter catch-up pass. This run separates the two. Three engines share one target
+features (the captured layers' outputs, written into the drafter's lag buffer: since session 15 by
+the fused norm kernel, ``models/feature_sink.py``; before, a concatenation and ``DrafterRunner.defer``),
+and every ``LAG_CAPACITY`` rounds it runs a drafter catch-up pass. This run separates the two
+(session 12's ``spec-no-defer`` variant, features captured then dropped, is gone with ``defer`` in
+plain rounds; ``gpu_plain_round_kernels.py`` lists the kernels instead). The engines share one target
 and keep the same number of rows running; each engine takes one step in turn:
 
 - ``none``: the plain engine;
-- ``spec``: a DDTree engine whose every round is plain (``FixedNodes(0)``): capture, defer, catch-up;
-- ``spec-no-defer``: the same, the captured features dropped instead of deferred (the round's
-  ``defer`` a no-op): what keeping them costs beyond capturing them;
+- ``spec``: a DDTree engine whose every round is plain (``FixedNodes(0)``): features kept, catch-up;
 - ``spec-no-features``: the same, its drafter given no capture layers: the plain engine's round
   plus the speculative engine's host bookkeeping;
 - ``ddtree-adaptive``, ``dflash-adaptive``: DDTree-64 and DFlash engines with their adaptive policy,
@@ -47,7 +48,7 @@ from flashtree.models.build import resolve_dtype  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 from flashtree.spec.defaults import shipped_drafter  # noqa: E402
 
-VARIANTS = ("none", "spec", "spec-no-defer", "spec-no-features", "ddtree-adaptive", "dflash-adaptive")
+VARIANTS = ("none", "spec", "spec-no-features", "ddtree-adaptive", "dflash-adaptive")
 
 
 def make_engines(model: str, draft: str, random_weights: bool, device: str, max_running: int) -> dict:
@@ -72,8 +73,6 @@ def make_engines(model: str, draft: str, random_weights: bool, device: str, max_
             time_policy(engine)
         elif name != "none":
             engine.policy = FixedNodes(0)  # every round plain
-        if name == "spec-no-defer":
-            engine.proposer.defer = lambda *args: None  # captured, then dropped
         if name == "spec-no-features":
             engine.proposer.capture_layers = ()  # the round keeps no features (nothing to defer)
             engine._catch_up_drafter = lambda rows, nodes: None  # and there is nothing to catch up

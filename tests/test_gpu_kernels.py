@@ -56,7 +56,21 @@ def _run(model, device: str) -> dict[str, torch.Tensor]:
     cache.advance(prefill.slots, counts.to(device))
     tree = model(_tree_batch([len(p) for p in prompts], device), cache)
     return {"prefill_logits": first.logits, "hidden": first.hidden, "tree_logits": tree.logits,
-            "kv": cache.storage}
+            "sink": _sink_step(model, cache, counts.to(device), device), "kv": cache.storage}
+
+
+def _sink_step(model, cache, lengths: torch.Tensor, device: str) -> torch.Tensor:
+    """One decode token per row whose captured layers (the last one too) go into a feature sink's
+    scattered rows (the fused norm writes them); returns the sink's buffer."""
+    from flashtree.models.feature_sink import FeatureSink
+
+    capture = (0, model.config.num_hidden_layers - 1)
+    buffer = torch.zeros(6, len(capture) * model.config.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
+    step = ForwardBatch(torch.tensor([[7], [11]], device=device), lengths[:, None], torch.tensor([2, 0]).to(device),
+                        lengths, torch.ones(2, 1, 1, dtype=torch.bool, device=device), kv_len=int(lengths.max()) + 1)
+    out = model(step, cache, capture_layers=capture, feature_sink=FeatureSink(buffer, torch.tensor([4, 1], device=device)))
+    assert out.hidden is None
+    return buffer
 
 
 def compare(device: str, dtype: torch.dtype, backend: str = "gpu") -> dict[str, float]:

@@ -399,14 +399,14 @@ class ModelRunner:
         batch = ForwardBatch(
             input_ids=rows.bonus[:, None], positions=rows.starts[:, None], slots=rows.slots,
             cache_lengths=rows.starts, new_mask=root_mask, kv_len=shape.kv_len, slot_range=shape.slot_range)
-        out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
+        # a drafter's features go straight to its lag buffer (projected at the next drafted round)
+        sink = self.proposer.feature_sink(rows.slots, rows.lags) if hasattr(self.proposer, "feature_sink") else None
+        out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers, feature_sink=sink)
         next_bonus = choose_tokens(out.logits, self._sampling(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
         t1 = timer.add("verify", t0) if timer else 0.0
         ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
         self.cache.commit_prefix(rows.slots, rows.starts, ones)
-        if out.hidden is not None and hasattr(self.proposer, "defer"):
-            self.proposer.defer(rows.slots, out.hidden, rows.lags)  # [B, 1, F], projected at the next drafted round
-        elif out.hidden is not None:
+        if out.hidden is not None:
             self.proposer.observe(rows.slots, out.hidden, ones, rows.starts)
         packed = torch.stack([ones, torch.zeros_like(ones), next_bonus], dim=1)  # [B, 3], as _pack's
         if timer:

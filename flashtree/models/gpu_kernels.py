@@ -38,6 +38,8 @@ import os
 
 import torch
 
+from flashtree.models.feature_sink import SinkSegment
+
 
 def available() -> bool:
     """Triton is installed (kernels can run on CUDA tensors, or anywhere when interpreting)."""
@@ -64,15 +66,26 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual ``[..., width]`` -> (rms_norm(x + residual) * weight, x + residual)."""
+ADD_RMS_NORM_COPIES = True  # add_rms_norm takes ``copy_to`` (the unfused path writes the copy itself)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 copy_to: SinkSegment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual ``[..., width]`` -> (rms_norm(x + residual) * weight, x + residual); with
+    ``copy_to`` (models/feature_sink.py) the sum of token t also goes to row ``copy_to.rows[t]``
+    of ``copy_to.columns``, in the same kernel."""
     width = x.shape[-1]
     x, residual = x.contiguous(), residual.contiguous()
     total = torch.empty_like(x)
     normed = torch.empty_like(x)
+    if copy_to is not None:
+        columns, rows = copy_to.columns, copy_to.rows
+        assert columns.stride(1) == 1 and rows.numel() == x.numel() // width, "copy_to: one row per token"
+    else:
+        columns, rows = x, x  # not read (COPY is off)
     _kernels()._add_rms_norm_kernel[(x.numel() // width,)](x, residual, weight, total, normed, width, eps,
-                                                BLOCK=_next_power_of_2(width))
+                                                           columns, rows, columns.stride(0),
+                                                           BLOCK=_next_power_of_2(width), COPY=copy_to is not None)
     return normed, total
 
 

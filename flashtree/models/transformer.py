@@ -20,6 +20,7 @@ from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
 from flashtree.models.cpu_quant_linear import QuantizedLinear, linear
+from flashtree.models.feature_sink import FeatureSink, SinkSegment
 from flashtree.models.rope import RotaryTable, apply_rotary
 
 
@@ -38,13 +39,21 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, kernels,
+                    copy_to: SinkSegment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); one kernel of ``kernels`` (a fused-kernel backend
-        module, or None for torch ops)."""
+        module, or None for torch ops). ``copy_to``: the sum also goes there (models/feature_sink.py),
+        inside that kernel where the backend can."""
+        if kernels is not None and copy_to is not None and getattr(kernels, "ADD_RMS_NORM_COPIES", False):
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps, copy_to=copy_to)
         if kernels is not None:
-            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
-        total = residual + x
-        return self(total), total
+            normed, total = kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        else:
+            total = residual + x
+            normed = self(total)
+        if copy_to is not None:
+            copy_to.write(total)
+        return normed, total
 
 
 def fuse_rows(*linears: nn.Linear, attr: str = "weight") -> torch.Tensor:
@@ -182,7 +191,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: KVCache,
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                 write_index: tuple[torch.Tensor, torch.Tensor], kernels,
-                keep_input: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                keep_input: list | SinkSegment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """See :func:`prenorm_layer`."""
         return prenorm_layer(self, x, residual, kernels,
                              lambda h: self.self_attn(h, batch, cache, rope, mask, write_index), keep_input)
@@ -190,18 +199,22 @@ class DecoderLayer(nn.Module):
 
 def prenorm_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, kernels,
                   attend: Callable[[torch.Tensor], torch.Tensor],
-                  keep_input: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  keep_input: list | SinkSegment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm decoder layer (``input_layernorm``, attention, ``post_attention_layernorm``,
     ``mlp``) whose input is ``x + residual`` (``x`` alone for the first layer): the previous
     layer's MLP output is added here, inside the fused norm. Returns (MLP output, residual),
     whose sum is the layer's output. ``attend`` runs the attention on the normed input; ``kernels``
     is the fused-kernel backend module or None. ``keep_input``: a list to append the layer's input
-    to (the sum the fused norm makes anyway: the previous layer's output, with no extra add)."""
+    to (the sum the fused norm makes anyway: the previous layer's output, with no extra add), or a
+    sink segment to write it into (by the fused norm's kernel where it can)."""
+    sink = keep_input if isinstance(keep_input, SinkSegment) else None
     if residual is None:
         h, residual = layer.input_layernorm(x), x
+        if sink is not None:
+            sink.write(x)
     else:
-        h, residual = layer.input_layernorm.add_forward(x, residual, kernels)
-    if keep_input is not None:
+        h, residual = layer.input_layernorm.add_forward(x, residual, kernels, copy_to=sink)
+    if isinstance(keep_input, list):
         keep_input.append(residual)  # (add_forward returns a new tensor: nothing writes to it later)
     h, residual = layer.post_attention_layernorm.add_forward(attend(h), residual, kernels)
     return layer.mlp(h), residual
@@ -264,7 +277,7 @@ class FusedKernelSwitch:
 
 class ForwardOutput(NamedTuple):
     logits: torch.Tensor  # [B, M, vocab] float32, at the requested positions
-    hidden: torch.Tensor | None  # [B, N, len(capture_layers) * hidden], after those layers
+    hidden: torch.Tensor | None  # [B, N, len(capture_layers) * hidden], after those layers (None with a sink)
 
 
 class CausalLM(FusedKernelSwitch, nn.Module):
@@ -302,9 +315,10 @@ class CausalLM(FusedKernelSwitch, nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, logits_index: torch.Tensor | None = None,
-                capture_layers: Sequence[int] = ()) -> ForwardOutput:
+                capture_layers: Sequence[int] = (), feature_sink: FeatureSink | None = None) -> ForwardOutput:
         """Run the new tokens; ``logits_index [B, M]`` picks positions for the lm_head (all when None);
-        ``capture_layers`` are decoder-layer ids whose outputs are returned (HF ``hidden_states[id+1]``)."""
+        ``capture_layers`` are decoder-layer ids whose outputs are returned (HF ``hidden_states[id+1]``),
+        side by side, or written into ``feature_sink`` (then ``hidden`` is None)."""
         if self.rope is None:
             self.setup_rope(self.config.max_position_embeddings)
         self.rope.ensure(int(batch.kv_len) + 1)
@@ -317,22 +331,33 @@ class CausalLM(FusedKernelSwitch, nn.Module):
             mask = attention_bias(attention_mask(batch), x.dtype)  # [B, 1, N, kv_len]
         write_index = cache.write_index(batch.slots, batch.cache_lengths, batch.num_new)
         captured = {}
-        wanted = set(capture_layers)
+        keepers = self._keepers(capture_layers, feature_sink)
         last = len(self.model.layers) - 1
         residual = None
         for i, layer in enumerate(self.model.layers):
-            kept = [] if i - 1 in wanted else None  # layer i - 1's output (HF hidden_states[i]) is layer i's input
+            kept = keepers.get(i - 1)  # layer i - 1's output (HF hidden_states[i]) is layer i's input
             x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.kernels, kept)
-            if kept:
+            if isinstance(kept, list):
                 captured[i - 1] = kept[0]
         x = residual + x  # [B, N, hidden], the last layer's output
-        if last in wanted:  # HF takes the last one after the final norm
-            captured[last] = self.model.norm(x)
-        hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        if last in keepers:  # HF takes the last one after the final norm
+            final = self.model.norm(x)
+            if feature_sink is None:
+                captured[last] = final
+            else:
+                keepers[last].write(final)
+        hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]
         logits = linear(self.model.norm(x), self.lm_head.weight, None, self.lm_head_quant).float()
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _keepers(self, capture_layers: Sequence[int], sink: FeatureSink | None) -> dict:
+        """Layer id -> where its output goes: a list to append it to, or the sink's segment."""
+        if sink is None:
+            return {layer: [] for layer in capture_layers}
+        width = self.config.hidden_size
+        return {layer: sink.segment(k, width) for k, layer in enumerate(capture_layers)}
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)

@@ -8,7 +8,7 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, sum_ptr, normed_ptr, width, eps,
-                         BLOCK: tl.constexpr):
+                         copy_ptr, copy_rows_ptr, copy_stride, BLOCK: tl.constexpr, COPY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < width
@@ -16,6 +16,9 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, sum_ptr, normed_ptr, w
     r = tl.load(residual_ptr + row * width + cols, mask=inside, other=0.0).to(tl.float32)
     total = (x + r).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * width + cols, total, mask=inside)
+    if COPY:  # the sum also goes to row copy_rows[row] of a strided buffer (a feature sink)
+        to = tl.load(copy_rows_ptr + row)
+        tl.store(copy_ptr + to * copy_stride + cols, total.to(copy_ptr.dtype.element_ty), mask=inside)
     s = total.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / width + eps)
     w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)

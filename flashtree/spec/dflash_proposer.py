@@ -14,7 +14,8 @@ Glossary
   target's committed length after every drafted round, because the engine observes every
   committed token in order.
 - lag: after plain rounds (0 nodes) the drafter does not project the committed tokens' features
-  at once; it keeps them (``defer``, up to ``LAG_CAPACITY`` per slot) and projects them all in
+  at once; it keeps them (``defer``, or in a plain round ``feature_sink``: the target's fused norm
+  writes them in place; up to ``LAG_CAPACITY`` per slot) and projects them all in
   one pass (``catch_up``) before the slot's next drafted round, or when the lag is full. A
   server that settles on plain rounds (a drafter that rarely matches) then pays one batched
   projection per ``LAG_CAPACITY`` tokens instead of a drafter pass per token. A prompt short
@@ -34,6 +35,7 @@ from flashtree.kv_cache import KVCache
 from flashtree.models import cpu_kernels
 from flashtree.models.batch import slot_range_of
 from flashtree.models.dflash import DFlashDrafter, load_drafter
+from flashtree.models.feature_sink import FeatureSink
 from flashtree.spec.proposer import Proposer, ProposerRows
 from flashtree.spec.tree import DraftTree, build_tree, chain_tree
 
@@ -92,6 +94,12 @@ class DrafterRunner:
         at = lags[:, None] + j  # [B, P]
         at = torch.where((j < counts[:, None]) & (at < capacity), at, capacity)  # [B, P]
         self.lagging[slots[:, None], at] = features.to(self.lagging.dtype)
+
+    def feature_sink(self, slots: torch.Tensor, lags: torch.Tensor) -> FeatureSink:
+        """Where a plain round's target forward writes its one new token's features per row: the
+        place :meth:`defer` would put them (``slots``, ``lags`` ``[B]`` as there). Capturable."""
+        columns = self.lag_capacity + 1
+        return FeatureSink(self.lagging.view(-1, self.lagging.shape[-1]), slots * columns + lags)  # rows [B]
 
     def catch_up(self, slots: Sequence[int], starts: Sequence[int], lags: Sequence[int]) -> None:
         """Project the ``lags[i]`` deferred features of each of ``slots`` into the drafter's
@@ -163,6 +171,9 @@ class _DrafterProposer:
     def defer(self, slots: torch.Tensor, features: torch.Tensor, lags: torch.Tensor,
               counts: torch.Tensor | None = None) -> None:
         self.runner.defer(slots, features, lags, counts)
+
+    def feature_sink(self, slots: torch.Tensor, lags: torch.Tensor) -> FeatureSink:
+        return self.runner.feature_sink(slots, lags)
 
     def catch_up(self, slots: Sequence[int], starts: Sequence[int], lags: Sequence[int]) -> None:
         self.runner.catch_up(slots, starts, lags)
