@@ -18,7 +18,8 @@ plain rounds", on by default on CUDA) gains nothing from it there: ``--interleav
 ``--block-steps`` steps of one engine, synchronizes and bills their wall time to it, then the
 next engine's, so queued rounds overlap the host's work within a block while the engines still
 share the machine's drift. ``--unqueued`` adds a plain engine that does not queue its rounds
-(``none-unqueued``), to show what queueing gives.
+(``none-unqueued``), to show what queueing gives; ``--without-sink`` a DDTree engine that keeps the
+drafter's features as before session 15 (``ddtree-no-sink``: concatenation + ``defer``).
 
     PYTHONPATH=. python benchmarks/engine_churn.py --shape qwen3-8b [--levels 1,4,16,32] [--repeats 3]
         [--interleave pass|step|block] [--block-steps 32] [--unqueued] [--out FILE]
@@ -58,13 +59,27 @@ METHODS = {"none": None, "ddtree": 64, "dflash": None}  # method -> budget (as g
 NEW_TOKENS = 128
 
 
+class WithoutSink:
+    """A proposer with ``feature_sink`` hidden: the runner's plain rounds then return the captured
+    features (a concatenation) and ``defer`` them (a scatter), as before session 15."""
+
+    def __init__(self, proposer):
+        self.__dict__["proposer"] = proposer
+
+    def __getattr__(self, name):
+        if name == "feature_sink":
+            raise AttributeError(name)
+        return getattr(self.proposer, name)
+
+
 def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int,
-                 trace_dir: Path | None = None, unqueued: bool = False) -> dict:
+                 trace_dir: Path | None = None, unqueued: bool = False, without_sink: bool = False) -> dict:
     dev = torch.device(device)
     base = EngineConfig(model=model, random_weights=random_weights, device=device)
     loaded = load_target(base, dev, resolve_dtype("auto", dev))
     engines = {}
     variants = [(m, m, None) for m in METHODS] + ([("none-unqueued", "none", False)] if unqueued else [])
+    variants += [("ddtree-no-sink", "ddtree", None)] if without_sink else []
     for name, method, queue in variants:
         spec = SpecConfig(method=method, draft=None if method == "none" else draft, budget=METHODS[method])
         trace = str(trace_dir / f"steps_{name}.jsonl") if trace_dir else None
@@ -72,6 +87,8 @@ def make_engines(model: str, draft: str | None, random_weights: bool, device: st
                               max_running=max_running, max_context=1024, adaptive_spec=True, trace_steps=trace,
                               queue_plain_rounds=queue)
         engines[name] = LLMEngine(config, target=loaded)
+        if name.endswith("no-sink"):
+            engines[name].runner.proposer = WithoutSink(engines[name].runner.proposer)
     return engines
 
 
@@ -184,6 +201,8 @@ def main() -> None:
                         "the same, --block-steps steps at a time")
     parser.add_argument("--block-steps", type=int, default=32)
     parser.add_argument("--unqueued", action="store_true", help="add a plain engine that does not queue its rounds")
+    parser.add_argument("--without-sink", action="store_true", help="add a DDTree engine whose plain rounds keep "
+                        "the drafter's features by concatenation + defer, not the fused sink (ddtree-no-sink)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--summarize", type=Path, metavar="JSON", help="print the tables of an earlier run's --out file")
     args = parser.parse_args()
@@ -201,7 +220,8 @@ def main() -> None:
                                                           "/tmp/flashtree-churn/qwen3-8b-dflash-shape"))
     else:
         model, draft = args.model, args.draft or str(shipped_drafter(args.model))
-    engines = make_engines(model, draft, bool(args.shape), args.device, max(levels), args.trace_dir, args.unqueued)
+    engines = make_engines(model, draft, bool(args.shape), args.device, max(levels), args.trace_dir, args.unqueued,
+                           args.without_sink)
     vocab = next(iter(engines.values())).model.config.vocab_size
     names = list(engines)
     rows = []

@@ -1,7 +1,8 @@
 """Plain rounds (0 drafted nodes) take a short path without the root-only tree and its accept walk
 (``ModelRunner._plain_round_device``). It must leave everything as the general path does: the
 tokens, the acceptance of the drafted rounds that follow (so the drafter saw the same context
-features), the target's KV cache and the drafter's deferred features."""
+features), the target's KV cache and the drafter's deferred features, whether the round writes
+them through the feature sink (the fused norm) or returns them to be deferred."""
 
 from __future__ import annotations
 
@@ -25,11 +26,25 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("plain-round"), vocab=VOCAB, block_size=BLOCK)
 
 
-def run(pair, method: str, fast: bool):
+class WithoutSink:
+    """The proposer without ``feature_sink``: the short path then defers the returned features."""
+
+    def __init__(self, proposer):
+        self.__dict__["proposer"] = proposer
+
+    def __getattr__(self, name):
+        if name == "feature_sink":
+            raise AttributeError(name)
+        return getattr(self.proposer, name)
+
+
+def run(pair, method: str, fast: bool, sink: bool = True):
     draft = None if method == "none" else str(pair.drafter)
     llm = LLM(str(pair.target), spec=method, draft=draft, budget=6, **ENGINE)
     engine = llm.engine
     engine.runner.plain_fast_path = fast
+    if not sink:
+        engine.runner.proposer = WithoutSink(engine.runner.proposer)
     if method != "none":
         engine.policy = ScriptedNodes([0, 0, 2, 0, 3, 0, 0, 0])  # plain stretches between drafted rounds
     params = [SamplingParams(max_tokens=12 + 2 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
@@ -42,9 +57,9 @@ def run(pair, method: str, fast: bool):
     return outputs, engine.cache.storage.clone(), lagging
 
 
-@pytest.mark.parametrize("method", ["none", "dflash", "ddtree"])
-def test_plain_rounds_match_the_general_path(pair, method):
-    fast_out, fast_kv, fast_drafter = run(pair, method, fast=True)
+@pytest.mark.parametrize("method,sink", [("none", True), ("dflash", True), ("ddtree", True), ("ddtree", False)])
+def test_plain_rounds_match_the_general_path(pair, method, sink):
+    fast_out, fast_kv, fast_drafter = run(pair, method, fast=True, sink=sink)
     slow_out, slow_kv, slow_drafter = run(pair, method, fast=False)
     assert [o.token_ids for o in fast_out] == [o.token_ids for o in slow_out]
     assert [o.acceptance_lengths for o in fast_out] == [o.acceptance_lengths for o in slow_out]

@@ -406,7 +406,9 @@ class ModelRunner:
         t1 = timer.add("verify", t0) if timer else 0.0
         ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
         self.cache.commit_prefix(rows.slots, rows.starts, ones)
-        if out.hidden is not None:
+        if out.hidden is not None and hasattr(self.proposer, "defer"):  # (a proposer that defers without a sink)
+            self.proposer.defer(rows.slots, out.hidden, rows.lags)  # [B, 1, F]
+        elif out.hidden is not None:
             self.proposer.observe(rows.slots, out.hidden, ones, rows.starts)
         packed = torch.stack([ones, torch.zeros_like(ones), next_bonus], dim=1)  # [B, 3], as _pack's
         if timer:
