@@ -15,7 +15,8 @@ activity, after an unprofiled warm-up pass, and reports per pass:
 - kernel time by kind: the top kernels whose time differs from the plain engine's;
 - the device's idle gaps binned by length, and the longest ones with the operations around them.
 
-    PYTHONPATH=. python benchmarks/gpu_churn_profile.py [--levels 1,32] [--requests 4] [--out DIR]
+    PYTHONPATH=. python benchmarks/gpu_churn_profile.py [--levels 1,32] [--requests 4] [--engines none,ddtree,dflash]
+        [--host-ops] [--out DIR]
 """
 
 from __future__ import annotations
@@ -78,30 +79,48 @@ class GcTimer:
 GAP_BINS_US = (5, 50, 500)  # device idle gaps binned: < 5 us, 5-50, 50-500, >= 500
 
 
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "python_function")  # host events of a --host-ops trace
+
+
+def host_work_during(events: list[dict], start: float, end: float, top: int = 6) -> list:
+    """The host events (``--host-ops``) that overlap most of [start, end), the innermost first among
+    those that overlap it as much (a Python frame's callers cover it too): [name, us inside, us long]."""
+    overlaps = []
+    for e in events:
+        inside = min(end, e["ts"] + e.get("dur", 0)) - max(start, e["ts"])
+        if inside > 0:
+            overlaps.append((-round(inside), e.get("dur", 0), e["name"][:70]))
+    return [[name, -us, round(dur, 1)] for us, dur, name in sorted(overlaps)[:top]]
+
+
 def idle_gaps(trace: Path, top: int = 12) -> dict:
     """The device's idle gaps between consecutive kernels or copies of the pass: count and total us
-    per bin of ``GAP_BINS_US``, and the ``top`` longest with the operations on either side."""
+    per bin of ``GAP_BINS_US``, and the ``top`` longest with the operations on either side (and, in
+    a trace with host events, the host work that overlaps them most)."""
     events = json.loads(trace.read_text())["traceEvents"]
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES and e.get("ph") == "X"]
     ops = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     gaps, end, before = [], None, None
     for e in ops:
         if end is not None and e["ts"] > end:
-            gaps.append((e["ts"] - end, before["name"][:60], e["name"][:60]))
+            gaps.append((e["ts"] - end, before["name"][:60], e["name"][:60], end))
         if end is None or e["ts"] + e["dur"] > end:
             end, before = e["ts"] + e["dur"], e
     bins = {}
     for low, high in zip((0,) + GAP_BINS_US, GAP_BINS_US + (float("inf"),)):
-        inside = [g for g, _, _ in gaps if low <= g < high]
+        inside = [g[0] for g in gaps if low <= g[0] < high]
         bins[f"{low}-{high}us"] = [len(inside), round(sum(inside), 1)]
     longest = sorted(gaps, reverse=True)[:top]
-    return {"bins": bins, "longest": [[round(g, 1), a, b] for g, a, b in longest]}
+    return {"bins": bins, "longest": [[round(g, 1), a, b] + ([host_work_during(host, at, at + g)] if host else [])
+                                      for g, a, b, at in longest]}
 
 
-def profiled_pass(engine, prompts, concurrency: int, out: Path, name: str) -> tuple[dict, dict]:
+def profiled_pass(engine, prompts, concurrency: int, out: Path, name: str, host_ops: bool = False) -> tuple[dict, dict]:
     waits, collections = HostWait(engine.runner), GcTimer()
     torch.cuda.synchronize()
     loop = ClosedLoop(engine, prompts, concurrency, "cuda")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_ops else [])
+    with profile(activities=activities, with_stack=host_ops) as prof:
         t0 = time.perf_counter()
         while not loop.done:
             loop.step()
@@ -126,13 +145,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,32")
     parser.add_argument("--requests", type=int, default=4, help="at least this many requests per pass (and 4 x level)")
+    parser.add_argument("--engines", default="none,ddtree,dflash", help="which of engine_churn's engines to profile")
+    parser.add_argument("--host-ops", action="store_true", help="also trace host ops and Python frames, and name "
+                        "the host work during the longest idle gaps (a much larger trace)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/churn-profile"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model, draft = (str(d) for d in write_served_pair("/tmp/flashtree-churn/qwen3-8b-shape",
                                                       "/tmp/flashtree-churn/qwen3-8b-dflash-shape"))
     levels = [int(x) for x in args.levels.split(",")]
-    engines = make_engines(model, draft, True, "cuda", max(levels))
+    wanted = args.engines.split(",")
+    engines = {name: e for name, e in make_engines(model, draft, True, "cuda", max(levels)).items() if name in wanted}
     vocab = next(iter(engines.values())).model.config.vocab_size
     report, lines = {"command": " ".join(sys.argv), "device_name": torch.cuda.get_device_name(),
                      "torch": torch.__version__, "levels": {}}, []
@@ -143,7 +166,7 @@ def main() -> None:
             warm = ClosedLoop(engine, prompts, level, "cuda")  # graphs, policy exploration
             while not warm.done:
                 warm.step()
-            totals, kernels = profiled_pass(engine, prompts, level, args.out, name)
+            totals, kernels = profiled_pass(engine, prompts, level, args.out, name, args.host_ops)
             figures[name] = {"totals": totals, "kernels": kernels}
             print(json.dumps({"level": level, "engine": name, **totals}), flush=True)
         lines += [f"\n### concurrency {level}\n", "| engine | steps | wall us/step | kernel us/step | kernels/step | "
@@ -160,7 +183,7 @@ def main() -> None:
         for name in engines:
             lines += ["", f"{name}, longest idle gaps (us, operation before, operation after):"]
             lines += [f"- {g}" for g in figures[name]["totals"]["gaps"]["longest"]]
-        for name in list(engines)[1:]:
+        for name in [n for n in engines if n != "none" and "none" in engines]:
             lines += [""] + diff_table(figures["none"]["kernels"], figures[name]["kernels"], name)[:14]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -262,15 +262,16 @@ class ModelRunner:
 
     def catch_up_drafter(self, rows: Sequence[Request]) -> bool:
         """The proposer projects the context features it deferred for ``rows`` (``drafter_lag`` each,
-        after the ``committed_length - drafter_lag`` tokens its context holds). A full-width
-        catch-up (the largest lag is ``lag_capacity``), the one a stretch of plain rounds runs every
-        ``lag_capacity`` rounds, replays a CUDA graph when graphs are on (the rows padded to a power
-        of two with the pad slot, whose count 0 projects nothing): eager, its launches cost more
-        than its device work. Returns whether it captured a graph."""
+        after the ``committed_length - drafter_lag`` tokens its context holds). When graphs are on
+        it replays the full-width catch-up's CUDA graph (``lag_capacity`` columns, whatever the
+        largest lag; the rows padded to a power of two with the pad slot, whose count 0 projects
+        nothing): eager, its launches cost more than its device work, and the device sat idle for
+        2.5-4 ms of an eager catch-up before a probe at one row on the H200 (benchmarks/README.md,
+        "Fifteenth session"). Returns whether it captured a graph."""
         slots, lags = [r.slot for r in rows], [r.drafter_lag for r in rows]
         starts = [r.committed_length - r.drafter_lag for r in rows]
-        width = max(lags)
-        if self.graphs is None or self.pad_slot is None or width != self.proposer.lag_capacity:
+        width = self.proposer.lag_capacity
+        if self.graphs is None or self.pad_slot is None:
             self.proposer.catch_up(slots, starts, lags)
             return False
         pads = self._pad_rows(len(rows))
