@@ -45,14 +45,14 @@ class PlainRounds:
 
 
 class WithoutDefer:
-    """The proposer with ``defer`` and ``feature_sink`` hidden: the runner then projects every
-    committed token."""
+    """The proposer with ``defer`` hidden: the runner then projects every committed token (with the
+    runner's feature sink off: the sink is where a deferring proposer keeps them)."""
 
     def __init__(self, proposer):
         self.__dict__["proposer"] = proposer
 
     def __getattr__(self, name):
-        if name in ("defer", "feature_sink"):
+        if name == "defer":
             raise AttributeError(name)
         return getattr(self.proposer, name)
 
@@ -64,8 +64,9 @@ def engines(batch: int) -> dict[str, LLM]:
     deferred.engine.policy = PlainRounds()
     eager = LLM("smollm2", spec="ddtree", budget=4, max_running=running, max_context=512)
     eager.engine.policy = PlainRounds()
-    eager.engine.proposer.lag_capacity = None  # no catch-up bookkeeping in the engine
+    eager.engine.proposer.runner.lag_capacity = None  # no catch-up bookkeeping in the engine (a property of the proposer)
     eager.engine.runner.proposer = WithoutDefer(eager.engine.proposer)
+    eager.engine.runner.use_feature_sink = False
     return {"plain": plain, "ddtree engine, plain rounds, deferred": deferred,
             "ddtree engine, plain rounds, projected every round": eager}
 

@@ -59,19 +59,6 @@ METHODS = {"none": None, "ddtree": 64, "dflash": None}  # method -> budget (as g
 NEW_TOKENS = 128
 
 
-class WithoutSink:
-    """A proposer with ``feature_sink`` hidden: the runner's plain rounds then return the captured
-    features (a concatenation) and ``defer`` them (a scatter), as before session 15."""
-
-    def __init__(self, proposer):
-        self.__dict__["proposer"] = proposer
-
-    def __getattr__(self, name):
-        if name == "feature_sink":
-            raise AttributeError(name)
-        return getattr(self.proposer, name)
-
-
 def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int,
                  trace_dir: Path | None = None, unqueued: bool = False, without_sink: bool = False) -> dict:
     dev = torch.device(device)
@@ -87,8 +74,9 @@ def make_engines(model: str, draft: str | None, random_weights: bool, device: st
                               max_running=max_running, max_context=1024, adaptive_spec=True, trace_steps=trace,
                               queue_plain_rounds=queue)
         engines[name] = LLMEngine(config, target=loaded)
-        if name.endswith("no-sink"):
-            engines[name].runner.proposer = WithoutSink(engines[name].runner.proposer)
+        # plain rounds return the captured features (a concatenation) and defer them (a scatter),
+        # as before session 15
+        engines[name].runner.use_feature_sink = not name.endswith("no-sink")
     return engines
 
 

@@ -26,25 +26,12 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("plain-round"), vocab=VOCAB, block_size=BLOCK)
 
 
-class WithoutSink:
-    """The proposer without ``feature_sink``: the short path then defers the returned features."""
-
-    def __init__(self, proposer):
-        self.__dict__["proposer"] = proposer
-
-    def __getattr__(self, name):
-        if name == "feature_sink":
-            raise AttributeError(name)
-        return getattr(self.proposer, name)
-
-
 def run(pair, method: str, fast: bool, sink: bool = True):
     draft = None if method == "none" else str(pair.drafter)
     llm = LLM(str(pair.target), spec=method, draft=draft, budget=6, **ENGINE)
     engine = llm.engine
     engine.runner.plain_fast_path = fast
-    if not sink:
-        engine.runner.proposer = WithoutSink(engine.runner.proposer)
+    engine.runner.use_feature_sink = sink  # False: the short path defers the returned features
     if method != "none":
         engine.policy = ScriptedNodes([0, 0, 2, 0, 3, 0, 0, 0])  # plain stretches between drafted rounds
     params = [SamplingParams(max_tokens=12 + 2 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)

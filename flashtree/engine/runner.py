@@ -112,6 +112,9 @@ class ModelRunner:
         # plain rounds skip the root-only tree and its accept walk (_plain_round_device); False:
         # the general path, for comparisons
         self.plain_fast_path = True
+        # a plain round's drafter features go into the lag buffer from the fused norm (a feature
+        # sink, models/feature_sink.py); False: returned and deferred after the forward, for comparisons
+        self.use_feature_sink = True
         # the host returns from queuing a round's device work before the device is done with it
         # (CUDA); on a CPU the work runs as it is queued
         self.runs_ahead = self.device.type == "cuda"
@@ -401,13 +404,14 @@ class ModelRunner:
             input_ids=rows.bonus[:, None], positions=rows.starts[:, None], slots=rows.slots,
             cache_lengths=rows.starts, new_mask=root_mask, kv_len=shape.kv_len, slot_range=shape.slot_range)
         # a drafter's features go straight to its lag buffer (projected at the next drafted round)
-        sink = self.proposer.feature_sink(rows.slots, rows.lags) if hasattr(self.proposer, "feature_sink") else None
+        sinks = self.use_feature_sink and hasattr(self.proposer, "feature_sink")
+        sink = self.proposer.feature_sink(rows.slots, rows.lags) if sinks else None
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers, feature_sink=sink)
         next_bonus = choose_tokens(out.logits, self._sampling(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
         t1 = timer.add("verify", t0) if timer else 0.0
         ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
         self.cache.commit_prefix(rows.slots, rows.starts, ones)
-        if out.hidden is not None and hasattr(self.proposer, "defer"):  # (a proposer that defers without a sink)
+        if out.hidden is not None and hasattr(self.proposer, "defer"):  # (no sink)
             self.proposer.defer(rows.slots, out.hidden, rows.lags)  # [B, 1, F]
         elif out.hidden is not None:
             self.proposer.observe(rows.slots, out.hidden, ones, rows.starts)
