@@ -219,9 +219,12 @@ TREES_ACCEPT_A_LITTLE = lambda n: 1.15 if n else 1.0  # noqa: E731 (a weak draft
 
 
 def test_a_stalled_round_barely_moves_the_estimate():
-    """One round 50x slower (another process took the CPU) does not flip the choice; a lasting
-    slowdown does, within a few rounds (trees accept 1.1 tokens: below plain when quiet)."""
-    policy = SpecPolicy((8, 0), SpecPolicyConfig(probe_interval=1000, max_probe_interval=1000))
+    """One round 50x slower (another process took the CPU) does not flip the choice. Plain rounds
+    that become slower for good while trees do not (a change of their own cost, not the machine's
+    pace) move it at the next probe, which re-times the tree (trees accept 1.1 tokens: below
+    plain while plain rounds cost 10 ms)."""
+    config = SpecPolicyConfig(probe_interval=20, max_probe_interval=20)
+    policy = SpecPolicy((8, 0), config)
     cost = {8: 0.015, 0: 0.010}
     accept = lambda n: 1.1 if n else 1.0  # noqa: E731
     drive(policy, 20, 1, accept, lambda rows, n: cost[n])
@@ -229,8 +232,8 @@ def test_a_stalled_round_barely_moves_the_estimate():
     policy.record(1, 0, 0.5, None)
     assert policy.best(1) == 0
     cost[0] = 0.05  # plain rounds became slow for good
-    drive(policy, 10, 1, accept, lambda rows, n: cost[n])
-    assert policy.best(1) == 8
+    chosen = drive(policy, config.probe_interval + 2 * config.probe_rounds, 1, accept, lambda rows, n: cost[n])
+    assert policy.best(1) == 8 and chosen[-2 * config.probe_rounds:].count(8) >= config.probe_rounds, chosen
 
 
 def test_a_drafter_that_never_matches_never_moves_the_choice_to_a_tree():
@@ -247,64 +250,65 @@ def test_a_drafter_that_never_matches_never_moves_the_choice_to_a_tree():
     assert sum(1 for n in stretch if n) <= 2 * config.probe_rounds, Counter(stretch)
 
 
-def test_a_choice_moved_by_slow_rounds_rechecks_the_displaced_option():
+def test_slow_rounds_of_the_chosen_option_move_every_estimate_alike():
     """Plain rounds cost 5 ms and trees of 8 nodes 7 ms; trees accept 1.15 tokens. A burst of
-    slow rounds (another thread busy) lifts the plain estimate above the trees' old one and the
-    choice moves to a tree; once the burst is over, the next probe (at most ``probe_interval``
-    rounds later) re-measures plain, not a neighbour of the tree, and the choice moves back."""
+    slow plain rounds (another thread busy) lifts the other options' estimates with plain's (the
+    machine's pace, see "Common pace"), so the choice stays on plain: during the burst and after
+    it only the regular probes run a tree (the H200 server ran about 50 tree rounds per such
+    event when a burst could move the choice and the recheck waited ``probe_interval`` rounds)."""
     config = SpecPolicyConfig()
     policy = SpecPolicy((8, 4, 0), config)
     quiet = {0: 0.005, 4: 0.0075, 8: 0.007}
     drive(policy, 2000, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])  # settled; probes backed off
     assert policy.best(1) == 0
+    ratio = policy.tokens_per_second(1, 8) / policy.tokens_per_second(1, 0)
     burst = drive(policy, 40, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.0099 if n == 0 else quiet[n])
-    assert policy.best(1) != 0, burst  # the burst moved the choice to a tree
+    assert policy.best(1) == 0 and policy.tokens_per_second(1, 8) / policy.tokens_per_second(1, 0) == \
+        pytest.approx(ratio)  # the relative costs are what the probes measured, not the burst
     after = drive(policy, config.probe_interval + 20, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])
-    assert 0 in after[:config.probe_interval + 1], after  # plain was re-measured ...
-    assert policy.best(1) == 0 and after[-10:].count(0) >= 10 - config.probe_rounds, after  # ... and won back
+    assert policy.best(1) == 0
+    assert sum(1 for n in burst + after if n) <= 2 * config.probe_rounds, (burst, after)
 
 
 @pytest.mark.parametrize("settled_batch, overlapped", [(1, False), (8, False), (8, True)])
-def test_a_few_slow_rounds_cost_one_recheck_not_an_interval_of_worse_rounds(settled_batch, overlapped):
-    """Settled on plain (5 ms; trees 7 ms, accepting 1.15 tokens), three slow plain rounds lift its
-    estimate above the trees' and move the choice. The displaced plain option is re-measured
-    at once, wins back, and hardly any tree round runs (the H200 server ran about 50 per such
-    event when the recheck waited ``probe_interval`` rounds). Folded in batches of 8 settled
-    rounds, the slow ones are folded with the quiet ones after them (the move may not happen at
-    all); hardly any tree round runs either way. Folded while the next round runs (``overlapped``),
-    the move and the recheck come one round later."""
+def test_a_slow_stretch_of_a_cpu_server_keeps_a_big_batch_on_plain_rounds(settled_batch, overlapped):
+    """A CPU server at 32 rows (SmolLM2 + the shipped drafter, measured on a 2-core EPYC: plain
+    rounds 123 ms, tree-4 rounds 540 ms, acceptance 2.2), settled on plain rounds, meets 20 rounds
+    at 3x the cost of every option (other processes on the machine). Before the common pace, the
+    stretch's plain rounds lifted plain's estimate above the tree's quiet one: trees ran during
+    the stretch and for 52 rounds after it (a served pass at 0.71-0.80 of plain's throughput).
+    Now only the regular probes run a tree, folded in batches or one by one."""
     config = SpecPolicyConfig(settled_batch=settled_batch)
-    policy = SpecPolicy((8, 4, 0), config)
-    quiet = {0: 0.005, 4: 0.0075, 8: 0.007}
-    drive(policy, 2000, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n], overlapped)
-    assert policy.best(1) == 0
-    slow = drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.0099 if n == 0 else quiet[n], overlapped)
-    assert slow == [0, 0, 0]
-    if settled_batch == 1 or overlapped:
-        policy.fold_settled()  # (overlapped: what the next round's fold does)
-        assert policy.best(1) != 0  # the slow rounds moved the choice
-    after = drive(policy, 100, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n], overlapped)
-    if settled_batch == 1 or overlapped:
-        assert after[:config.probe_rounds] == [0] * config.probe_rounds, after  # plain rechecked at once
-    assert policy.best(1) == 0
-    assert sum(1 for n in after if n) <= 2 * config.probe_rounds, after  # a regular probe or two at most
+    cost = lambda slow: (lambda rows, n: slow * (0.540 if n else 0.123))  # noqa: E731
+    accept = lambda n: 2.2  # noqa: E731
+
+    def run(slow: float) -> list[int]:
+        policy = SpecPolicy((4, 0), config)
+        chosen = drive(policy, 200, 32, accept, cost(1.0), overlapped)
+        chosen += drive(policy, 20, 32, accept, cost(slow), overlapped)
+        chosen += drive(policy, 300, 32, accept, cost(1.0), overlapped)
+        assert policy.best(32) == 0
+        return chosen
+
+    quiet, stretched = run(1.0), run(3.0)
+    assert stretched == quiet  # the same rounds: the regular probes only
+    assert sum(1 for n in quiet[10:] if n) <= 3, quiet  # (one per interval; the interval backs off)
 
 
-def test_a_slow_stretch_of_plain_rounds_does_not_leave_a_weak_drafter_on_trees():
-    """Settled on plain (5.6 ms; trees 7.5-9.5 ms, trees of 8 nodes and more accepting 1.1 tokens,
-    of 4 nodes none), a stretch of plain rounds at twice their cost (the device busy elsewhere)
-    moves the choice to the best tree (8 nodes, mid-ladder: its neighbours are trees). Once the
-    stretch ends, plain must come back: the neighbour probes alone never re-measured it (a tree
-    stayed chosen for 3,000 rounds of 3,000 in the seventh session's version of this test); the
-    plain recheck brings it back within ``plain_recheck_interval`` rounds."""
+def test_plain_is_rechecked_while_a_tree_is_chosen():
+    """Plain rounds cost 11.2 ms, trees 7.5-9.5 ms (trees of 8 nodes and more accept 1.1 tokens, of
+    4 nodes none): the best tree (8 nodes, mid-ladder: its neighbours are trees) is chosen. Then
+    plain rounds become cheap (5.6 ms; their own cost, not the machine's pace). The neighbour
+    probes alone never re-measure plain (a tree stayed chosen for 3,000 rounds of 3,000 in the
+    seventh session's version of this test); the plain recheck brings it back within
+    ``plain_recheck_interval`` rounds."""
     config = SpecPolicyConfig()
     policy = SpecPolicy((64, 32, 16, 8, 4, 0), config)
-    quiet = {0: 0.0056, 4: 0.0075, 8: 0.0085, 16: 0.0088, 32: 0.0090, 64: 0.0095}
+    quiet = {0: 0.0112, 4: 0.0075, 8: 0.0085, 16: 0.0088, 32: 0.0090, 64: 0.0095}
     accept = lambda n: 1.0 if n in (0, 4) else 1.1  # noqa: E731
     drive(policy, 2000, 1, accept, lambda rows, n: quiet[n])
-    assert policy.best(1) == 0
-    drive(policy, 200, 1, accept, lambda rows, n: quiet[n] * (2.0 if n == 0 else 1.0))
     assert policy.best(1) == 8
+    quiet[0] = 0.0056
     after = drive(policy, 3000, 1, accept, lambda rows, n: quiet[n])
     back = next(i for i in range(len(after)) if after[i:i + 50] == [0] * 50)  # plain for good
     assert back <= config.plain_recheck_interval and policy.best(1) == 0, back
@@ -363,13 +367,12 @@ def test_probing_marks_neighbour_probes_only():
     assert len(runs) >= 4
     # a recheck of a displaced option is timed, so it is not marked
     policy = SpecPolicy((8, 4, 0), SpecPolicyConfig())
-    quiet = {0: 0.005, 4: 0.0075, 8: 0.007}
-    drive(policy, 2000, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])
+    drive(policy, 2000, 1, growing_acceptance, lambda rows, n: 0.01)  # settled on 8 nodes
     rechecks = []
-    for _ in range(60):  # a burst of slow plain rounds moves the choice and triggers a recheck of plain
+    for _ in range(200):  # the drafter stops matching: the choice moves and the displaced tree is rechecked
         nodes = policy.choose(1)
         rechecks.append((nodes, policy.probing, policy._probe.recheck if policy._probe else None))
-        policy.record(1, nodes, 0.0099 if nodes == 0 else quiet[nodes], TREES_ACCEPT_A_LITTLE(nodes) if nodes else 1.0)
+        policy.record(1, nodes, 0.01, 1.0)
     assert any(kind not in (None, 0) for _, _, kind in rechecks)  # some recheck ran
     assert all(not probing for _, probing, kind in rechecks if kind not in (None, 0))
 

@@ -55,20 +55,29 @@ it would take a 2x change to matter, e.g. a tree at a big batch on a compute-bou
 ``max_probe_interval`` at once; one that changes the best option resets it: a settled choice
 (e.g. plain rounds with a drafter that never matches) pays for few probes, a drifting one is
 followed fast.
-Rechecks: only the chosen option gets measured, so a run of slow rounds (another thread holding
-the interpreter, a burst of HTTP work in a server) can lift its estimate above an option that
-was timed long ago under quiet conditions, and that stale estimate would then win for up to
-``max_probe_interval`` rounds. So when an ordinary round's measurement changes the best option,
-the option it displaced is probed again at once (the next round): one slow round then costs one
-probe of the option that was best, not ``probe_interval`` rounds of a worse one (seen on the
-H200: a server with a drafter that never matched ran 73 drafted rounds in 3,048). If that recheck
-confirms the change (the slowness lasted), the probe interval resets and the next probe
-re-measures the displaced option once more (instead of a neighbour of the new best, which may not
-be it), so the choice comes back soon after the slowness ends.
+Common pace: only the chosen option gets measured between probes, so a run of slow rounds
+(another process on the machine, another thread holding the interpreter, a burst of HTTP work in a
+server) used to lift its estimate above an option timed long ago under quiet conditions, and
+that stale estimate then won. A CPU server at 32 rows, whose tree rounds cost 4.4 plain rounds,
+ran a dozen of them per pass that way (0.71-0.80 of plain's throughput in two passes of a paired
+load test; benchmarks/README.md, "Sixteenth session"). Such slowness is the machine's, and hits
+every option alike; what the choice depends on is the options' relative cost. So a timed round
+of the bucket's best option (an ordinary or a settled round, not a probe or exploration) scales
+every other option's round-time estimate in the bucket by the change of its own: ordinary rounds
+set the bucket's pace, probes and exploration its relative costs. A change of one option's own
+cost (plain rounds slower for good while trees are not) then shows at the next probe.
+Rechecks: when an ordinary round's measurement changes the best option (its acceptance, now that
+the common pace keeps the relative round times; before it, a run of slow rounds could too),
+the option it displaced is probed again at once (the next round): a few unlucky rounds then cost
+one probe of the option that was best, not ``probe_interval`` rounds of a worse one (seen on the
+H200: a server with a drafter that never matched ran 73 drafted rounds in 3,048 before rechecks).
+If that recheck confirms the change, the probe interval resets and the next probe re-measures
+the displaced option once more (instead of a neighbour of the new best, which may not be it).
 Plain rechecks: plain rounds are the fallback, so their estimate must not go stale. From a tree
 in the middle of the ladder the neighbour probes reach plain only by way of the smallest tree, and
-a high estimate of plain left by a slow stretch (seen on the H200: a server idle between the
-passes of a paired load test) could then keep a drafter that never matches on trees for good.
+a high estimate of plain (left by a slow stretch before the common pace, seen on the H200: a
+server idle between the passes of a paired load test; or plain rounds that became cheaper) could
+then keep a drafter that never matches on trees for good.
 So while the best option is a tree, plain is probed whenever it has gone ``plain_recheck_interval``
 rounds of the bucket unmeasured; the probe interval is left alone unless the recheck moves the
 best option.
@@ -473,7 +482,7 @@ class SpecPolicy:
             return
         self._fold_held()  # (measurements go in in order)
         best_before = self.best(rows) if self._explored(bucket) else None
-        self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows)
+        self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows, pace=nodes == best_before)
         self._check_best_moved(bucket, best_before)
 
     def _is_settled(self, bucket: int, nodes: int) -> bool:
@@ -502,7 +511,7 @@ class SpecPolicy:
         bucket = self._settled_bucket
         best_before = held[0][1]  # they were held because it was the best option
         for rows, nodes, seconds, acceptance in held:
-            self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows)
+            self._measure(bucket, nodes, seconds, acceptance, weight=0.0, rows=rows, pace=True)
         self._check_best_moved(bucket, best_before)
 
     def _check_best_moved(self, bucket: int, best_before: int | None) -> None:
@@ -514,19 +523,34 @@ class SpecPolicy:
             self._next_probe[bucket] = self._rounds[bucket]  # the next round
 
     def _measure(self, bucket: int, nodes: int, seconds: float | None, acceptance: float | None,
-                 weight: float, rows: int = 1) -> None:
+                 weight: float, rows: int = 1, pace: bool = False) -> None:
         """Feed one measurement (``weight``: the least EMA weight it gets; ``rows``: rows whose mean
-        acceptance it is) to the estimates."""
+        acceptance it is) to the estimates. ``pace``: a round of the bucket's best option, whose
+        change of estimate every other option's round-time estimate follows (see "Common pace")."""
         self._measurements += 1
         if seconds is not None and nodes == PLAIN_NODES:
             self._plain_timed_at[bucket] = self._rounds[bucket]
         if seconds is not None:
-            self._seconds.setdefault((bucket, nodes), _Ema(self.config.smoothing, OUTLIER_FACTOR)).add(seconds, weight)
+            ema = self._seconds.get((bucket, nodes))
+            if ema is None:
+                ema = self._seconds[(bucket, nodes)] = _Ema(self.config.smoothing, OUTLIER_FACTOR)
+            before = ema.value
+            ema.add(seconds, weight)
+            if pace and before > 0.0:
+                self._follow_pace(bucket, nodes, ema.value / before)
             self._timed_at[(bucket, nodes)] = self._rounds[bucket]
         if acceptance is not None and nodes != PLAIN_NODES:
             per_rows = 1.0 - (1.0 - self.config.acceptance_smoothing) ** rows  # each row one sample
             self._acceptance.setdefault(nodes, _Ema(self.config.acceptance_smoothing)).add(
                 acceptance, max(weight, per_rows))
+
+    def _follow_pace(self, bucket: int, paced_by: int, ratio: float) -> None:
+        """Scale the round-time estimates of ``bucket``'s options other than ``paced_by`` by
+        ``ratio``, the change of ``paced_by``'s estimate (see "Common pace" above)."""
+        for nodes in self.ladder:
+            ema = self._seconds.get((bucket, nodes))
+            if ema is not None and nodes != paced_by:
+                ema.value *= ratio
 
     def _finish_probe(self) -> None:
         """The probe's rounds, averaged, as one heavily weighted measurement; then the next probe
