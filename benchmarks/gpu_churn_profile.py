@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # flashtree, without PYTHONPATH
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_churn import ClosedLoop, make_engines, workload  # noqa: E402
-from gpu_plain_round_kernels import diff_table, kernel_figures  # noqa: E402
+from gpu_plain_round_kernels import diff_table, kernel_figures, write_report  # noqa: E402
 from qwen3_8b_shape import write_served_pair  # noqa: E402
 
 
@@ -185,10 +185,7 @@ def main() -> None:
             lines += [f"- {g}" for g in figures[name]["totals"]["gaps"]["longest"]]
         for name in [n for n in engines if n != "none" and "none" in engines]:
             lines += [""] + diff_table(figures["none"]["kernels"], figures[name]["kernels"], name)[:14]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    (args.out / "churn_profile.md").write_text(text)
-    (args.out / "churn_profile.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, "churn_profile", lines, report)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,14 @@ def diff_table(base: dict, other: dict, name: str) -> list[str]:
     return lines
 
 
+def write_report(out: Path, stem: str, lines: list[str], report: dict) -> None:
+    """Print the markdown ``lines`` and write them to ``out/stem.md``, ``report`` to ``out/stem.json``."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,32")
@@ -149,10 +157,7 @@ def main() -> None:
                          f"{t['copies']:.2f} | {t['copy_us']:.1f} | {t['device_idle_us']:.1f} |")
         for name in names[1:]:
             lines += [""] + diff_table(level["none"]["kernels"], level[name]["kernels"], name)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    (args.out / "plain_round_kernels.md").write_text(text)
-    (args.out / "plain_round_kernels.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, "plain_round_kernels", lines, report)
 
 
 if __name__ == "__main__":
