@@ -19,7 +19,9 @@ plain rounds", on by default on CUDA) gains nothing from it there: ``--interleav
 next engine's, so queued rounds overlap the host's work within a block while the engines still
 share the machine's drift. ``--unqueued`` adds a plain engine that does not queue its rounds
 (``none-unqueued``), to show what queueing gives; ``--without-sink`` a DDTree engine that keeps the
-drafter's features as before session 15 (``ddtree-no-sink``: concatenation + ``defer``).
+drafter's features as before session 15 (``ddtree-no-sink``: concatenation + ``defer``);
+``--doubling-probes`` a DDTree engine whose probes back off by doubling alone, as before session 17
+(``ddtree-doubling-probes``: no ``probe_cost_share`` floor).
 
     PYTHONPATH=. python benchmarks/engine_churn.py --shape qwen3-8b [--levels 1,4,16,32] [--repeats 3]
         [--interleave pass|step|block] [--block-steps 32] [--unqueued] [--out FILE]
@@ -35,6 +37,7 @@ compares engines on one workload, it does not measure a speedup.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -51,6 +54,7 @@ from qwen3_8b_shape import write_served_pair  # noqa: E402
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
 from flashtree.engine.request import Status  # noqa: E402
+from flashtree.engine.spec_policy import SpecPolicyConfig  # noqa: E402
 from flashtree.models.build import resolve_dtype  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 from flashtree.spec.defaults import shipped_drafter  # noqa: E402
@@ -60,24 +64,33 @@ NEW_TOKENS = 128
 
 
 def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int,
-                 trace_dir: Path | None = None, unqueued: bool = False, without_sink: bool = False) -> dict:
+                 trace_dir: Path | None = None, unqueued: bool = False, without_sink: bool = False,
+                 doubling_probes: bool = False) -> dict:
     dev = torch.device(device)
     base = EngineConfig(model=model, random_weights=random_weights, device=device)
     loaded = load_target(base, dev, resolve_dtype("auto", dev))
     engines = {}
     variants = [(m, m, None) for m in METHODS] + ([("none-unqueued", "none", False)] if unqueued else [])
     variants += [("ddtree-no-sink", "ddtree", None)] if without_sink else []
+    variants += [("ddtree-doubling-probes", "ddtree", None)] if doubling_probes else []
     for name, method, queue in variants:
         spec = SpecConfig(method=method, draft=None if method == "none" else draft, budget=METHODS[method])
         trace = str(trace_dir / f"steps_{name}.jsonl") if trace_dir else None
         config = EngineConfig(model=model, spec=spec, random_weights=random_weights, device=device,
                               max_running=max_running, max_context=1024, adaptive_spec=True, trace_steps=trace,
-                              queue_plain_rounds=queue)
+                              queue_plain_rounds=queue, spec_policy=policy_config(name))
         engines[name] = LLMEngine(config, target=loaded)
         # plain rounds return the captured features (a concatenation) and defer them (a scatter),
         # as before session 15
         engines[name].runner.use_feature_sink = not name.endswith("no-sink")
     return engines
+
+
+def policy_config(name: str) -> SpecPolicyConfig:
+    """The speculation policy's knobs of an engine variant: ``ddtree-doubling-probes`` backs off
+    its probes by doubling alone, as before session 17 (no ``probe_cost_share`` floor)."""
+    default = SpecPolicyConfig()
+    return dataclasses.replace(default, probe_cost_share=None) if name.endswith("doubling-probes") else default
 
 
 def workload(concurrency: int, requests: int, vocab: int, seed: int) -> list[list[int]]:
@@ -191,6 +204,8 @@ def main() -> None:
     parser.add_argument("--unqueued", action="store_true", help="add a plain engine that does not queue its rounds")
     parser.add_argument("--without-sink", action="store_true", help="add a DDTree engine whose plain rounds keep "
                         "the drafter's features by concatenation + defer, not the fused sink (ddtree-no-sink)")
+    parser.add_argument("--doubling-probes", action="store_true", help="add a DDTree engine whose probes back off "
+                        "by doubling alone, without the probe_cost_share floor (ddtree-doubling-probes)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--summarize", type=Path, metavar="JSON", help="print the tables of an earlier run's --out file")
     args = parser.parse_args()
@@ -209,7 +224,7 @@ def main() -> None:
     else:
         model, draft = args.model, args.draft or str(shipped_drafter(args.model))
     engines = make_engines(model, draft, bool(args.shape), args.device, max(levels), args.trace_dir, args.unqueued,
-                           args.without_sink)
+                           args.without_sink, args.doubling_probes)
     vocab = next(iter(engines.values())).model.config.vocab_size
     names = list(engines)
     rows = []

@@ -67,7 +67,8 @@ def test_ladders_and_buckets():
 def test_config_is_validated():
     for bad in (dict(smoothing=0.0), dict(smoothing=1.5), dict(explore_rounds=0), dict(probe_interval=0),
                 dict(probe_interval=100, max_probe_interval=50),
-                dict(min_tree_nodes=0), dict(explore_rounds=1.5), dict(settled_batch=0)):
+                dict(min_tree_nodes=0), dict(explore_rounds=1.5), dict(settled_batch=0),
+                dict(probe_cost_share=0.0), dict(probe_cost_share=1.5)):
         with pytest.raises(ConfigError):
             SpecPolicyConfig(**bad)
     with pytest.raises(ValueError):
@@ -152,8 +153,9 @@ def test_reprobes_a_close_neighbour_every_interval():
 
 def test_probes_back_off_while_the_neighbour_stays_clearly_worse():
     """A drafter that never matches and rounds that cost 1.6x a plain step: probe intervals
-    double up to max_probe_interval, so probes cost next to nothing in a long run."""
-    config = SpecPolicyConfig(probe_interval=50, max_probe_interval=400)
+    double up to max_probe_interval, so probes cost next to nothing in a long run (the doubling
+    alone: without the probe_cost_share floor, tested below)."""
+    config = SpecPolicyConfig(probe_interval=50, max_probe_interval=400, probe_cost_share=None)
     policy = SpecPolicy(LADDER, config)
     cost = lambda rows, nodes: 0.01 * (1.6 + nodes / 256) if nodes else 0.01  # noqa: E731
     chosen = drive(policy, 4000, 1, lambda n: 1.0, cost)
@@ -167,14 +169,70 @@ def test_a_far_worse_neighbour_is_probed_only_every_max_interval():
     """At 32 rows a tree round costs 4 plain rounds and accepts 1.2 tokens (a CPU whose verify is
     compute-bound): after one probe shows it under DOMINATED of plain, the next comes
     max_probe_interval rounds later (doubling from 50 would have spent four more probes first),
-    and each probe is a single round (32 rows' acceptance in one; 4 rounds at one row)."""
-    config = SpecPolicyConfig(probe_interval=50, max_probe_interval=800)
+    and each probe is a single round (32 rows' acceptance in one; 4 rounds at one row). (Without
+    the probe_cost_share floor, which would space them further: tested below.)"""
+    config = SpecPolicyConfig(probe_interval=50, max_probe_interval=800, probe_cost_share=None)
     policy = SpecPolicy((4, 0), config)
     chosen = drive(policy, 2000, 32, lambda n: 1.2, lambda rows, n: 0.04 if n else 0.01)
     runs = probe_runs(chosen, usual=0, start=10)
     gaps = [b[0] - a[0] - (a[1] - 1) for a, b in zip(runs, runs[1:])]
     assert len(runs) <= 3 and all(gap == config.max_probe_interval for gap in gaps), runs
     assert all(length == 1 for _, length, _ in runs), runs
+
+
+def probe_cost_share_spent(chosen: list[int], rows: int, seconds, usual: int = 0) -> tuple[float, int]:
+    """The share of a run's time its probes lost (each probe round's time over the usual option's,
+    tokens being the same for a drafter that never matches) and how many probe rounds it ran."""
+    total = sum(seconds(rows, n) for n in chosen)
+    lost = sum(seconds(rows, n) - seconds(rows, usual) for n in chosen if n != usual)
+    return lost / total, sum(n != usual for n in chosen)
+
+
+def h200_one_row_seconds(rows: int, nodes: int) -> float:
+    """One row on the H200 at Qwen3-8B shape: a plain round 4.7 ms, a tree of 4 2.1 ms more."""
+    return 0.0047 + (0.0021 + 0.00001 * nodes if nodes else 0.0)
+
+
+def test_a_costly_probe_that_changes_nothing_keeps_within_its_cost_share():
+    """One row, a drafter that never matches, a tree of 4 costing 1.45 plain rounds: each probe
+    (4 rounds) loses 2 plain rounds' time. Doubling alone spends it every max_probe_interval rounds
+    (0.25% of the time); with probe_cost_share the probes stay within 0.1%, yet still come."""
+    floored = SpecPolicy(LADDER, SpecPolicyConfig())
+    doubling = SpecPolicy(LADDER, SpecPolicyConfig(probe_cost_share=None))
+    never_matches = lambda n: 1.0  # noqa: E731
+    warm_up = 200  # exploration and the first probe (at probe_interval), which measures the probe's cost
+    spent = {}
+    for name, policy in (("floored", floored), ("doubling", doubling)):
+        chosen = drive(policy, 12000, 1, never_matches, h200_one_row_seconds)[warm_up:]
+        spent[name] = probe_cost_share_spent(chosen, 1, h200_one_row_seconds)
+    share, probe_rounds = spent["floored"]
+    assert share <= floored.config.probe_cost_share and probe_rounds >= 2 * floored.config.probe_rounds
+    assert spent["doubling"][0] > 2 * share  # the floor is what keeps it there
+
+
+def test_a_cheap_probe_ends_on_the_doubling_schedule():
+    """32 rows, where a tree round costs 1.3 plain rounds and one round is a whole probe: its floor
+    (0.3 plain rounds lost per probe: 300 rounds) replaces the doubling's first steps but stays
+    under max_probe_interval, so the probes end up every max_probe_interval rounds, as doubling's."""
+    cost = lambda rows, nodes: 0.01 * (1.3 if nodes else 1.0)  # noqa: E731
+    gaps = {}
+    for share in (0.001, None):
+        chosen = drive(SpecPolicy((8, 4, 0), SpecPolicyConfig(probe_cost_share=share)), 6000, 32, lambda n: 1.0, cost)
+        runs = probe_runs(chosen, usual=0, start=20)
+        gaps[share] = [b[0] - a[0] for a, b in zip(runs, runs[1:])]
+    assert gaps[0.001][0] in (300, 301) and gaps[None][0] == 100  # the floor (ceil of 300, in floats), against
+    # the first doubling
+    assert gaps[0.001][-2:] == gaps[None][-2:] == [800, 800]
+
+
+def test_a_drafter_that_starts_to_match_is_found_after_the_floored_interval():
+    """A drafter that never matched starts to (acceptance 3 for a tree of 4): at one row the
+    floored interval is about 1,800 rounds, and within it plus a probe the policy moves to trees."""
+    policy = SpecPolicy((16, 4, 0), SpecPolicyConfig())
+    drive(policy, 3000, 1, lambda n: 1.0, h200_one_row_seconds)
+    assert policy.best(1) == 0
+    chosen = drive(policy, 2500, 1, lambda n: 3.0, h200_one_row_seconds)
+    assert policy.best(1) != 0 and chosen[-100:].count(0) < 100 // 2
 
 
 def test_follows_drift_down_to_plain():

@@ -55,6 +55,15 @@ it would take a 2x change to matter, e.g. a tree at a big batch on a compute-bou
 ``max_probe_interval`` at once; one that changes the best option resets it: a settled choice
 (e.g. plain rounds with a drafter that never matches) pays for few probes, a drifting one is
 followed fast.
+Probe cost: a probe that changes nothing costs its rounds' lost time (the same tokens would have
+taken the best option less), and the doubling alone spends it every ``max_probe_interval`` rounds
+at most: at one row on the H200 a drafter that never matches made that 0.2-0.3% of an engine's
+time (4 rounds of a tree of 4 at +2.1-2.6 ms each every 800 plain rounds of 4.7 ms;
+benchmarks/README.md, "Fifteenth session"). So a probe found clearly worse also sets the interval
+to at least the one that keeps such probes within ``probe_cost_share`` of the bucket's time (0.1%:
+about 1,800 rounds there, 8 s). A cheap one (many rows: one round of a tree that costs little more
+than a plain round) gets a floor of a few hundred rounds, under ``max_probe_interval``, so the
+doubling still ends there. The price: a drafter that starts to match is noticed that much later.
 Common pace: only the chosen option gets measured between probes, so a run of slow rounds
 (another process on the machine, another thread holding the interpreter, a burst of HTTP work in a
 server) used to lift its estimate above an option timed long ago under quiet conditions, and
@@ -106,6 +115,7 @@ option is lossless, so the policy is free to pick any of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from typing import NamedTuple, Sequence
 
@@ -133,10 +143,13 @@ class SpecPolicyConfig:
     explore_rounds: int = 2  # timed rounds of every option per rows bucket before trusting estimates
     probe_interval: int = 50  # rounds of a bucket between tries of a neighbour of the best option
     max_probe_interval: int = 800  # the interval doubles after each probe that changes nothing, up to this
+    # (or to what probe_cost_share needs, if more)
     min_tree_nodes: int = 4  # smallest non-zero tree in a DDTree ladder (halving stops above it)
     probe_rounds: int = 4  # rows x rounds of a probe (consecutive rounds, averaged into one measurement)
     plain_recheck_interval: int = 200  # rounds of a bucket on trees after which plain is re-measured
     settled_batch: int = 8  # settled rounds (the best option, nothing due) folded into the estimates at a time
+    probe_cost_share: float | None = 0.001  # most of a bucket's time a probe that changes nothing may cost
+    # (its interval is stretched past max_probe_interval to keep it so; None: no such floor)
 
     def __post_init__(self) -> None:
         for name in ("smoothing", "acceptance_smoothing"):
@@ -147,6 +160,8 @@ class SpecPolicyConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.probe_cost_share is not None and not 0.0 < self.probe_cost_share <= 1.0:
+            raise ConfigError(f"probe_cost_share must be in (0, 1] or None, got {self.probe_cost_share!r}")
         if self.max_probe_interval < self.probe_interval:
             raise ConfigError(f"max_probe_interval ({self.max_probe_interval}) must be >= probe_interval "
                               f"({self.probe_interval})")
@@ -560,12 +575,15 @@ class SpecPolicy:
         self._measure(probe.bucket, probe.nodes, mean(probe.seconds), mean(probe.acceptance), PROBE_WEIGHT)
         if probe.recheck == PLAIN_RECHECK and self.best(probe.bucket) == probe.best_before:
             return  # a plain recheck that changed nothing: the neighbour probes keep their schedule
-        self._schedule_next_probe(probe.bucket, probe.nodes, probe.best_before, probe.recheck)
+        self._schedule_next_probe(probe.bucket, probe.nodes, probe.best_before, probe.recheck,
+                                  probe_rounds=max(1, len(probe.seconds)))
 
-    def _schedule_next_probe(self, bucket: int, probed: int, best_before: int, recheck: int = NEIGHBOUR_PROBE) -> None:
-        """Back off after a probe of a clearly worse option; probe again soon after one that
-        changed the best option, or after an immediate recheck that confirmed a change (then the
-        next probe rechecks the displaced option again); keep the interval otherwise."""
+    def _schedule_next_probe(self, bucket: int, probed: int, best_before: int, recheck: int = NEIGHBOUR_PROBE,
+                             probe_rounds: int = 1) -> None:
+        """Back off after a probe of a clearly worse option (at least to the interval that keeps
+        such probes' cost under ``probe_cost_share``, see "Probe cost" above); probe again soon after
+        one that changed the best option, or after an immediate recheck that confirmed a change
+        (then the next probe rechecks the displaced option again); keep the interval otherwise."""
         interval = self._interval.get(bucket, self.config.probe_interval)
         best = self.best(bucket)
         probed_rate, best_rate = self._per_row(bucket, probed), self._per_row(bucket, best)
@@ -575,11 +593,27 @@ class SpecPolicy:
         elif best != best_before:
             interval = self.config.probe_interval
         elif probed_rate is not None and best_rate is not None and probed_rate < DOMINATED * best_rate:
-            interval = self.config.max_probe_interval  # it would take a 2x change to matter
+            interval = max(self.config.max_probe_interval,  # it would take a 2x change to matter
+                           self._interval_for_cost(bucket, probed, best, probe_rounds))
         elif probed_rate is not None and best_rate is not None and probed_rate < BACKOFF_BELOW * best_rate:
-            interval = min(2 * interval, self.config.max_probe_interval)
+            interval = max(min(2 * interval, self.config.max_probe_interval),
+                           self._interval_for_cost(bucket, probed, best, probe_rounds))
         self._interval[bucket] = interval
         self._next_probe[bucket] = self._rounds[bucket] + interval
+
+    def _interval_for_cost(self, bucket: int, probed: int, best: int, probe_rounds: int) -> int:
+        """The fewest rounds of ``bucket`` between probes of ``probed`` that keep their cost within
+        ``probe_cost_share`` of the bucket's time (0 without a share): a probe's ``probe_rounds``
+        rounds lose the time it would take the best option to make their tokens faster,
+        ``rounds x seconds(probed) x (1 - rate(probed) / rate(best))``, against
+        ``interval x seconds(best)`` of the rounds in between (see "Probe cost" above)."""
+        share = self.config.probe_cost_share
+        probed_seconds, best_seconds = self._seconds.get((bucket, probed)), self._seconds.get((bucket, best))
+        probed_rate, best_rate = self._per_row(bucket, probed), self._per_row(bucket, best)
+        if share is None or probed_seconds is None or best_seconds is None or not best_rate or probed_rate is None:
+            return 0
+        lost = probe_rounds * probed_seconds.value * max(0.0, 1.0 - probed_rate / best_rate)
+        return math.ceil(lost / (share * max(best_seconds.value, 1e-9)))
 
 
 class FixedNodes:
