@@ -13,6 +13,8 @@
 # SmolLM2 tokenizer files in $TOKENIZER.
 #   WHEELS=dir TOKENIZER=dir [REQUESTS=32 MAX_TOKENS=128 METHODS="none dflash ddtree" LEVELS="1 4 16 32"
 #   EXTRA="--trace-policy FILE"] bash benchmarks/gpu_load.sh OUT_DIR
+# CLIENT_PROCESSES=N shares each level's streams out over N client processes (load_test.py --client-processes).
+# A method may be SPEC@LABEL: that --spec with the extra serve flags in $FLAGS_LABEL (see start_server).
 # PAIRED=1 starts every method's server at once (ports PORT, PORT+1, ...) and measures them in
 # alternation with benchmarks/load_paired.py (REPEATS repeats, PAIRED_REQUESTS and WAVES per pass),
 # so drift of the machine hits all of them alike. TRACE_DIR=dir writes each server's policy trace
@@ -54,11 +56,14 @@ for f in Path(tokenizer).iterdir():
 EOF
 
 start_server() {  # start_server METHOD PORT: a server in the background, its pid in $server
-  local method=$1 port=$2 draft_flags=()
-  [[ $method != none ]] && draft_flags=(--draft "$DRAFT" --budget "$BUDGET")
+  # METHOD is a --spec value, or SPEC@LABEL: that method with the extra serve flags in $FLAGS_LABEL
+  # (e.g. METHODS="none none@h11" FLAGS_h11="--http h11 --loop asyncio": two plain servers, paired)
+  local method=$1 port=$2 draft_flags=() spec=${1%%@*} label_flags=()
+  if [[ $method == *@* ]]; then local var="FLAGS_${method#*@}"; read -r -a label_flags <<< "${!var:-}"; fi
+  [[ $spec != none ]] && draft_flags=(--draft "$DRAFT" --budget "$BUDGET")
   [[ -n "${TRACE_DIR:-}" ]] && draft_flags+=(--trace-policy "$TRACE_DIR/policy_$method.jsonl")
   [[ -n "${STEP_TRACE_DIR:-}" ]] && draft_flags+=(--trace-steps "$STEP_TRACE_DIR/steps_$method.jsonl")
-  python3 -m flashtree.cli serve --model "$MODEL" --random-weights --spec "$method" "${draft_flags[@]}" \
+  python3 -m flashtree.cli serve --model "$MODEL" --random-weights --spec "$spec" "${draft_flags[@]}" "${label_flags[@]}" \
     --max-running 32 --max-context 1024 --port "$port" --log-level warning $EXTRA \
     >"${LOG_DIR:-$OUT_DIR}/serve_$method.log" 2>&1 &
   server=$!
@@ -87,7 +92,7 @@ if [[ -n "${PAIRED:-}" ]]; then  # every server up at once, measured in alternat
   done
   python3 benchmarks/load_paired.py "${servers[@]}" --model "$MODEL" --concurrency $LEVELS \
     --requests "${PAIRED_REQUESTS:-12}" --waves "${WAVES:-4}" --max-tokens "$MAX_TOKENS" --ignore-eos \
-    --repeats "$REPEATS" --out "$OUT_DIR/load_paired_h200_qwen3_8b_shape" 2>&1 \
+    --repeats "$REPEATS" --client-processes "${CLIENT_PROCESSES:-1}" --out "$OUT_DIR/load_paired_h200_qwen3_8b_shape" 2>&1 \
     | tee "$OUT_DIR/load_paired_progress.txt" | tail -40  # (the progress file keeps what a timed-out run printed)
   kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null || true
   exit 0
@@ -98,6 +103,7 @@ for method in $METHODS; do
   wait_healthy "$method" "$PORT" "$server"
   python3 benchmarks/load_test.py --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
     --concurrency $LEVELS --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP --repeats "$REPEATS" \
+    --client-processes "${CLIENT_PROCESSES:-1}" \
     --out "$OUT_DIR/load_h200_qwen3_8b_shape_$method" 2>&1 | tee "$OUT_DIR/load_progress_$method.txt" | tail -8
   kill $server; wait $server 2>/dev/null || true
 done

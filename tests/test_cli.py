@@ -119,3 +119,22 @@ def test_triton_switches_reach_the_engine_config():
         assert (generate.triton_tree, generate.triton_attention) == (tree, attention)
     assert parser.parse_args(["regenerate"]).triton_attention is True
     assert parser.parse_args(["regenerate", "--no-triton-attention"]).triton_attention is False
+
+
+def test_serve_http_and_loop_choices_reach_uvicorn_and_bad_ones_are_refused():
+    """--http / --loop pick uvicorn's protocol and event loop (auto by default); a ServerConfig
+    with anything else names the flag and the choices."""
+    from flashtree.cli import build_parser
+    from flashtree.server.cli import config_from_args
+    from flashtree.server.config import ServerConfig
+
+    parser = build_parser()
+    default = config_from_args(parser.parse_args(["serve"]))
+    assert (default.http, default.loop) == ("auto", "auto")
+    chosen = config_from_args(parser.parse_args(["serve", "--http", "h11", "--loop", "asyncio"]))
+    assert (chosen.http, chosen.loop) == ("h11", "asyncio")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--http", "h2"])
+    for bad, flag in ((dict(http="h2"), "--http"), (dict(loop="trio"), "--loop")):
+        with pytest.raises(ConfigError, match=f"{flag} must be one of auto, "):
+            ServerConfig(engine=EngineConfig(), model_name="m", **bad)

@@ -411,6 +411,21 @@ print("ok", frozen)
     assert out.stdout.startswith("ok ")
 
 
+def test_h11_and_asyncio_serve_the_same_streams_as_the_default_stack(plain_server):
+    """``--http h11 --loop asyncio`` (pure Python) and the default (httptools + uvloop when
+    installed) are both uvicorn's: the same greedy stream either way, and the choice is the one used."""
+    import dataclasses
+
+    config = dataclasses.replace(server_config(plain_server.engine.config.model, api_key=API_KEY, **ENGINE_LIMITS),
+                                 http="h11", loop="asyncio")
+    with ServerThread(config) as pure_python:
+        assert pure_python.server.config.http_protocol_class.__name__ == "H11Protocol"
+        streams = [streamed_chat(s, messages=CHAT, max_tokens=10, **GREEDY)[0] for s in (pure_python, plain_server)]
+    assert streams[0] == streams[1] and streams[0]
+    expected = "HttpToolsProtocol" if importlib.util.find_spec("httptools") else "H11Protocol"
+    assert plain_server.server.config.http_protocol_class.__name__ == expected
+
+
 def test_serve_refuses_a_kv_cache_larger_than_memory(tmp_path, capsys):
     target = save_tiny_chat_model(tmp_path / "target")
     status = flashtree_main(["serve", "--model", str(target), "--device", "cpu", "--port", "0",

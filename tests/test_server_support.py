@@ -69,7 +69,7 @@ class ServerThread:
     def __init__(self, config: ServerConfig, wait_ready: bool = True):
         self.app = create_app(config)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+                                                    http=config.http, loop=config.loop, timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.wait_ready = wait_ready
         self.url = ""

@@ -17,7 +17,7 @@ import os
 from flashtree.cli import adaptive_spec_of, add_model_args
 from flashtree.config import EngineConfig, SpecConfig
 from flashtree.errors import FlashtreeError
-from flashtree.server.config import LOOPBACK, ServerConfig
+from flashtree.server.config import EVENT_LOOPS, HTTP_IMPLEMENTATIONS, LOOPBACK, ServerConfig
 
 API_KEY_ENV = "FLASHTREE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -38,6 +38,10 @@ def register(subparsers) -> None:
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for torch (default: torch's choice; 1 helps on a busy shared CPU)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    serve.add_argument("--http", default="auto", choices=HTTP_IMPLEMENTATIONS,
+                       help="uvicorn's HTTP protocol (default auto: httptools when installed, else h11)")
+    serve.add_argument("--loop", default="auto", choices=EVENT_LOOPS,
+                       help="uvicorn's event loop (default auto: uvloop when installed, else asyncio)")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -55,7 +59,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         trace_steps=args.trace_steps, adaptive_spec=adaptive_spec_of(args), queue_plain_rounds=args.queue_plain_rounds)
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                        log_level=args.log_level, freeze_gc=True)
+                        log_level=args.log_level, freeze_gc=True, http=args.http, loop=args.loop)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -93,7 +97,7 @@ def serve(config: ServerConfig) -> None:
 
     app = create_app(config, on_load_failure=stop_on_failure)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           http=config.http, loop=config.loop, timeout_graceful_shutdown=5))
     server.run()
     if failures:
         err = failures[0]

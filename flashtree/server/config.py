@@ -8,6 +8,8 @@ from flashtree.config import EngineConfig
 from flashtree.errors import ConfigError
 
 LOOPBACK = "127.0.0.1"
+HTTP_IMPLEMENTATIONS = ("auto", "h11", "httptools")  # uvicorn's HTTP/1.1 protocols (auto: httptools if installed)
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")  # uvicorn's event loops (auto: uvloop if installed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,11 +21,17 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     log_level: str = "info"
     freeze_gc: bool = False  # after loading, exempt startup objects from garbage collection (the CLI's own process)
+    http: str = "auto"  # uvicorn's HTTP protocol: streamed tokens are parsed and framed in C with httptools
+    loop: str = "auto"  # uvicorn's event loop
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port!r}")
         if not self.model_name:
             raise ConfigError("--served-model-name must not be empty")
+        if self.http not in HTTP_IMPLEMENTATIONS:
+            raise ConfigError(f"--http must be one of {', '.join(HTTP_IMPLEMENTATIONS)}, got {self.http!r}")
+        if self.loop not in EVENT_LOOPS:
+            raise ConfigError(f"--loop must be one of {', '.join(EVENT_LOOPS)}, got {self.loop!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
