@@ -30,7 +30,7 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import one_request, run_level, write_report  # noqa: E402
+from load_test import add_client_processes_arg, one_request, run_level, write_report  # noqa: E402
 
 
 def parse_servers(entries: list[str]) -> dict[str, str]:
@@ -91,7 +91,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Paired load test ({', '.join(names)}; baseline {baseline})", "", f"`{report['command']}`", "",
              f"{report['repeats']} repeats, each level run on every server back to back (order rotating); "
              f"max({report['requests']}, {report['waves']} x concurrency) streamed chat requests per pass, "
-             f"max_tokens={report['max_tokens']}, ignore_eos={report['ignore_eos']}; client on {report['client']}.",
+             f"max_tokens={report['max_tokens']}, ignore_eos={report['ignore_eos']}; client on {report['client']} "
+             f"({report.get('client_processes', 1)} client processes).",
              "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for level in report["levels"]:
         by = level["by_server"]
@@ -128,7 +129,7 @@ async def run(args, servers: dict[str, str]) -> dict:
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "servers": names, "baseline": args.baseline,
         "urls": servers, "model": args.model, "requests": args.requests, "waves": args.waves,
         "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "client_processes": args.client_processes,
         "client": f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "levels": [{"concurrency": c, "by_server": summarize(by_level[c], args.baseline)} for c in args.concurrency],
     }
@@ -148,10 +149,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (flashtree extension)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--repeats", type=int, default=4)
+    add_client_processes_arg(parser)
     parser.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.requests < 1 or args.waves < 1:
-        parser.error("--repeats, --requests and --waves must be >= 1")
+    if args.repeats < 1 or args.requests < 1 or args.waves < 1 or args.client_processes < 1:
+        parser.error("--repeats, --requests, --waves and --client-processes must be >= 1")
     return args
 
 

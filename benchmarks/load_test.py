@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -102,25 +105,101 @@ async def one_request(client: openai.AsyncOpenAI, args, prompt: str) -> RequestR
 
 
 async def run_level(client: openai.AsyncOpenAI, args, concurrency: int) -> dict:
-    """Keep ``concurrency`` requests in flight until max(``args.requests``, concurrency) are done."""
+    """Keep ``concurrency`` requests in flight until max(``args.requests``, concurrency) are done;
+    with ``args.client_processes`` > 1 they are shared out over that many client processes."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.requests, concurrency))]
+    before = await rounds_by_nodes(args.base_url)
+    if getattr(args, "client_processes", 1) > 1:
+        results, start, end = await _drive_in_processes(args, prompts, concurrency)
+    else:
+        results, start, end = await _drive(client, args, prompts, concurrency)
+    level = summarize(concurrency, results, end - start)
+    level["load_average_1m"] = os.getloadavg()[0]  # this machine's load at the end (shared hosts are noisy)
+    after = await rounds_by_nodes(args.base_url)
+    level["rounds_by_nodes"] = None if after is None else {
+        n: count - (before or {}).get(n, 0) for n, count in after.items() if count > (before or {}).get(n, 0)}
+    return level
+
+
+async def _drive(client: openai.AsyncOpenAI, args, prompts: list[str], concurrency: int
+                 ) -> tuple[list[RequestResult], float, float]:
+    """``prompts`` sent with ``concurrency`` in flight; the results and the start and end times."""
     queue: asyncio.Queue[str] = asyncio.Queue()
-    for i in range(max(args.requests, concurrency)):
-        queue.put_nowait(PROMPTS[i % len(PROMPTS)])
+    for prompt in prompts:
+        queue.put_nowait(prompt)
     results: list[RequestResult] = []
 
     async def worker() -> None:
         while not queue.empty():
             results.append(await one_request(client, args, queue.get_nowait()))
 
-    before = await rounds_by_nodes(args.base_url)
     start = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
-    level = summarize(concurrency, results, time.perf_counter() - start)
-    level["load_average_1m"] = os.getloadavg()[0]  # this machine's load at the end (shared hosts are noisy)
-    after = await rounds_by_nodes(args.base_url)
-    level["rounds_by_nodes"] = None if after is None else {
-        n: count - (before or {}).get(n, 0) for n, count in after.items() if count > (before or {}).get(n, 0)}
-    return level
+    return results, start, time.perf_counter()
+
+
+# Client processes (--client-processes): one Python process reading every stream parses each SSE
+# event (httpx + the openai client's pydantic models, tens of microseconds each); at thousands of
+# events per second it can become what a test measures. Each process keeps its own event loop
+# and one client per server (connections stay open between levels).
+_POOL: concurrent.futures.ProcessPoolExecutor | None = None
+_WORKER_LOOP: asyncio.AbstractEventLoop | None = None
+_WORKER_CLIENTS: dict[str, openai.AsyncOpenAI] = {}
+START_DELAY_S = 0.2  # the processes start their share together, this long after it was sent
+
+
+def _pool(processes: int) -> concurrent.futures.ProcessPoolExecutor:
+    global _POOL
+    if _POOL is None or _POOL._max_workers != processes:
+        _POOL = concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+    return _POOL
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``items`` dealt round robin into ``parts`` lists (the first ones one longer)."""
+    return [items[i::parts] for i in range(parts)]
+
+
+async def _drive_in_processes(args, prompts: list[str], concurrency: int) -> tuple[list[RequestResult], float, float]:
+    """:func:`_drive` shared out over ``args.client_processes`` processes: each keeps its share of
+    ``concurrency`` in flight over its share of ``prompts``, all starting at one moment (the
+    monotonic clock is the machine's, so the processes' times compare)."""
+    processes = min(args.client_processes, concurrency)
+    pool = _pool(args.client_processes)
+    shares = [len(share) for share in split_evenly(list(range(concurrency)), processes)]
+    start_at = time.perf_counter() + START_DELAY_S
+    settings = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    futures = [asyncio.wrap_future(pool.submit(_process_share, settings, share_prompts, share, start_at))
+               for share_prompts, share in zip(split_evenly(prompts, processes), shares)]
+    parts = await asyncio.gather(*futures)
+    return ([r for results, _, _ in parts for r in results], min(p[1] for p in parts), max(p[2] for p in parts))
+
+
+def _process_share(settings: dict, prompts: list[str], concurrency: int, start_at: float
+                   ) -> tuple[list[RequestResult], float, float]:
+    """In a client process: wait for ``start_at``, then :func:`_drive` its share."""
+    global _WORKER_LOOP
+    args = argparse.Namespace(**settings)
+    if _WORKER_LOOP is None:
+        _WORKER_LOOP = asyncio.new_event_loop()
+        asyncio.set_event_loop(_WORKER_LOOP)
+        atexit.register(_close_worker_clients)
+    client = _WORKER_CLIENTS.get(args.base_url)
+    if client is None:
+        client = _WORKER_CLIENTS[args.base_url] = openai.AsyncOpenAI(
+            base_url=args.base_url, api_key=args.api_key or "none", max_retries=0, timeout=args.timeout)
+
+    async def share() -> tuple[list[RequestResult], float, float]:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        return await _drive(client, args, prompts, concurrency)
+
+    return _WORKER_LOOP.run_until_complete(share())
+
+
+def _close_worker_clients() -> None:
+    """At a client process's exit: its clients closed on its loop (no pending stream tasks left)."""
+    _WORKER_LOOP.run_until_complete(asyncio.gather(*(c.close() for c in _WORKER_CLIENTS.values())))
+    _WORKER_LOOP.close()
 
 
 ROUND_NODES_METRIC = "flashtree_spec_batch_rounds_total"
@@ -242,7 +321,8 @@ async def run(args) -> dict:
     return {
         "base_url": args.base_url, "model": args.model, "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "requests_per_level": args.requests, "max_tokens": args.max_tokens, "temperature": args.temperature,
-        "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats, "client": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
+        "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats,
+        "client_processes": args.client_processes, "client": f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}", "levels": levels,
     }
 
@@ -264,8 +344,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "CUDA graphs and settled its speculation policy; a fresh one has not)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="measured passes over the levels; each level reports its median-throughput pass")
+    add_client_processes_arg(parser)
     parser.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.md")
     return parser.parse_args(argv)
+
+
+def add_client_processes_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="share each level's streams out over this many client processes (one process "
+                             "parsing thousands of SSE events a second can be the bottleneck)")
 
 
 def write_report(out_prefix: str, report: dict, table: str) -> None:
