@@ -87,12 +87,23 @@ class RequestStream:
         self.request_id: str | None = None  # set by the engine thread at admission
 
     async def __aiter__(self) -> AsyncIterator[GenerationDelta]:
+        async for batch in self.batches():
+            for delta in batch:
+                yield delta
+
+    async def batches(self) -> AsyncIterator[list[GenerationDelta]]:
+        """The deltas in batches: each waits for one, then takes every delta already queued behind
+        it (several when the reader fell behind the engine: a stream then sends them in one write)."""
         while not self.finished:
-            delta = await self.deltas.get()
-            self.finished = delta.finished
-            if delta.error is not None:
-                raise EngineFailure(delta.error)
-            yield delta
+            batch = [await self.deltas.get()]
+            while not batch[-1].finished and not self.deltas.empty():
+                batch.append(self.deltas.get_nowait())
+            self.finished = batch[-1].finished  # (an error delta is a last one)
+            if batch[-1].error is not None:
+                if len(batch) > 1:
+                    yield batch[:-1]
+                raise EngineFailure(batch[-1].error)
+            yield batch
 
 
 @dataclasses.dataclass(frozen=True)
