@@ -594,25 +594,24 @@ class SpecPolicy:
             interval = self.config.probe_interval
         elif probed_rate is not None and best_rate is not None and probed_rate < DOMINATED * best_rate:
             interval = max(self.config.max_probe_interval,  # it would take a 2x change to matter
-                           self._interval_for_cost(bucket, probed, best, probe_rounds))
+                           self._interval_for_cost(bucket, probed, best, probe_rounds, probed_rate / best_rate))
         elif probed_rate is not None and best_rate is not None and probed_rate < BACKOFF_BELOW * best_rate:
             interval = max(min(2 * interval, self.config.max_probe_interval),
-                           self._interval_for_cost(bucket, probed, best, probe_rounds))
+                           self._interval_for_cost(bucket, probed, best, probe_rounds, probed_rate / best_rate))
         self._interval[bucket] = interval
         self._next_probe[bucket] = self._rounds[bucket] + interval
 
-    def _interval_for_cost(self, bucket: int, probed: int, best: int, probe_rounds: int) -> int:
+    def _interval_for_cost(self, bucket: int, probed: int, best: int, probe_rounds: int, rate_ratio: float) -> int:
         """The fewest rounds of ``bucket`` between probes of ``probed`` that keep their cost within
         ``probe_cost_share`` of the bucket's time (0 without a share): a probe's ``probe_rounds``
         rounds lose the time it would take the best option to make their tokens faster,
-        ``rounds x seconds(probed) x (1 - rate(probed) / rate(best))``, against
+        ``rounds x seconds(probed) x (1 - rate_ratio)`` (rate_ratio: rate(probed) / rate(best)), against
         ``interval x seconds(best)`` of the rounds in between (see "Probe cost" above)."""
         share = self.config.probe_cost_share
         probed_seconds, best_seconds = self._seconds.get((bucket, probed)), self._seconds.get((bucket, best))
-        probed_rate, best_rate = self._per_row(bucket, probed), self._per_row(bucket, best)
-        if share is None or probed_seconds is None or best_seconds is None or not best_rate or probed_rate is None:
+        if share is None or probed_seconds is None or best_seconds is None:
             return 0
-        lost = probe_rounds * probed_seconds.value * max(0.0, 1.0 - probed_rate / best_rate)
+        lost = probe_rounds * probed_seconds.value * max(0.0, 1.0 - rate_ratio)
         return math.ceil(lost / (share * max(best_seconds.value, 1e-9)))
 
 
