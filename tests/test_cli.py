@@ -138,3 +138,26 @@ def test_serve_http_and_loop_choices_reach_uvicorn_and_bad_ones_are_refused():
     for bad, flag in ((dict(http="h2"), "--http"), (dict(loop="trio"), "--loop")):
         with pytest.raises(ConfigError, match=f"{flag} must be one of auto, "):
             ServerConfig(engine=EngineConfig(), model_name="m", **bad)
+
+
+def test_serve_switch_interval_is_validated_and_set_only_while_serving():
+    """--switch-interval-ms reaches the config (None by default: Python's own), a value outside
+    (0, 1000] names the flag, and the interval holds only inside ``switch_interval``."""
+    import sys
+
+    from flashtree.cli import build_parser
+    from flashtree.server.cli import config_from_args, switch_interval
+    from flashtree.server.config import ServerConfig
+
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["serve"])).switch_interval_ms is None
+    assert config_from_args(parser.parse_args(["serve", "--switch-interval-ms", "0.5"])).switch_interval_ms == 0.5
+    for bad in (0, -1.0, 2000.0, "fast"):
+        with pytest.raises(ConfigError, match=r"--switch-interval-ms must be in \(0, 1000\]"):
+            ServerConfig(engine=EngineConfig(), model_name="m", switch_interval_ms=bad)
+    before = sys.getswitchinterval()
+    with switch_interval(0.5):
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    assert sys.getswitchinterval() == before
+    with switch_interval(None):
+        assert sys.getswitchinterval() == before

@@ -11,8 +11,10 @@ while ``/health`` answers 503; a load failure stops the server with exit status 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import sys
 
 from flashtree.cli import adaptive_spec_of, add_model_args
 from flashtree.config import EngineConfig, SpecConfig
@@ -42,6 +44,9 @@ def register(subparsers) -> None:
                        help="uvicorn's HTTP protocol (default auto: httptools when installed, else h11)")
     serve.add_argument("--loop", default="auto", choices=EVENT_LOOPS,
                        help="uvicorn's event loop (default auto: uvloop when installed, else asyncio)")
+    serve.add_argument("--switch-interval-ms", type=float, default=None,
+                       help="the interpreter's thread switch interval while serving, in ms: the longest the HTTP "
+                            "side keeps the interpreter lock from a waiting engine thread (default: Python's 5 ms)")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -59,7 +64,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         trace_steps=args.trace_steps, adaptive_spec=adaptive_spec_of(args), queue_plain_rounds=args.queue_plain_rounds)
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                        log_level=args.log_level, freeze_gc=True, http=args.http, loop=args.loop)
+                        log_level=args.log_level, freeze_gc=True, http=args.http, loop=args.loop,
+                        switch_interval_ms=args.switch_interval_ms)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -81,6 +87,18 @@ def set_cpu_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def switch_interval(milliseconds: float | None):
+    """The interpreter's thread switch interval set to ``milliseconds`` inside, restored after (None: unchanged)."""
+    before = sys.getswitchinterval()
+    if milliseconds is not None:
+        sys.setswitchinterval(milliseconds / 1000)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
 def serve(config: ServerConfig) -> None:
     """Run until interrupted; raises the load error if the model cannot be loaded."""
     import uvicorn
@@ -98,7 +116,8 @@ def serve(config: ServerConfig) -> None:
     app = create_app(config, on_load_failure=stop_on_failure)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            http=config.http, loop=config.loop, timeout_graceful_shutdown=5))
-    server.run()
+    with switch_interval(config.switch_interval_ms):
+        server.run()
     if failures:
         err = failures[0]
         raise err if isinstance(err, FlashtreeError) else FlashtreeError(f"the model failed to load: {err}")

@@ -23,6 +23,9 @@ class ServerConfig:
     freeze_gc: bool = False  # after loading, exempt startup objects from garbage collection (the CLI's own process)
     http: str = "auto"  # uvicorn's HTTP protocol: streamed tokens are parsed and framed in C with httptools
     loop: str = "auto"  # uvicorn's event loop
+    # the interpreter's thread switch interval while serving (sys.setswitchinterval), in ms: how long
+    # the event loop may keep the interpreter lock from the engine thread that waits for it (None: Python's 5 ms)
+    switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -33,5 +36,9 @@ class ServerConfig:
             raise ConfigError(f"--http must be one of {', '.join(HTTP_IMPLEMENTATIONS)}, got {self.http!r}")
         if self.loop not in EVENT_LOOPS:
             raise ConfigError(f"--loop must be one of {', '.join(EVENT_LOOPS)}, got {self.loop!r}")
+        if self.switch_interval_ms is not None and (isinstance(self.switch_interval_ms, bool) or not (
+                isinstance(self.switch_interval_ms, (int, float))
+                and 0 < self.switch_interval_ms <= 1000)):
+            raise ConfigError(f"--switch-interval-ms must be in (0, 1000], got {self.switch_interval_ms!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
