@@ -17,6 +17,8 @@ Algorithm (DESIGN.md section 4): depth by depth, expand the kept prefixes of dep
 top-K tokens of depth d, keep the best B of depth d, then take each row's best ``budget`` over
 all depths. Order among equal weights: shallower first, then lexicographically smaller ranks.
 Nodes are laid out by (depth, weight descending, ranks), so parents come before children.
+Small trees of CPU tensors take the same steps in numpy after the top-k (``tree_host.py``: the
+same tree, fewer small ops).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class _Level(NamedTuple):
 
 
 def build_tree(
-    draft_logits: torch.Tensor, budgets: torch.Tensor | int, max_budget: int, kernel: bool = False
+    draft_logits: torch.Tensor, budgets: torch.Tensor | int, max_budget: int, kernel: bool = False,
+    host: bool | None = None,
 ) -> DraftTree:
     """Best ``budgets[r]`` prefixes of each row's factorized draft distribution, as a tree.
 
@@ -66,6 +69,9 @@ def build_tree(
     (``models/gpu_kernels.expand_levels`` and ``select_nodes``; same result) where they can run:
     float32 log-probs on CUDA with Triton (or the interpreter). The engine turns it on with its
     ``triton_tree`` option.
+    host: after the top-k, build the tree with numpy on the host (``tree_host.py``; same tree), for
+    CPU tensors only. None: for CPU tensors with max_budget <= ``HOST_MAX_BUDGET`` and rows x max_budget
+    <= ``HOST_MAX_ROW_NODES``.
     """
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [R, L, V], got shape {tuple(draft_logits.shape)}")
@@ -77,6 +83,14 @@ def build_tree(
     if max_budget == 0 or depth == 0:
         return _root_only(num_rows, max_budget, draft_logits)
     top_logp, top_tokens = _top_tokens(draft_logits, min(max_budget, vocab))  # [R, L, K] x2
+    if host is None:
+        host = device.type == "cpu" and max_budget <= HOST_MAX_BUDGET and num_rows * max_budget <= HOST_MAX_ROW_NODES
+    elif host and device.type != "cpu":
+        raise ValueError(f"host=True builds trees of CPU tensors only, got draft_logits on {device}")
+    if host:
+        from flashtree.spec.tree_host import build_tree_on_host  # (it imports DraftTree from here)
+
+        return build_tree_on_host(top_logp, top_tokens, budgets, max_budget)
     if kernel and top_logp.dtype == torch.float32 and gpu_kernels.usable_on(top_logp):
         pairs = _kernel_pairs(max_budget, top_logp.shape[2], device)  # [M] x2
         weights, parents, tokens = gpu_kernels.expand_levels(top_logp, top_tokens, max_budget, *pairs)  # [R, L, B] x3
@@ -87,6 +101,12 @@ def build_tree(
         levels = _expand_levels(top_logp, top_tokens, max_budget)
     return _select_nodes(levels, budgets, max_budget)
 
+
+# CPU trees are built on the host by default (tree_host.py) up to this budget and rows x budget:
+# the crossover measured on a 2-core EPYC (benchmarks/results/session18/cpu_tree_host.json: the host
+# path 1.5-1.6x faster at 1 row and budget 2-32, 1.0-1.1x at 32 rows and budget 4-8, slower at budget 64)
+HOST_MAX_BUDGET = 32
+HOST_MAX_ROW_NODES = 256
 
 # depth x budget up to which the kernel path also selects the nodes in one kernel (it holds that
 # many weights per row in registers; beyond it the torch ops below do it)
