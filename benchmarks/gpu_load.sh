@@ -17,7 +17,9 @@
 # A method may be SPEC@LABEL: that --spec with the extra serve flags in $FLAGS_LABEL (see start_server).
 # PAIRED=1 starts every method's server at once (ports PORT, PORT+1, ...) and measures them in
 # alternation with benchmarks/load_paired.py (REPEATS repeats, PAIRED_REQUESTS and WAVES per pass),
-# so drift of the machine hits all of them alike. TRACE_DIR=dir writes each server's policy trace
+# so drift of the machine hits all of them alike. WAVES defaults to 8: a 32-row pass of 4 waves lasts
+# about 3 s on the H200, and such passes spread 0.93-0.99 between servers running identical rounds
+# (8 waves: 0.996-1.014; benchmarks/README.md, "Eighteenth session"). TRACE_DIR=dir writes each server's policy trace
 # (--trace-policy; the plain server's has its round times) to dir/policy_METHOD.jsonl.
 # STEP_TRACE_DIR=dir writes each server's step trace (--trace-steps: round, prefill and the gap
 # before each engine step; the same short line on every server) to dir/steps_METHOD.jsonl.
@@ -91,7 +93,7 @@ if [[ -n "${PAIRED:-}" ]]; then  # every server up at once, measured in alternat
     port=$((port + 1)) i=$((i + 1))
   done
   python3 benchmarks/load_paired.py "${servers[@]}" --model "$MODEL" --concurrency $LEVELS \
-    --requests "${PAIRED_REQUESTS:-12}" --waves "${WAVES:-4}" --max-tokens "$MAX_TOKENS" --ignore-eos \
+    --requests "${PAIRED_REQUESTS:-12}" --waves "${WAVES:-8}" --max-tokens "$MAX_TOKENS" --ignore-eos \
     --repeats "$REPEATS" --client-processes "${CLIENT_PROCESSES:-1}" --out "$OUT_DIR/load_paired_h200_qwen3_8b_shape" 2>&1 \
     | tee "$OUT_DIR/load_paired_progress.txt" | tail -40  # (the progress file keeps what a timed-out run printed)
   kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null || true
