@@ -4,7 +4,7 @@ the torch ops (``build_tree(..., host=False)``), by rows and budget; both give t
 Drafter logits are random float32 at SmolLM2's vocabulary (49,152) and the shipped drafter's depth
 (block 8: 7 positions; a tree of n nodes needs min(n, 7) of them, as ``DDTreeProposer`` asks).
 Median of ``--reps`` builds after 3 warm-up builds, the two paths in alternation. The crossover
-sets ``tree.HOST_MAX_ROW_NODES``.
+sets ``tree.HOST_MAX_BUDGET`` and ``tree.HOST_MAX_ROW_NODES``.
 
     python benchmarks/cpu_tree_host.py [--rows 1,4,16,32] [--budgets 2,4,8,16,32,64] [--reps 30] [--out FILE]
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.environment import cpu_name
-from flashtree.spec.tree import HOST_MAX_ROW_NODES, build_tree
+from flashtree.spec.tree import HOST_MAX_BUDGET, HOST_MAX_ROW_NODES, build_tree
 
 VOCAB, MAX_DEPTH = 49152, 7
 
@@ -53,7 +53,8 @@ def main() -> None:
             results.append({"rows": rows, "budget": budget, "host_ms": round(host_ms, 4), "torch_ms": round(torch_ms, 4)})
             print(f"| {rows} | {budget} | {host_ms:.3f} | {torch_ms:.3f} | {torch_ms / host_ms:.2f} |", flush=True)
     report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "vocab": VOCAB,
-              "max_depth": MAX_DEPTH, "reps": args.reps, "host_max_row_nodes": HOST_MAX_ROW_NODES, "results": results}
+              "max_depth": MAX_DEPTH, "reps": args.reps, "host_max_budget": HOST_MAX_BUDGET,
+              "host_max_row_nodes": HOST_MAX_ROW_NODES, "results": results}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -1,10 +1,11 @@
 """DDTree's tree built with numpy on the host: the same tree as ``tree.build_tree``'s torch ops.
 
 On a CPU, small trees (the CPU default budget is 4) cost little arithmetic but many small torch
-ops: about 60 of them for a DDTree-4 round of SmolLM2 on a 2-core EPYC, 3.2 ms of a 33 ms round
-(benchmarks/README.md, "Eighteenth session"). Here the per-depth top-k and log-normalizer stay
-torch ops on the logits (the very same calls, so the same inputs), and the rest runs as a few
-numpy ops on arrays of at most ``rows x budget x K`` entries.
+ops: about 60 of them for a DDTree-4 round of SmolLM2. On a 2-core EPYC a 1-row budget-4 build
+takes 1.29 ms that way and 0.80 ms here, 0.65 ms of either being the shared top-k
+(benchmarks/cpu_tree_host.py; benchmarks/README.md, "Eighteenth session"). The per-depth top-k
+and log-normalizer stay torch ops on the logits (the very same calls, so the same inputs), and
+the rest runs as a few numpy ops on arrays of at most ``rows x budget x K`` entries.
 
 Same tree, bit for bit (tests/test_tree_host.py): the rules of ``tree.py`` restated on arrays,
 - a kept list keeps the best B candidates ordered by (weight as float32 descending, flat index
