@@ -11,7 +11,7 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.engine.spec_policy import SpecPolicyConfig
-from tests.dflash_helpers import PassThroughGraphs, one_thread, tiny_pair
+from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, one_thread, tiny_pair
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
 
 ENGINE = dict(max_running=3, max_context=96, prefill_chunk=8)  # few slots: finished rows' slots are reused
@@ -106,6 +106,9 @@ def test_queued_rounds_catch_the_drafter_up_when_a_lag_fills(pair, plain, monkey
     monkeypatch.setattr(proposer_module, "LAG_CAPACITY", 4)
     llm = queued_llm(pair, "ddtree", graphed)
     engine = llm.engine
+    # one tree round, then plain rounds: the measured policy's choice depends on round times (a CI
+    # machine on which the tiny tree rounds were cheap enough kept drafting, and caught up twice)
+    engine.policy = ScriptedNodes([max(engine.policy.ladder)] + [0] * 60)
     catch_ups = []
     real = engine.runner.launch_plain_after
 
@@ -126,7 +129,7 @@ def test_queued_rounds_catch_the_drafter_up_when_a_lag_fills(pair, plain, monkey
                 assert int(drafter_lengths[req.slot]) == req.committed_length - req.drafter_lag
                 assert 0 <= req.drafter_lag <= 4  # (a full lag is caught up at the next round)
     assert [r.output_ids for r in reqs] == [o.token_ids for o in plain.generate(prompts, params)]
-    assert sum(catch_ups) >= 4 and engine.queued_rounds >= 15
+    assert sum(catch_ups) >= 8 and engine.queued_rounds >= 30  # (39 rounds after the first token)
 
 
 def test_queue_setting_is_validated():
