@@ -68,24 +68,6 @@ def test_tree_attention_node_equals_its_plain_decode_step():
         assert torch.equal(step[:, :, 0], tree[:, :, i]), f"node {i}"
 
 
-def test_tree_attention_key_blocks_give_the_per_key_bits():
-    """Scores of 8 keys at a time (the reduction of each key's lanes done for the block at once) are
-    bit-identical to one dot product per key: rows of different lengths (blocks cut short), windows,
-    one to 32 queries, head sizes 64 and 128 (registers) and 48 (any size)."""
-    generator = torch.Generator().manual_seed(3)
-    shapes = [(1, 9, 3, 1, 64, 450, None), (3, 9, 3, 5, 64, 97, None), (2, 8, 8, 32, 128, 300, None),
-              (2, 4, 2, 3, 128, 33, 16), (2, 6, 3, 4, 48, 71, 10), (1, 9, 3, 9, 64, 5, 3)]
-    for rows, heads, kv_heads, n, head_dim, context, window in shapes:
-        k_cache, v_cache = torch.randn(2, rows + 1, kv_heads, context + n + 3, head_dim, generator=generator).unbind(0)
-        q = torch.randn(rows, heads, n, head_dim, generator=generator)
-        lengths = torch.tensor([max(context - 7 * r, 0) for r in range(rows)])
-        mask = (torch.rand(rows, n, n, generator=generator) > 0.4) | torch.eye(n, dtype=torch.bool)
-        slots = torch.arange(rows) + 1
-        blocked = cpu_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, mask, window)
-        per_key = cpu_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, mask, window, key_blocks=False)
-        assert torch.equal(blocked, per_key), (rows, heads, kv_heads, n, head_dim, context, window)
-
-
 @pytest.mark.skipif("avx2" not in cpu_quant_linear.cpu_flags(), reason="needs an AVX2 CPU")
 def test_avx2_build_of_the_fused_ops(monkeypatch):
     """The AVX2 build's silu, attention and the other fused ops (its own vector exp), also on a CPU
@@ -99,6 +81,5 @@ def test_avx2_build_of_the_fused_ops(monkeypatch):
         torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, rtol=1e-5, atol=1e-5)
         _check(compare("cpu", torch.float32, backend="cpu") | compare_attention("cpu", torch.float32, backend="cpu"), 1e-4)
         test_tree_attention_node_equals_its_plain_decode_step()
-        test_tree_attention_key_blocks_give_the_per_key_bits()
     finally:
         quant.load_kernels.cache_clear()

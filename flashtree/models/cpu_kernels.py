@@ -91,15 +91,11 @@ def handles_attention(new_tokens: int) -> bool:
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
-                   key_blocks: bool = True) -> torch.Tensor:
+                   lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """As :func:`gpu_kernels.tree_attention` (in C++, one task per row and head on torch's threads):
     q ``[B, H, N, D]`` over each row's committed cache entries and the new tokens its ``new_mask``
     allows. A query's result is bit-identical whatever shares the call: a tree node gets exactly
-    what plain decoding computes once its ancestors are committed. ``key_blocks``: scores of 8 keys
-    at a time (head_dim a multiple of 16), bit-identical to one dot product per key (``False``,
-    kept for tests and benchmarks) and 1.3-1.9x faster on the attention alone (cache-warm, 2-core
-    EPYC; ``benchmarks/cpu_attention_blocks.py``)."""
+    what plain decoding computes once its ancestors are committed."""
     b, heads, n, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
@@ -110,5 +106,5 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     load_kernels().flashtree_tree_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), mask.data_ptr(),
         out.data_ptr(), b, n, heads, kv_heads, head_dim, window or 0, head_dim ** -0.5,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), torch.get_num_threads(), int(key_blocks))
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), torch.get_num_threads())
     return out

@@ -91,10 +91,7 @@ inline void v_store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 v_add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 v_mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline __m256 v_halves(V16 a) {  // the two 8-lane halves added (high + low)
-  return _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)),
-                       _mm512_castps512_ps256(a.v));
-}
+inline float v_sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 v_from_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }  // 16 int8
 inline V16 v_from_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))}; }  // 16 uint8
 inline V16 v_fnmadd(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
@@ -113,7 +110,12 @@ inline void v_store(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_
 inline V16 v_add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V16 v_mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline __m256 v_halves(V16 a) { return _mm256_add_ps(a.lo, a.hi); }  // the two 8-lane halves added
+inline float v_sum(V16 a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
 inline V16 v_from_i8(__m128i q) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
 }
@@ -135,16 +137,6 @@ inline __m256 pow2_8(__m256 n) {  // 2^n for integral n in [-126, 127], through 
 inline V16 v_times_pow2(V16 a, V16 n) { return {_mm256_mul_ps(a.lo, pow2_8(n.lo)), _mm256_mul_ps(a.hi, pow2_8(n.hi))}; }
 inline V16 v_div(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 #endif
-
-// The sum of the 16 lanes: the 8-lane halves, then the 4-lane halves, then lanes 0 + 2 and 1 + 3,
-// then those two (GCC's _mm512_reduce_add_ps order, spelled out so that every compiler and both
-// builds keep it: block_scores reproduces it for 8 keys at once).
-inline float v_sum(V16 a) {
-  const __m256 s = v_halves(a);
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
 
 // exp(x) for x in [-87.3, 88.3] (clamped there): the Cephes polynomial of r = x - n ln 2, times 2^n
 inline V16 v_exp(V16 x) {
@@ -317,75 +309,6 @@ inline float dot_product(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// ---- attention scores of one query against a block of KEY_BLOCK keys (head_dim % 16 == 0)
-// Each key's 16-lane accumulator is reduced in v_sum's order, for all the block's keys at once:
-// the same bits as dot_product per key, without a horizontal sum each.
-constexpr int KEY_BLOCK = 8;
-
-// [x^a | x^b] with x_k = s_k + s_(k+4), from the 8-lane sums s^a, s^b of keys a and b
-inline __m256 quarter_sums(__m256 sa, __m256 sb) {
-  return _mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20), _mm256_permute2f128_ps(sa, sb, 0x31));
-}
-
-// 4 keys' dot products with q, each left as the pair (x_0 + x_2, x_1 + x_3):
-// [y^0_0, y^0_1, y^2_0, y^2_1 | y^1_0, y^1_1, y^3_0, y^3_1]
-inline __m256 four_dot_pairs(const float* q, const float* const* k, int64_t head_dim) {
-  V16 a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-  for (int64_t d = 0; d < head_dim; d += 16) {
-    const V16 qd = v_load(q + d);
-    a0 = v_fmadd(qd, v_load(k[0] + d), a0);
-    a1 = v_fmadd(qd, v_load(k[1] + d), a1);
-    a2 = v_fmadd(qd, v_load(k[2] + d), a2);
-    a3 = v_fmadd(qd, v_load(k[3] + d), a3);
-  }
-  const __m256 x01 = quarter_sums(v_halves(a0), v_halves(a1)), x23 = quarter_sums(v_halves(a2), v_halves(a3));
-  return _mm256_add_ps(_mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
-                       _mm256_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
-}
-
-// out[a] = (q . k[a]) * scale for the KEY_BLOCK keys k[0..7]: dot_product(q, k[a], head_dim) * scale
-inline void block_scores(const float* q, const float* const* k, int64_t head_dim, float scale, float* out) {
-  const __m256 sums = _mm256_hadd_ps(four_dot_pairs(q, k, head_dim), four_dot_pairs(q, k + 4, head_dim));
-  const __m256 in_order = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_ps(out, _mm256_mul_ps(in_order, _mm256_set1_ps(scale)));
-}
-
-// out = sum over keys j in [oldest, total) of p[j] * values[j] (p[j] == 0 skipped), each element a
-// chain of fmas in key order, held in CHUNKS registers of 16; returns the sum of the p[j] in key order.
-template <int CHUNKS>
-inline float weighted_values(const float* p, const float* values, int64_t oldest, int64_t total,
-                             int64_t pos_stride, float* out) {
-  V16 acc[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) acc[c] = v_zero();
-  float sum = 0.0f;
-  for (int64_t j = oldest; j < total; ++j) {
-    if (p[j] == 0.0f) continue;
-    sum += p[j];
-    const V16 pj = v_set1(p[j]);
-    const float* vj = values + j * pos_stride;
-    for (int c = 0; c < CHUNKS; ++c) acc[c] = v_fmadd(pj, v_load(vj + 16 * c), acc[c]);
-  }
-  for (int c = 0; c < CHUNKS; ++c) v_store(out + 16 * c, acc[c]);
-  return sum;
-}
-
-// weighted_values for any head_dim (the same arithmetic, accumulated in out)
-inline float weighted_values_any(const float* p, const float* values, int64_t oldest, int64_t total,
-                                 int64_t pos_stride, int64_t head_dim, float* out) {
-  for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
-  float sum = 0.0f;
-  for (int64_t j = oldest; j < total; ++j) {
-    if (p[j] == 0.0f) continue;
-    sum += p[j];
-    const float* vj = values + j * pos_stride;
-    const V16 pj = v_set1(p[j]);
-    int64_t d = 0;
-    for (; d + 16 <= head_dim; d += 16) v_store(out + d, v_fmadd(pj, v_load(vj + d), v_load(out + d)));
-    for (; d < head_dim; ++d) out[d] = fmaf(p[j], vj[d], out[d]);
-  }
-  return sum;
-}
-
 inline float inv_rms(const float* x, int64_t width, float eps) {
   float sum = 0.0f;
   for (int64_t j = 0; j < width; ++j) sum += x[j] * x[j];
@@ -467,16 +390,13 @@ void flashtree_qkv_rope_write(const float* qkv, const float* qk_norm, const floa
 // `window` ones when window > 0) and new token t where new_mask[b, i, t]. q, out: [B, H, N, D].
 // One task per (row, head) on `threads` threads; a task reads each key and value once for all N
 // queries, and every query's sums run over the keys in the same order as in a one-query call, so a
-// query's result never depends on how many queries share the call. key_blocks: scores come from
-// block_scores (the same bits as dot_product per key, which key_blocks = 0 calls; for tests and
-// benchmarks); each output is one register-held fma chain over the keys (weighted_values).
+// query's result never depends on how many queries share the call.
 void flashtree_tree_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* slots,
                               const int64_t* lengths, const uint8_t* new_mask, float* out, int64_t rows,
                               int64_t new_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window,
                               float scale, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
-                              int threads, int key_blocks) {
+                              int threads) {
   const int64_t group = heads / kv_heads, n = new_tokens;
-  const std::vector<float> zero_key(head_dim, 0.0f);  // pads the last block of keys
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * heads > 1)
   for (int64_t task = 0; task < rows * heads; ++task) {
     const int64_t b = task / heads, h = task % heads;
@@ -488,31 +408,13 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
     float* oh = out + (b * heads + h) * n * head_dim;
     const uint8_t* sees = new_mask + b * n * n;
     std::vector<float> scores(n * total), top(n, -INFINITY), sums(n, 0.0f);
-    if (key_blocks && head_dim % 16 == 0) {  // keys in blocks (the last one padded with zero keys)
-      const float* block[KEY_BLOCK];
-      float block_out[KEY_BLOCK];
-      for (int64_t j0 = oldest; j0 < total; j0 += KEY_BLOCK) {
-        const int64_t count = total - j0 < KEY_BLOCK ? total - j0 : KEY_BLOCK;
-        for (int a = 0; a < KEY_BLOCK; ++a) block[a] = a < count ? keys + (j0 + a) * pos_stride : zero_key.data();
-        for (int64_t i = 0; i < n; ++i) {
-          block_scores(qh + i * head_dim, block, head_dim, scale, block_out);
-          for (int64_t a = 0; a < count; ++a) {
-            const int64_t j = j0 + a;
-            const float s = j < committed || sees[i * n + (j - committed)] ? block_out[a] : -INFINITY;
-            scores[i * total + j] = s;
-            top[i] = s > top[i] ? s : top[i];
-          }
-        }
-      }
-    } else {
-      for (int64_t j = oldest; j < total; ++j) {
-        const float* kj = keys + j * pos_stride;
-        for (int64_t i = 0; i < n; ++i) {
-          float s = -INFINITY;
-          if (j < committed || sees[i * n + (j - committed)]) s = dot_product(qh + i * head_dim, kj, head_dim) * scale;
-          scores[i * total + j] = s;
-          top[i] = s > top[i] ? s : top[i];
-        }
+    for (int64_t j = oldest; j < total; ++j) {
+      const float* kj = keys + j * pos_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        float s = -INFINITY;
+        if (j < committed || sees[i * n + (j - committed)]) s = dot_product(qh + i * head_dim, kj, head_dim) * scale;
+        scores[i * total + j] = s;
+        top[i] = s > top[i] ? s : top[i];
       }
     }
     for (int64_t i = 0; i < n; ++i) {  // scores -> exp(score - top), 0 for keys the query does not see
@@ -529,12 +431,19 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
         si[j] = si[j] == -INFINITY ? 0.0f : e[0];
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const float* pi = scores.data() + i * total;
-      float* oi = oh + i * head_dim;
-      if (head_dim == 64) sums[i] = weighted_values<4>(pi, values, oldest, total, pos_stride, oi);
-      else if (head_dim == 128) sums[i] = weighted_values<8>(pi, values, oldest, total, pos_stride, oi);
-      else sums[i] = weighted_values_any(pi, values, oldest, total, pos_stride, head_dim, oi);
+    for (int64_t d = 0; d < n * head_dim; ++d) oh[d] = 0.0f;
+    for (int64_t j = oldest; j < total; ++j) {
+      const float* vj = values + j * pos_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = scores[i * total + j];
+        if (p == 0.0f) continue;
+        sums[i] += p;
+        float* oi = oh + i * head_dim;
+        const V16 pv = v_set1(p);
+        int64_t d = 0;
+        for (; d + 16 <= head_dim; d += 16) v_store(oi + d, v_fmadd(pv, v_load(vj + d), v_load(oi + d)));
+        for (; d < head_dim; ++d) oi[d] = fmaf(p, vj[d], oi[d]);
+      }
     }
     for (int64_t i = 0; i < n; ++i) {
       const float inv = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
@@ -631,7 +540,7 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.flashtree_qkv_rope_write.restype = lib.flashtree_tree_attention.restype = None
     lib.flashtree_qkv_rope_write.argtypes = [ptr] * 10 + [i64] * 5 + [ctypes.c_float] + [i64] * 3
-    lib.flashtree_tree_attention.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float] + [i64] * 3 + [ctypes.c_int] * 2
+    lib.flashtree_tree_attention.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float] + [i64] * 3 + [ctypes.c_int]
     return lib
 
 
