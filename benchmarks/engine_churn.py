@@ -21,10 +21,13 @@ share the machine's drift. ``--unqueued`` adds a plain engine that does not queu
 (``none-unqueued``), to show what queueing gives; ``--without-sink`` a DDTree engine that keeps the
 drafter's features as before session 15 (``ddtree-no-sink``: concatenation + ``defer``);
 ``--doubling-probes`` a DDTree engine whose probes back off by doubling alone, as before session 17
-(``ddtree-doubling-probes``: no ``probe_cost_share`` floor).
+(``ddtree-doubling-probes``: no ``probe_cost_share`` floor); ``--twin`` a second plain engine like the
+first (``none-twin``): the engines share the target's weights, so the twins' spread is what two
+engines doing the same work differ by (their KV caches, graph pools and objects), the yardstick for
+the speculative engines' gaps at a row (1% both ways in the fifteenth to eighteenth sessions).
 
     PYTHONPATH=. python benchmarks/engine_churn.py --shape qwen3-8b [--levels 1,4,16,32] [--repeats 3]
-        [--interleave pass|step|block] [--block-steps 32] [--unqueued] [--out FILE]
+        [--interleave pass|step|block] [--block-steps 32] [--unqueued] [--twin] [--out FILE]
     python benchmarks/engine_churn.py --summarize FILE      (the tables of an earlier run)
     python benchmarks/engine_churn.py --model smollm2 --levels 1,4 --repeats 2 --requests 4     (CPU: the shipped pair)
 
@@ -65,7 +68,7 @@ NEW_TOKENS = 128
 
 def make_engines(model: str, draft: str | None, random_weights: bool, device: str, max_running: int,
                  trace_dir: Path | None = None, unqueued: bool = False, without_sink: bool = False,
-                 doubling_probes: bool = False) -> dict:
+                 doubling_probes: bool = False, twin: bool = False) -> dict:
     dev = torch.device(device)
     base = EngineConfig(model=model, random_weights=random_weights, device=device)
     loaded = load_target(base, dev, resolve_dtype("auto", dev))
@@ -73,6 +76,7 @@ def make_engines(model: str, draft: str | None, random_weights: bool, device: st
     variants = [(m, m, None) for m in METHODS] + ([("none-unqueued", "none", False)] if unqueued else [])
     variants += [("ddtree-no-sink", "ddtree", None)] if without_sink else []
     variants += [("ddtree-doubling-probes", "ddtree", None)] if doubling_probes else []
+    variants += [("none-twin", "none", None)] if twin else []
     for name, method, queue in variants:
         spec = SpecConfig(method=method, draft=None if method == "none" else draft, budget=METHODS[method])
         trace = str(trace_dir / f"steps_{name}.jsonl") if trace_dir else None
@@ -206,6 +210,8 @@ def main() -> None:
                         "the drafter's features by concatenation + defer, not the fused sink (ddtree-no-sink)")
     parser.add_argument("--doubling-probes", action="store_true", help="add a DDTree engine whose probes back off "
                         "by doubling alone, without the probe_cost_share floor (ddtree-doubling-probes)")
+    parser.add_argument("--twin", action="store_true", help="add a second plain engine like the first (none-twin): "
+                        "the spread between engines that do the same work")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--summarize", type=Path, metavar="JSON", help="print the tables of an earlier run's --out file")
     args = parser.parse_args()
@@ -224,7 +230,7 @@ def main() -> None:
     else:
         model, draft = args.model, args.draft or str(shipped_drafter(args.model))
     engines = make_engines(model, draft, bool(args.shape), args.device, max(levels), args.trace_dir, args.unqueued,
-                           args.without_sink, args.doubling_probes)
+                           args.without_sink, args.doubling_probes, args.twin)
     vocab = next(iter(engines.values())).model.config.vocab_size
     names = list(engines)
     rows = []
