@@ -100,36 +100,13 @@ class KVCache:
         if self.commit_kernel:  # the lengths too
             gpu_kernels.commit_entries(self.storage, slots, starts, keep, keep_counts, self.lengths)
             return
-        if not (self.storage.device.type == "cpu" and self._commit_moves_on_host(slots, starts, keep)):
-            self._commit_moves_batched(slots, starts, keep)
-        self.lengths[slots] = starts + keep_counts
-
-    def _commit_moves_batched(self, slots: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor) -> None:
-        """:meth:`commit`'s moves as one gather and one scatter over every row's kept entries
-        (no host sync: capturable)."""
         n_keep = keep.shape[1]
         src = starts[:, None] + keep.clamp(min=0)  # [B, P]
         dst = starts[:, None] + torch.arange(n_keep, device=keep.device)  # [B, P]
         slot_idx = slots[:, None].expand(-1, n_keep)  # [B, P]
         moved = self.storage[:, :, slot_idx, :, src]  # [B, P, layers, 2, kv_heads, head_dim] (before writing)
         self.storage[:, :, slot_idx, :, dst] = moved
-
-    def _commit_moves_on_host(self, slots: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor) -> bool:
-        """:meth:`commit`'s moves on a CPU, one gather and scatter per row over the entries that
-        change place (``keep[b, j] != j``; an accepted path often starts in place), instead of
-        :meth:`_commit_moves_batched` over every kept entry: the same storage afterwards (each row's sources
-        are read before its writes, and rows are distinct slots). Returns False, having done
-        nothing, when two rows share a slot (then the batch-wide path's order decides)."""
-        slot_list = slots.tolist()
-        if len(set(slot_list)) != len(slot_list):
-            return False
-        for slot, start, kept in zip(slot_list, starts.tolist(), keep.clamp(min=0).tolist()):
-            moves = [(start + j, start + k) for j, k in enumerate(kept) if k != j]
-            if moves:
-                dst, src = (list(side) for side in zip(*moves))
-                entries = self.storage[:, :, slot]  # [layers, 2, kv_heads, capacity, head_dim]
-                entries[:, :, :, dst] = entries[:, :, :, src]
-        return True
+        self.lengths[slots] = starts + keep_counts
 
     def commit_prefix(self, slots: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> None:
         """Commit the first ``counts[b]`` scratch entries where they are (chains: the accepted

@@ -1,5 +1,4 @@
-"""Accept walk: hand-made trees, a plain-Python walk oracle, and the DFlash chain rule, for the
-torch ops and the host walk (verify_host.py) alike, and the two against each other."""
+"""Accept walk: hand-made trees, a plain-Python walk oracle, and the DFlash chain rule."""
 
 from __future__ import annotations
 
@@ -80,12 +79,11 @@ HAND = make_tree(tokens=[99, 10, 11, 12, 20, 21, 22, 30], parents=[-1, 0, 0, 0, 
         ({0: 12, 3: 20}, [0, 3], 20),  # 20 is a token elsewhere, but not under node 3
     ],
 )
-@pytest.mark.parametrize("host", [False, True])
-def test_hand_made_tree(choice: dict[int, int], path: list[int], bonus: int, host: bool) -> None:
+def test_hand_made_tree(choice: dict[int, int], path: list[int], bonus: int) -> None:
     target = torch.full((1, 8), -5)
     for node, y in choice.items():
         target[0, node] = y
-    result = accept_walk(HAND, target, max_depth=3, host=host)
+    result = accept_walk(HAND, target, max_depth=3)
     assert result.path[0].tolist() == path + [-1] * (4 - len(path))
     assert result.accept_lengths.tolist() == [len(path)]
     assert result.next_bonus.tolist() == [bonus]
@@ -93,33 +91,30 @@ def test_hand_made_tree(choice: dict[int, int], path: list[int], bonus: int, hos
     assert result.committed_tokens[0].tolist() == [tokens[n] for n in path] + [-1] * (4 - len(path))
 
 
-@pytest.mark.parametrize("host", [False, True])
-def test_invalid_nodes_are_never_walked_into(host: bool) -> None:
+def test_invalid_nodes_are_never_walked_into() -> None:
     # Node 2 carries the target's choice but is invalid; node 3 is an invalid child of node 1.
     tree = make_tree(tokens=[99, 10, 7, 8], parents=[-1, 0, 0, 1], valid=[True, True, False, False])
-    result = accept_walk(tree, torch.tensor([[7, 8, 0, 0]]), max_depth=2, host=host)
+    result = accept_walk(tree, torch.tensor([[7, 8, 0, 0]]), max_depth=2)
     assert result.path.tolist() == [[0, -1, -1]] and result.next_bonus.tolist() == [7]
-    result = accept_walk(tree, torch.tensor([[10, 8, 0, 0]]), max_depth=2, host=host)
+    result = accept_walk(tree, torch.tensor([[10, 8, 0, 0]]), max_depth=2)
     assert result.path.tolist() == [[0, 1, -1]] and result.next_bonus.tolist() == [8]
 
 
-@pytest.mark.parametrize("host", [False, True])
-def test_padded_nodes_of_built_tree_are_not_walked(host: bool) -> None:
+def test_padded_nodes_of_built_tree_are_not_walked() -> None:
     logits = torch.tensor([[[-10.0, 1.0, 2.0], [-10.0, 1.0, 2.0]]], dtype=torch.float64)
     tree = build_tree(logits, 2, 10)  # token 0 is never drafted; nodes 3..10 are padding
     assert tree.valid[0].tolist() == [True] * 3 + [False] * 8
     assert tree.tokens[0, 3:].eq(0).all() and tree.parents[0, 3:].eq(0).all()
     target = torch.zeros(1, 11, dtype=torch.long)  # the target wants the padding token
-    result = accept_walk(tree, target, max_depth=2, host=host)
+    result = accept_walk(tree, target, max_depth=2)
     assert result.path.tolist() == [[0, -1, -1]] and result.next_bonus.tolist() == [0]
 
 
 # ---------------------------------------------------------------- random trees vs oracle
 
 
-@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_trees_match_oracle(seed: int, host: bool) -> None:
+def test_random_trees_match_oracle(seed: int) -> None:
     rows, depth, vocab, max_budget = 8, 6, 8, 40
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, depth, vocab, generator=generator, dtype=torch.float64) * 2
@@ -136,15 +131,12 @@ def test_random_trees_match_oracle(seed: int, host: bool) -> None:
                     if tree.valid[r, k] and tree.parents[r, k] == node]
             if kids and rng.random() < 0.8:
                 choice[r, node] = tree.tokens[r, rng.choice(kids)]
-    result = accept_walk(tree, choice, max_depth=depth, host=host)
-    default = accept_walk(tree, choice, host=host)  # max_depth = N - 1: same walk, longer padding
+    result = accept_walk(tree, choice, max_depth=depth)
+    default = accept_walk(tree, choice)  # max_depth = N - 1: same walk, longer padding
     for r in range(rows):
         check_result(result, tree, choice, r)
         check_result(default, tree, choice, r)
     assert result.accept_lengths.max().item() > 2
-    other = accept_walk(tree, choice, max_depth=depth, host=not host)
-    for mine, theirs in zip(result, other):  # every field, dtype and shape included
-        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
 
 
 # ---------------------------------------------------------------- DFlash chain
@@ -158,9 +150,8 @@ def dflash_rule(draft: list[int], y: list[int]) -> tuple[int, int]:
     return k, y[k]
 
 
-@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_chain_matches_dflash_rule(seed: int, host: bool) -> None:
+def test_chain_matches_dflash_rule(seed: int) -> None:
     rows, depth, vocab = 16, 15, 3
     generator = torch.Generator().manual_seed(seed)
     draft = torch.randint(0, vocab, (rows, depth), generator=generator)
@@ -172,7 +163,7 @@ def test_chain_matches_dflash_rule(seed: int, host: bool) -> None:
     tree = tree._replace(tokens=tree.tokens.clone())
     bonus = torch.arange(rows) + 500
     tree.tokens[:, 0] = bonus
-    result = accept_walk(tree, y, max_depth=depth, host=host)
+    result = accept_walk(tree, y, max_depth=depth)
     for r in range(rows):
         k, next_bonus = dflash_rule(draft[r].tolist(), y[r].tolist())
         assert result.accept_lengths[r].item() == k + 1
@@ -187,5 +178,3 @@ def test_no_host_sync_on_meta_device() -> None:
     result = accept_walk(tree, torch.empty(3, 65, dtype=torch.long, device="meta"), max_depth=15)
     assert result.path.shape == (3, 16) and result.accept_lengths.shape == (3,)
     assert all(t.device.type == "meta" for t in result)
-    with pytest.raises(ValueError, match="host=True walks trees of CPU tensors only"):
-        accept_walk(tree, torch.empty(3, 65, dtype=torch.long, device="meta"), max_depth=15, host=True)

@@ -35,8 +35,7 @@ class AcceptResult(NamedTuple):
 
 
 def accept_walk(
-    tree: DraftTree, target_choice: torch.Tensor, max_depth: int | None = None, kernel: bool = False,
-    host: bool | None = None,
+    tree: DraftTree, target_choice: torch.Tensor, max_depth: int | None = None, kernel: bool = False
 ) -> AcceptResult:
     """Walk each row's tree along the target's choices, without host syncs.
 
@@ -44,8 +43,6 @@ def accept_walk(
     max_depth: deepest node depth (L for DDTree / DFlash); defaults to N - 1, always enough.
     kernel: walk in one Triton kernel per row (``models/gpu_kernels.accept_walk``; same result)
     where it can run (CUDA with Triton, or the interpreter).
-    host: walk with numpy (``verify_host.py``; same result); by default for CPU tensors, where
-    the torch ops' per-op cost is most of the walk's time.
     """
     num_rows, num_nodes = tree.tokens.shape
     if target_choice.shape != (num_rows, num_nodes):
@@ -58,13 +55,6 @@ def accept_walk(
     target_choice = target_choice.long()
     if kernel and gpu_kernels.usable_on(tree.tokens):
         return AcceptResult(*gpu_kernels.accept_walk(tree.tokens, tree.parents, tree.valid, target_choice, max_depth))
-    on_cpu = tree.tokens.device.type == "cpu"
-    if host and not on_cpu:
-        raise ValueError(f"host=True walks trees of CPU tensors only, got a tree on {tree.tokens.device}")
-    if on_cpu if host is None else host:
-        from flashtree.spec.verify_host import accept_walk_on_host  # (it imports AcceptResult from here)
-
-        return accept_walk_on_host(tree, target_choice, max_depth)
     on_path = _path_nodes(tree, target_choice, max_depth)  # [R, N]
     # Path nodes have distinct depths 0..len-1: each goes to the slot of its depth.
     slot = torch.where(on_path, tree.depths, max_depth + 1)  # [R, N]; others to a dump slot
