@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import flashtree.engine.engine as engine_module
+import flashtree.engine.runner as runner_module
 from flashtree import LLM, SamplingParams
 from flashtree.engine.spec_policy import SpecPolicyConfig
 from flashtree.spec.tree import build_tree, chain_tree
@@ -333,10 +334,29 @@ class RecordingPolicy:
         return self.policy.probing
 
 
+class ReadCountClock:
+    """``time`` for the engine and runner modules whose ``perf_counter`` advances 1 ms per read: a
+    round's measured time is then a count of the engine's clock reads, the same on every machine
+    and run (a drafter that always matches must not depend on a host hiccup during one timed round
+    of exploration, which once made the policy skip an option in a full CI-like run)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
 def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool, runs_ahead: bool = False) -> Counter:
     """Rounds per node count after exploration, for 4 rows of 80 tokens decoded together
     (prompts within one prefill chunk) under the policy. ``runs_ahead``: the engine acts as on a
-    device that runs ahead of the host (CUDA): the policy folds its held rounds during each round."""
+    device that runs ahead of the host (CUDA): the policy folds its held rounds during each round.
+    A drafter that matches runs on a read-count clock (its rounds cost what plain ones do); one
+    that never matches on the real clock, where its 5 ms delay makes its rounds dearer."""
     prompts = [p for p in PROMPTS if len(p) <= ENGINE["prefill_chunk"]][:4]
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     long = plain.generate(prompts, SamplingParams(max_tokens=80 + ORACLE_DEPTH + 1, ignore_eos=True))
@@ -349,6 +369,10 @@ def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool, runs_ahe
         return made[-1]
 
     monkeypatch.setattr(engine_module, "make_proposer", factory)
+    if match:
+        clock = ReadCountClock()
+        monkeypatch.setattr(engine_module, "time", clock)
+        monkeypatch.setattr(runner_module, "time", clock)
     config = SpecPolicyConfig(explore_rounds=1, probe_interval=10)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, spec_policy=config, **ENGINE)
     made[-1].engine = llm.engine
