@@ -7,15 +7,14 @@ observe of the accepted tokens and the result packing. SmolLM2 + the shipped dra
 greedy, held-out ShareGPT prompts, fixed budget (no adaptive policy). The wrappers add about 1 us
 per call.
 
-    python benchmarks/cpu_round_stages.py [--method ddtree:4] [--prompts 4] [--out FILE]
+    python benchmarks/cpu_round_stages.py [--method ddtree:4] [--prompts 4] [--draft-vocab N] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -30,21 +29,10 @@ from flashtree.bench.runner import BenchSetup, generate, load_shared_target
 from flashtree.engine.engine import LLMEngine
 from flashtree.spec.defaults import default_spec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_profile_plain import calls, seconds, timed  # noqa: E402  (the same wall-clock accumulators)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_round_stages.json"
-seconds: dict[str, float] = collections.defaultdict(float)
-calls: collections.Counter = collections.Counter()
-
-
-def timed(label: str, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds[label] += time.perf_counter() - start
-            calls[label] += 1
-    return wrapper
 
 
 def install_timers(engine: LLMEngine) -> None:
@@ -69,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="ddtree:4")
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--draft-vocab", type=int, default=None, help="draft from the N most frequent tokens")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -77,7 +66,8 @@ def main() -> None:
     method = parse_methods(args.method)[-1]  # (parse_methods puts plain decoding first)
     setup = BenchSetup(model="smollm2", draft=default_spec("smollm2", "ddtree", None)[1], block_size=None,
                        device="cpu", dtype=None, batch_size=1, max_context=2048,
-                       max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
+                       max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True,
+                       draft_vocab=args.draft_vocab)
     config = setup.engine_config(method)
     target = load_shared_target(setup, config)
     prompts = [p.encode(target.tokenizer) for p in load_prompts("sharegpt-heldout", args.prompts)]
@@ -93,6 +83,7 @@ def main() -> None:
     per_round["target forward in rounds"] = round(
         per_round["target forward (rounds + prefills)"] - 1e3 * seconds["prefill"] / rounds, 3)  # (prefills: one forward per chunk)
     out = {**environment(torch.device("cpu")), "threads": args.threads, "method": args.method,
+           "draft_vocab": args.draft_vocab,
            "prompts": len(prompts), "rounds": rounds, "tau": round(sum(accepted) / len(accepted), 3),
            "wall_s": round(wall, 3), "prefill_s": round(seconds["prefill"], 3), "ms_per_round": per_round,
            "calls": dict(calls)}

@@ -22,6 +22,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, help="DFlash drafter directory or hub id")
     parser.add_argument("--budget", type=int, default=None, help="DDTree node budget")
     parser.add_argument("--block-size", type=int, default=None, help="lower the drafter's block size")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="draft from the drafter's N most frequent tokens only (its draft_vocab.safetensors "
+                             "ranking): a cheaper draft head, lossless as ever; 0: the whole vocabulary "
+                             "(default: 16384 on a CPU when the drafter ships a ranking, else 0)")
     parser.add_argument("--adaptive-spec", action=argparse.BooleanOptionalAction, default=None,
                         help="pick each round's draft size (down to plain decoding) for the most tokens/s; "
                              "the budget becomes a maximum (default: on, except in bench)")
@@ -83,6 +87,7 @@ def llm_from_args(args, **extra):
 
     spec, draft = default_spec(args.model, args.spec, args.draft)
     return LLM(args.model, spec=spec, draft=draft, budget=args.budget, block_size=args.block_size,
+               draft_vocab=args.draft_vocab,
                device=args.device, dtype=args.dtype, random_weights=args.random_weights,
                max_context=args.max_context, max_running=args.max_running,
                trace_trees=getattr(args, "trace_trees", None), adaptive_spec=adaptive_spec_of(args),

@@ -16,6 +16,8 @@ class SpecConfig:
     draft: str | None = None  # drafter checkpoint (directory or hub id)
     budget: int | None = None  # DDTree node budget (None: the default for the device)
     block_size: int | None = None  # lower the drafter's block size (never raise it)
+    draft_vocab: int | None = None  # draft from the drafter's N most frequent tokens only (spec/draft_vocab.py);
+    # 0: the whole vocabulary; None: the device's default (draft_vocab.default_size)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -26,6 +28,12 @@ class SpecConfig:
             raise ConfigError(f"--budget must be an integer in [0, 4096], got {self.budget!r}")
         if self.block_size is not None and not (isinstance(self.block_size, int) and self.block_size >= 2):
             raise ConfigError(f"--block-size must be an integer >= 2, got {self.block_size!r}")
+        if self.draft_vocab is not None:
+            if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+                raise ConfigError(f"--draft-vocab must be an integer >= 0 (0: the whole vocabulary), "
+                                  f"got {self.draft_vocab!r}")
+            if self.method == "none" and self.draft_vocab:
+                raise ConfigError("--draft-vocab needs a drafter (--spec dflash or ddtree)")
 
 
 @dataclasses.dataclass(frozen=True)

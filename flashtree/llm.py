@@ -73,12 +73,14 @@ class RunStats:
 
 class LLM:
     """Offline batched generation. Keyword arguments are :class:`EngineConfig` fields; ``draft``,
-    ``spec``, ``budget`` and ``block_size`` build its :class:`SpecConfig`."""
+    ``spec``, ``budget``, ``block_size`` and ``draft_vocab`` build its :class:`SpecConfig`."""
 
     def __init__(self, model: str = "smollm2", *, spec: str = "none", draft: str | None = None,
-                 budget: int | None = None, block_size: int | None = None, **engine_kwargs):
+                 budget: int | None = None, block_size: int | None = None, draft_vocab: int | None = None,
+                 **engine_kwargs):
         spec, draft = default_spec(model, spec, draft)  # dflash/ddtree on smollm2: the shipped drafter
-        spec_config = SpecConfig(method=spec, draft=draft, budget=budget, block_size=block_size)
+        spec_config = SpecConfig(method=spec, draft=draft, budget=budget, block_size=block_size,
+                                 draft_vocab=draft_vocab)
         self.engine = LLMEngine(EngineConfig(model=model, spec=spec_config, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._finished: list[RequestOutput] = []  # outputs since the last stats reset

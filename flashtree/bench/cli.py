@@ -72,7 +72,8 @@ def setup_from_args(args: argparse.Namespace, needs_draft: bool):
     if needs_draft and draft is None:
         raise ConfigError(f"--methods {args.methods} has speculative methods, which need a drafter: "
                           "pass --draft PATH (or use --methods ar)")
-    return BenchSetup(model=args.model, draft=draft, block_size=args.block_size, device=args.device,
+    return BenchSetup(model=args.model, draft=draft, block_size=args.block_size, draft_vocab=args.draft_vocab,
+                      device=args.device,
                       dtype=args.dtype, batch_size=args.batch_size, max_context=args.max_context,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       ignore_eos=args.ignore_eos, random_weights=args.random_weights,

@@ -21,10 +21,11 @@ class BenchMethod:
     def is_plain(self) -> bool:
         return self.spec_method == "none"
 
-    def spec_config(self, draft: str | None, block_size: int | None) -> SpecConfig:
+    def spec_config(self, draft: str | None, block_size: int | None, draft_vocab: int | None = None) -> SpecConfig:
         if self.is_plain:
             return SpecConfig()
-        return SpecConfig(method=self.spec_method, draft=draft, budget=self.budget, block_size=block_size)
+        return SpecConfig(method=self.spec_method, draft=draft, budget=self.budget, block_size=block_size,
+                          draft_vocab=draft_vocab)
 
 
 def parse_method(text: str) -> BenchMethod:

@@ -38,6 +38,7 @@ class BenchSetup:
     max_new_tokens: int
     temperature: float
     ignore_eos: bool = False
+    draft_vocab: int | None = None  # draft from the N most frequent tokens (spec/draft_vocab.py)
     random_weights: bool = False
     warmup_tokens: int = 16  # tokens of each untimed warm-up request, one per row of the first batch (0: none)
     profile_stages: bool = False  # exact per-stage times: synchronizes and turns CUDA graphs off (slower)
@@ -50,7 +51,7 @@ class BenchSetup:
 
     def engine_config(self, method: BenchMethod) -> EngineConfig:
         device = resolve_device(self.device)
-        return EngineConfig(model=self.model, spec=method.spec_config(self.draft, self.block_size),
+        return EngineConfig(model=self.model, spec=method.spec_config(self.draft, self.block_size, self.draft_vocab),
                             device=str(device), dtype=self.dtype, max_running=self.batch_size,
                             max_context=self.max_context, random_weights=self.random_weights,
                             profile_stages=self.profile_stages, quant_kernels=self.quant_kernels,

@@ -55,7 +55,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
     method, draft = default_spec(args.model, args.spec, args.draft)
     engine = EngineConfig(
-        model=args.model, spec=SpecConfig(method=method, draft=draft, budget=args.budget, block_size=args.block_size),
+        model=args.model, spec=SpecConfig(method=method, draft=draft, budget=args.budget, block_size=args.block_size,
+                                          draft_vocab=args.draft_vocab),
         device=args.device, dtype=args.dtype, max_running=args.max_running, max_context=args.max_context,
         max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
         max_prefill_tokens=args.max_prefill_tokens, random_weights=args.random_weights,

@@ -34,10 +34,11 @@ from flashtree.device_copy import to_device
 from flashtree.kv_cache import KVCache
 from flashtree.models import cpu_kernels
 from flashtree.models.batch import slot_range_of
-from flashtree.models.dflash import DFlashDrafter, load_drafter
+from flashtree.models.dflash import DFlashDrafter, load_drafter, resolve_drafter_dir
 from flashtree.models.feature_sink import FeatureSink
 from flashtree.spec.proposer import Proposer, ProposerRows
-from flashtree.spec.tree import DraftTree, build_tree, chain_tree
+from flashtree.spec.draft_vocab import default_size, load_draft_vocab, vocab_head
+from flashtree.spec.tree import ROOT, DraftTree, build_tree, chain_tree
 
 
 def default_budget(device: torch.device) -> int:
@@ -77,6 +78,25 @@ class DrafterRunner:
         # deferred is the host's count (Request.drafter_lag), passed in: the device keeps none.
         self.lag_capacity = LAG_CAPACITY
         self.lagging = torch.zeros(slots, LAG_CAPACITY + 1, width, dtype=weight.dtype, device=weight.device)
+        self.vocab_ids: torch.Tensor | None = None  # [N] token ids of the draft indices (draft_vocab.py), or None
+
+    def restrict_vocab(self, head, token_ids: torch.Tensor) -> None:
+        """Draft from ``token_ids`` only (a draft vocabulary, ``draft_vocab.py``): ``head`` gives
+        the drafter's logits over their draft indices."""
+        self.drafter.target = self.drafter.target._replace(head=head)
+        self.vocab_ids = token_ids.to(self.lagging.device)
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Token ids of draft indices (``>= 0``; the identity without a draft vocabulary)."""
+        return indices if self.vocab_ids is None else self.vocab_ids[indices]
+
+    def tree_token_ids(self, tree: DraftTree) -> DraftTree:
+        """``tree`` with its drafted nodes' draft indices turned into token ids (the root's filler
+        and the invalid nodes' padding stay)."""
+        if self.vocab_ids is None:
+            return tree
+        drafted = tree.valid & (torch.arange(tree.tokens.shape[1], device=tree.tokens.device) != ROOT)  # [B, N]
+        return tree._replace(tokens=torch.where(drafted, self.vocab_ids[tree.tokens.clamp(min=0)], tree.tokens))
 
     def defer(self, slots: torch.Tensor, features: torch.Tensor, lags: torch.Tensor,
               counts: torch.Tensor | None = None) -> None:
@@ -195,8 +215,8 @@ class DFlashProposer(_DrafterProposer):
         super().__init__(runner, max_nodes=runner.drafter.config.block_size - 1)
 
     def propose(self, rows: ProposerRows, nodes: int) -> DraftTree:
-        draft = self.runner.draft_logits(rows, depth=nodes).argmax(dim=-1)  # [B, nodes]
-        return chain_tree(draft)  # [B, nodes + 1] nodes
+        draft = self.runner.draft_logits(rows, depth=nodes).argmax(dim=-1)  # [B, nodes] draft indices
+        return chain_tree(self.runner.token_ids(draft))  # [B, nodes + 1] nodes
 
 
 class DDTreeProposer(_DrafterProposer):
@@ -211,8 +231,9 @@ class DDTreeProposer(_DrafterProposer):
 
     def propose(self, rows: ProposerRows, nodes: int) -> DraftTree:
         depth = min(nodes, self.max_depth)  # a tree of n nodes is at most n deep
-        logits = self.runner.draft_logits(rows, depth=depth)  # [B, depth, V]
-        return build_tree(logits, rows.budgets.clamp(max=nodes), nodes, kernel=self.tree_kernel)  # [B, nodes + 1]
+        logits = self.runner.draft_logits(rows, depth=depth)  # [B, depth, V] (V: the draft vocabulary's N)
+        tree = build_tree(logits, rows.budgets.clamp(max=nodes), nodes, kernel=self.tree_kernel)  # [B, nodes + 1]
+        return self.runner.tree_token_ids(tree)
 
 
 def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
@@ -226,6 +247,11 @@ def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     cache = drafter.new_cache(config.max_running + 1, config.max_context,  # + the pad slot
                               scratch=max(config.prefill_chunk, LAG_CAPACITY))  # a catch-up pads to the largest lag
     runner = DrafterRunner(drafter, cache)
+    drafter_dir = resolve_drafter_dir(spec.draft, need_weights=not config.random_weights)
+    vocab_size = default_size(spec.draft_vocab, target.lm_head.weight.device, drafter_dir)
+    if vocab_size is not None:
+        token_ids = load_draft_vocab(drafter_dir, vocab_size, target.config.vocab_size, at_most=spec.draft_vocab is None)
+        runner.restrict_vocab(vocab_head(target.lm_head.weight, target.lm_head_quant, token_ids), token_ids)
     if spec.method == "dflash":
         return DFlashProposer(runner)
     budget = default_budget(target.lm_head.weight.device) if spec.budget is None else spec.budget

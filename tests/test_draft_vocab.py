@@ -1,0 +1,134 @@
+"""The draft vocabulary (spec/draft_vocab.py, ``--draft-vocab N``): the drafter proposes only the N
+first tokens of its ranking, decoding stays exactly plain decoding's, the whole vocabulary in
+order gives the unrestricted drafter's trees, and bad rankings or sizes get clear errors."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from flashtree import LLM, SamplingParams
+from flashtree.config import SpecConfig
+from flashtree.errors import CheckpointError, ConfigError
+from flashtree.spec.defaults import shipped_drafter
+from flashtree.spec.draft_vocab import CPU_DEFAULT_SIZE, DRAFT_VOCAB_FILE, RANKING_KEY, default_size, load_draft_vocab
+from flashtree.spec.tree import ROOT
+from flashtree.train.data import Conversation
+from flashtree.train.draft_vocab import rank_tokens, write_ranking
+from tests.dflash_helpers import tiny_pair
+from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
+
+ENGINE = dict(max_running=4, max_context=96, prefill_chunk=8, adaptive_spec=False)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("vocab"), vocab=VOCAB, block_size=BLOCK)
+
+
+def drafter_with_ranking(pair, tmp_path, ranking: list[int]):
+    directory = tmp_path / "drafter"
+    shutil.copytree(pair.drafter, directory)
+    write_ranking(ranking, directory)
+    return str(directory)
+
+
+def generate(pair, method: str, draft=None, draft_vocab=None, params=None):
+    llm = LLM(str(pair.target), spec=method, draft=draft or (None if method == "none" else str(pair.drafter)),
+              budget=6, draft_vocab=draft_vocab, **ENGINE)
+    params = params or SamplingParams(max_tokens=20, ignore_eos=True)
+    return llm, llm.generate(PROMPTS[:4], params)
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_the_whole_vocabulary_in_order_drafts_as_without_one(pair, tmp_path, method):
+    """Draft indices are then token ids and the head's rows are the lm_head's: the same trees
+    (acceptance lengths) and tokens as the unrestricted drafter."""
+    draft = drafter_with_ranking(pair, tmp_path, list(range(VOCAB)))
+    _, restricted = generate(pair, method, draft, draft_vocab=VOCAB)
+    _, whole = generate(pair, method)
+    assert [o.token_ids for o in restricted] == [o.token_ids for o in whole]
+    assert [o.acceptance_lengths for o in restricted] == [o.acceptance_lengths for o in whole]
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_a_restricted_vocabulary_drafts_from_it_and_stays_lossless(pair, tmp_path, method):
+    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5)).tolist()
+    allowed = set(ranking[:VOCAB // 2])
+    draft = drafter_with_ranking(pair, tmp_path, ranking)
+    llm = LLM(str(pair.target), spec=method, draft=draft, budget=6, draft_vocab=VOCAB // 2, **ENGINE)
+    drafted = []
+    real = llm.engine.proposer.propose
+
+    def spy(rows, nodes):
+        tree = real(rows, nodes)
+        nodes_axis = torch.arange(tree.tokens.shape[1])
+        drafted.extend(tree.tokens[tree.valid & (nodes_axis != ROOT)].tolist())
+        return tree
+
+    llm.engine.proposer.propose = spy
+    _, plain = generate(pair, "none")
+    greedy = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in plain]
+    assert drafted and set(drafted) <= allowed
+    seeded = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=11)
+    _, plain_sampled = generate(pair, "none", params=seeded)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:4], seeded)] == [o.token_ids for o in plain_sampled]
+
+
+def test_rankings_and_sizes_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match=DRAFT_VOCAB_FILE):
+        load_draft_vocab(tmp_path, 4, VOCAB)
+    cases = [({"ids": torch.arange(4)}, "no tensor 'token_ids'"),
+             ({RANKING_KEY: torch.arange(4, dtype=torch.int32)}, "1-D int64"),
+             ({RANKING_KEY: torch.tensor([0, VOCAB])}, r"token ids must be in \[0, 24\)"),
+             ({RANKING_KEY: torch.tensor([3, 1, 3])}, "repeats token ids")]
+    for tensors, message in cases:
+        save_file(tensors, str(tmp_path / DRAFT_VOCAB_FILE))
+        with pytest.raises(CheckpointError, match=message):
+            load_draft_vocab(tmp_path, 2, VOCAB)
+    save_file({RANKING_KEY: torch.tensor([5, 2, 7])}, str(tmp_path / DRAFT_VOCAB_FILE))
+    assert load_draft_vocab(tmp_path, 2, VOCAB).tolist() == [5, 2]
+    with pytest.raises(ConfigError, match=r"--draft-vocab must be in \[1, 3\]"):
+        load_draft_vocab(tmp_path, 4, VOCAB)
+    assert load_draft_vocab(tmp_path, 8, VOCAB, at_most=True).tolist() == [5, 2, 7]  # a default size
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ConfigError, match="--draft-vocab must be an integer >= 0"):
+            SpecConfig(method="ddtree", draft="d", draft_vocab=bad)
+    with pytest.raises(ConfigError, match="--draft-vocab needs a drafter"):
+        SpecConfig(draft_vocab=8)
+    SpecConfig(draft_vocab=0)  # the whole vocabulary: nothing to restrict
+
+
+def test_rank_tokens_counts_assistant_turns_most_frequent_first():
+    class Chars:  # a tokenizer: one token per character, its code point
+        @staticmethod
+        def encode(text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    conversations = [Conversation("a", ({"role": "user", "content": "zzzz"}, {"role": "assistant", "content": "bab"})),
+                     Conversation("b", ({"role": "user", "content": "z"}, {"role": "assistant", "content": "cca"}))]
+    assert rank_tokens(Chars, conversations) == [ord("a"), ord("b"), ord("c")]  # a, b twice (tie by id), c twice
+
+
+def test_the_default_size_by_device_and_ranking(tmp_path):
+    """16,384 on a CPU where the drafter ships a ranking (the shipped one does); none on CUDA or
+    without a ranking; 0 asks for the whole vocabulary."""
+    shipped = shipped_drafter("smollm2")
+    assert load_draft_vocab(shipped, CPU_DEFAULT_SIZE, 49152).shape == (CPU_DEFAULT_SIZE,)
+    assert default_size(None, torch.device("cpu"), shipped) == CPU_DEFAULT_SIZE
+    assert default_size(None, torch.device("cuda"), shipped) is None
+    assert default_size(None, torch.device("cpu"), tmp_path) is None
+    assert default_size(0, torch.device("cpu"), shipped) is None
+    assert default_size(300, torch.device("cuda"), tmp_path) == 300
+
+
+def test_zero_turns_a_ranking_off(pair, tmp_path):
+    draft = drafter_with_ranking(pair, tmp_path, list(range(VOCAB - 1, -1, -1)))
+    llm = LLM(str(pair.target), spec="ddtree", draft=draft, budget=6, draft_vocab=0, **ENGINE)
+    assert llm.engine.proposer.runner.vocab_ids is None
+    llm = LLM(str(pair.target), spec="ddtree", draft=draft, budget=6, **ENGINE)  # the CPU default: all it ranks
+    assert llm.engine.proposer.runner.vocab_ids.tolist() == list(range(VOCAB - 1, -1, -1))
