@@ -132,3 +132,15 @@ def test_zero_turns_a_ranking_off(pair, tmp_path):
     assert llm.engine.proposer.runner.vocab_ids is None
     llm = LLM(str(pair.target), spec="ddtree", draft=draft, budget=6, **ENGINE)  # the CPU default: all it ranks
     assert llm.engine.proposer.runner.vocab_ids.tolist() == list(range(VOCAB - 1, -1, -1))
+
+
+def test_the_command_lines_pass_it_on():
+    from flashtree.bench.cli import setup_from_args
+    from flashtree.cli import build_parser
+    from flashtree.server.cli import config_from_args
+
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["serve", "--draft-vocab", "8192"])).engine.spec.draft_vocab == 8192
+    bench = parser.parse_args(["bench", "--draft-vocab", "0", "--methods", "ar,ddtree:4"])
+    assert setup_from_args(bench, needs_draft=True).draft_vocab == 0
+    assert parser.parse_args(["generate", "--prompt", "x", "--draft-vocab", "100"]).draft_vocab == 100
