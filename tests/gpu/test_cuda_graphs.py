@@ -87,3 +87,28 @@ def test_queued_plain_rounds_equal_unqueued_on_cuda(tmp_path, spec):
         queued[queue] = llm.engine.queued_rounds
     assert outs[True] == outs[False]
     assert queued[False] == 0 and queued[True] > 100
+
+
+@pytest.mark.parametrize("spec,budget", [("dflash", None), ("ddtree", 16)])
+def test_graphed_rounds_with_a_draft_vocabulary_equal_plain(tmp_path, spec, budget):
+    """``--draft-vocab``: with the draft-index map after the tree kernels inside replayed graphs, a
+    drafter restricted to its ranking's first half keeps plain decoding's tokens."""
+    import shutil
+
+    from flashtree.train.draft_vocab import write_ranking
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=24, block_size=6)
+    draft = tmp_path / "ranked"
+    shutil.copytree(pair.drafter, draft)
+    ranking = torch.randperm(24, generator=torch.Generator().manual_seed(2)).tolist()
+    write_ranking(ranking, draft)
+    prompts = [[1, 2, 3], list(range(2, 20)), [7] * 9]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", max_running=4, max_context=256)
+    plain = [o.token_ids for o in LLM(str(pair.target), **common).generate(prompts, params)]
+    fast = LLM(str(pair.target), spec=spec, draft=str(draft), budget=budget, draft_vocab=12, adaptive_spec=False,
+               **common)
+    assert fast.engine.proposer.runner.vocab_ids.tolist() == ranking[:12]
+    assert [o.token_ids for o in fast.generate(prompts, params)] == plain
+    assert fast.engine.runner.graphs is not None and fast.engine.runner.graphs.graphs
