@@ -13,7 +13,6 @@ only, as FR-Spec does) pay on the CPU? Two numbers decide it for the embedded de
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import time
 from pathlib import Path
@@ -27,14 +26,10 @@ from flashtree.bench.datasets import load_prompts
 from flashtree.bench.environment import environment
 from flashtree.models.cpu_quant_linear import QuantizedLinear
 from flashtree.train.data import SHAREGPT, load_conversations, split_conversations
+from flashtree.train.draft_vocab import assistant_tokens, rank_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_draft_vocab_coverage.json"
 SIZES = (4096, 8192, 16384, 24576)
-
-
-def assistant_tokens(tokenizer, conversations) -> list[int]:
-    return [t for conv in conversations for m in conv.messages if m["role"] == "assistant"
-            for t in tokenizer.encode(m["content"], add_special_tokens=False)]
 
 
 def ms_per_call(fn, calls: int = 50) -> float:
@@ -57,8 +52,8 @@ def main() -> None:
     llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024)
     tokenizer = llm.tokenizer
     train, heldout = split_conversations(load_conversations(SHAREGPT))
-    counts = collections.Counter(assistant_tokens(tokenizer, train[:args.train_conversations]))
-    ranked = [token for token, _ in counts.most_common()]
+    train_tokens = assistant_tokens(tokenizer, train[:args.train_conversations])
+    ranked = rank_tokens(train_tokens)  # the shipped ranking's rule (ties by id)
     heldout_text = np.array(assistant_tokens(tokenizer, heldout[:args.heldout_conversations]))
     prompts = [p.encode(tokenizer) for p in load_prompts("sharegpt-heldout", args.prompts)]
     greedy = np.array([t for o in llm.generate(prompts, SamplingParams(max_tokens=128, ignore_eos=True))
@@ -76,7 +71,7 @@ def main() -> None:
                      "head_4_rows_ms": round(head_ms, 3), "topk_and_normalizer_ms": round(both_ms - head_ms, 3)})
         print(json.dumps(rows[-1]), flush=True)
     out = {**environment(torch.device("cpu")), "threads": args.threads, "train_conversations": args.train_conversations,
-           "train_tokens": sum(counts.values()), "distinct_train_tokens": len(counts),
+           "train_tokens": len(train_tokens), "distinct_train_tokens": len(ranked),
            "greedy_tokens": int(greedy.size), "heldout_text_tokens": int(heldout_text.size), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -17,7 +17,7 @@ from flashtree.spec.defaults import shipped_drafter
 from flashtree.spec.draft_vocab import CPU_DEFAULT_SIZE, DRAFT_VOCAB_FILE, RANKING_KEY, default_size, load_draft_vocab
 from flashtree.spec.tree import ROOT
 from flashtree.train.data import Conversation
-from flashtree.train.draft_vocab import rank_tokens, write_ranking
+from flashtree.train.draft_vocab import assistant_tokens, rank_tokens, write_ranking
 from tests.dflash_helpers import tiny_pair
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
 
@@ -111,7 +111,9 @@ def test_rank_tokens_counts_assistant_turns_most_frequent_first():
 
     conversations = [Conversation("a", ({"role": "user", "content": "zzzz"}, {"role": "assistant", "content": "bab"})),
                      Conversation("b", ({"role": "user", "content": "z"}, {"role": "assistant", "content": "cca"}))]
-    assert rank_tokens(Chars, conversations) == [ord("a"), ord("b"), ord("c")]  # a, b twice (tie by id), c twice
+    tokens = assistant_tokens(Chars, conversations)
+    assert tokens == [ord(c) for c in "babcca"]  # the user turns do not count
+    assert rank_tokens(tokens) == [ord("a"), ord("b"), ord("c")]  # a, b twice (tie by id), c twice
 
 
 def test_the_default_size_by_device_and_ranking(tmp_path):

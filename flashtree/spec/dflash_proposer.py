@@ -25,6 +25,7 @@ Glossary
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -34,7 +35,7 @@ from flashtree.device_copy import to_device
 from flashtree.kv_cache import KVCache
 from flashtree.models import cpu_kernels
 from flashtree.models.batch import slot_range_of
-from flashtree.models.dflash import DFlashDrafter, load_drafter, resolve_drafter_dir
+from flashtree.models.dflash import DFlashDrafter, load_drafter
 from flashtree.models.feature_sink import FeatureSink
 from flashtree.spec.proposer import Proposer, ProposerRows
 from flashtree.spec.draft_vocab import default_size, load_draft_vocab, vocab_head
@@ -247,7 +248,7 @@ def make_dflash_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     cache = drafter.new_cache(config.max_running + 1, config.max_context,  # + the pad slot
                               scratch=max(config.prefill_chunk, LAG_CAPACITY))  # a catch-up pads to the largest lag
     runner = DrafterRunner(drafter, cache)
-    drafter_dir = resolve_drafter_dir(spec.draft, need_weights=not config.random_weights)
+    drafter_dir = Path(drafter.config.source).parent  # (load_drafter resolved it: its config.json)
     vocab_size = default_size(spec.draft_vocab, target.lm_head.weight.device, drafter_dir)
     if vocab_size is not None:
         token_ids = load_draft_vocab(drafter_dir, vocab_size, target.config.vocab_size, at_most=spec.draft_vocab is None)

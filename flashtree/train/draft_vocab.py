@@ -19,13 +19,15 @@ from flashtree.spec.draft_vocab import DRAFT_VOCAB_FILE, RANKING_KEY
 from flashtree.train.data import SHAREGPT, Conversation, load_conversations, split_conversations
 
 
-def rank_tokens(tokenizer, conversations: Iterable[Conversation]) -> list[int]:
-    """Token ids of the conversations' assistant turns, most frequent first, ties by id."""
-    counts: collections.Counter = collections.Counter()
-    for conv in conversations:
-        for message in conv.messages:
-            if message["role"] == "assistant":
-                counts.update(tokenizer.encode(message["content"], add_special_tokens=False))
+def assistant_tokens(tokenizer, conversations: Iterable[Conversation]) -> list[int]:
+    """The token ids of the conversations' assistant turns, in order (no special tokens)."""
+    return [token for conv in conversations for message in conv.messages if message["role"] == "assistant"
+            for token in tokenizer.encode(message["content"], add_special_tokens=False)]
+
+
+def rank_tokens(tokens: Iterable[int]) -> list[int]:
+    """The distinct ``tokens``, most frequent first, ties by id."""
+    counts = collections.Counter(tokens)
     return [token for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
 
 
@@ -47,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     tokenizer = load_tokenizer(load_checkpoint(args.model).path)
     train, _ = split_conversations(load_conversations(args.data))
-    path = write_ranking(rank_tokens(tokenizer, train), args.out)
+    path = write_ranking(rank_tokens(assistant_tokens(tokenizer, train)), args.out)
     print(f"wrote {path}")
 
 
