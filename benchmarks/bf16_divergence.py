@@ -14,9 +14,9 @@ import json
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.batch import ForwardBatch, causal_mask
-from flashtree.tokenizer import encode_chat
+from flashtree.models.tokenizer import encode_chat
 
 
 def full_prefix_top2(model, ids):

@@ -19,8 +19,8 @@ import gguf
 import numpy as np
 import torch
 
-from flashtree.models import cpu_quant_linear
-from flashtree.models.cpu_quant_linear import QuantizedLinear
+from flashtree.kernels.cpu import library as cpu_library
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear
 
 # SmolLM2-135M: (name, rows N, columns K, GGUF type) of one layer's products and the head
 SHAPES = (("qkv", 960, 576, "Q4_1"), ("o", 576, 576, "Q4_1"), ("gate_up", 3072, 576, "Q4_1"),
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_block_kernel_rows.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    flags = cpu_quant_linear.isa_compiler_flags(cpu_quant_linear.cpu_flags())
+    flags = cpu_library.isa_compiler_flags(cpu_library.cpu_flags())
     results = []
     for name, n, k, type_name in SHAPES:
         quant, dense = holder(n, k, type_name, seed=n + k)

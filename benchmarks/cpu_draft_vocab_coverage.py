@@ -24,7 +24,7 @@ import flashtree
 from flashtree import SamplingParams
 from flashtree.bench.datasets import load_prompts
 from flashtree.bench.environment import environment
-from flashtree.models.cpu_quant_linear import QuantizedLinear
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear
 from flashtree.train.data import SHAREGPT, load_conversations, split_conversations
 from flashtree.train.draft_vocab import assistant_tokens, rank_tokens
 

@@ -20,7 +20,8 @@ import torch
 
 import flashtree
 from flashtree.bench.environment import environment
-from flashtree.models import cpu_kernels, cpu_quant_linear
+from flashtree.kernels.cpu import fused as cpu_kernels
+from flashtree.kernels.cpu import quant_linear
 from flashtree.models.batch import ForwardBatch, causal_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,7 +31,7 @@ KERNELS = ("add_rms_norm", "silu_mul", "qkv_norm_rope_write", "tree_attention")
 
 
 def install_timers(model) -> None:
-    block_call = cpu_quant_linear.QuantizedLinear.__call__
+    block_call = quant_linear.QuantizedLinear.__call__
 
     def products(self, x, bias=None):
         start = time.perf_counter()
@@ -38,7 +39,7 @@ def install_timers(model) -> None:
         seconds["head products" if self is model.lm_head_quant else "layer products"] += time.perf_counter() - start
         return out
 
-    cpu_quant_linear.QuantizedLinear.__call__ = products
+    quant_linear.QuantizedLinear.__call__ = products
     for name in KERNELS:
         setattr(cpu_kernels, name, timed(name, getattr(cpu_kernels, name)))
     model.__class__.forward = timed("forward", model.__class__.forward)
@@ -58,12 +59,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-rows", type=int, default=cpu_quant_linear.MAX_ROWS,
+    parser.add_argument("--max-rows", type=int, default=quant_linear.MAX_ROWS,
                         help="rows up to which products use the block kernel (the shipped MAX_ROWS by default)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_forward_by_tokens.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    cpu_quant_linear.MAX_ROWS = args.max_rows
+    quant_linear.MAX_ROWS = args.max_rows
     llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024)
     model, cache = llm.engine.model, llm.engine.runner.cache
     install_timers(model)

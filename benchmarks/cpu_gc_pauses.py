@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.server.config import ServerConfig  # noqa: E402
-from flashtree.spec.defaults import shipped_drafter  # noqa: E402
+from flashtree.speculative.defaults import shipped_drafter  # noqa: E402
 from tests.test_server_support import ServerThread  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_gc_pauses.json"

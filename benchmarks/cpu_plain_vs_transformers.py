@@ -156,7 +156,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from flashtree.bench.environment import environment
-    from flashtree.tokenizer import encode_chat
+    from flashtree.models.tokenizer import encode_chat
 
     systems, checkpoint_dir = load_systems(max_context=1024)
     prompts_ids = [encode_chat(systems["flashtree"].tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from flashtree import LLM, SamplingParams
 from flashtree.bench.environment import cpu_name
-from flashtree.tokenizer import encode_chat
+from flashtree.models.tokenizer import encode_chat
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_policy_contention.json"
 TOPICS = ["hash maps", "binary search", "TCP handshakes", "garbage collection", "B-trees", "HTTP caching",

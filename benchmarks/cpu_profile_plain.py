@@ -52,7 +52,7 @@ def install_timers(model) -> None:
     import flashtree.engine.engine as engine_module
     import flashtree.engine.runner as runner_module
     import flashtree.engine.scheduler as scheduler_module
-    import flashtree.kv_cache as kv_module
+    import flashtree.kv.cache as kv_module
     import flashtree.models.transformer as transformer_module
 
     dense = F.linear
@@ -68,7 +68,7 @@ def install_timers(model) -> None:
 
     torch.nn.functional.linear = linear
 
-    from flashtree.models.cpu_quant_linear import QuantizedLinear  # the GGUF-block kernel (kernels on)
+    from flashtree.kernels.cpu.quant_linear import QuantizedLinear  # the GGUF-block kernel (kernels on)
 
     block_call = QuantizedLinear.__call__
 
@@ -157,7 +157,7 @@ def main() -> None:
 
     import flashtree
     from flashtree.bench.environment import environment
-    from flashtree.tokenizer import encode_chat
+    from flashtree.models.tokenizer import encode_chat
 
     cold = cold_op_cost()
     llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024,

@@ -226,7 +226,7 @@ def main() -> None:
     import flashtree
     from flashtree.bench.environment import environment
     from flashtree.models.loader import load_checkpoint
-    from flashtree.tokenizer import encode_chat
+    from flashtree.models.tokenizer import encode_chat
 
     llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024)
     hf = transformers.AutoModelForCausalLM.from_pretrained(load_checkpoint("smollm2").path, dtype=torch.float32).eval()

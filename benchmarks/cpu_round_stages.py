@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 import flashtree.engine.runner as runner_module
-import flashtree.spec.dflash_proposer as proposer_module
+import flashtree.speculative.drafter as proposer_module
 from flashtree.bench.datasets import load_prompts
 from flashtree.bench.environment import environment
 from flashtree.bench.methods import parse_methods
 from flashtree.bench.runner import BenchSetup, generate, load_shared_target
 from flashtree.engine.engine import LLMEngine
-from flashtree.spec.defaults import default_spec
+from flashtree.speculative.defaults import default_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_profile_plain import calls, seconds, timed  # noqa: E402  (the same wall-clock accumulators)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.environment import cpu_name
-from flashtree.spec.tree import HOST_MAX_BUDGET, HOST_MAX_ROW_NODES, build_tree
+from flashtree.speculative.tree.build import HOST_MAX_BUDGET, HOST_MAX_ROW_NODES, build_tree
 
 VOCAB, MAX_DEPTH = 49152, 7
 

@@ -57,10 +57,10 @@ from qwen3_8b_shape import write_served_pair  # noqa: E402
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
 from flashtree.engine.request import Status  # noqa: E402
-from flashtree.engine.spec_policy import SpecPolicyConfig  # noqa: E402
+from flashtree.policy.adaptive import SpecPolicyConfig  # noqa: E402
 from flashtree.models.build import resolve_dtype  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
-from flashtree.spec.defaults import shipped_drafter  # noqa: E402
+from flashtree.speculative.defaults import shipped_drafter  # noqa: E402
 
 METHODS = {"none": None, "ddtree": 64, "dflash": None}  # method -> budget (as gpu_load.sh serves them)
 NEW_TOKENS = 128

@@ -36,7 +36,7 @@ from qwen3_8b_shape import write_served_pair  # noqa: E402
 
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
-from flashtree.engine.spec_policy import FixedNodes  # noqa: E402
+from flashtree.policy.adaptive import FixedNodes  # noqa: E402
 from flashtree.models.build import resolve_dtype  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 

@@ -16,9 +16,9 @@ from qwen3_8b_shape import QWEN3_8B, write_config  # noqa: E402
 
 from flashtree.config import EngineConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
-from flashtree.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from flashtree.spec.tree import build_tree  # noqa: E402
-from flashtree.spec.verify import accept_walk  # noqa: E402
+from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
+from flashtree.speculative.tree.build import build_tree  # noqa: E402
+from flashtree.speculative.verify import accept_walk  # noqa: E402
 
 
 def table(prof, n=25):

@@ -26,11 +26,11 @@ from tree_build_speed import graphed_ms  # noqa: E402
 
 from flashtree import SamplingParams  # noqa: E402
 from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
-from flashtree.engine.cuda_graphs import GraphCache  # noqa: E402
+from flashtree.engine.graphs import GraphCache  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
-from flashtree.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from flashtree.spec.tree import build_tree  # noqa: E402
-from flashtree.spec.verify import accept_walk  # noqa: E402
+from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
+from flashtree.speculative.tree.build import build_tree  # noqa: E402
+from flashtree.speculative.verify import accept_walk  # noqa: E402
 
 
 def start_requests(engine, batch, context):

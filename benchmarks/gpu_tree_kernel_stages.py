@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/gpu_tree_kernel_stages.py --out benchmarks/results/gpu_tree_kernel_stages_h200.json
 
 Vocab 151,936, 15 draft positions, bf16 logits (randn x 2), batch 1, budgets 64 / 256 / 1024.
-``gpu_kernels.expand_levels`` and ``select_nodes`` run with ``stage_clocks``: each program reads
+``tree_kernels.expand_levels`` and ``select_nodes`` run with ``stage_clocks``: each program reads
 the SM cycle counter between stages (the kernels' CLOCKS option; the stages are named in
 ``triton_kernels``) and writes the cycles per stage. Each kernel is also timed alone as one
 replayed CUDA graph without clocks (``kernel_ms``); a stage's ``us`` is its share of the clocked
@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tree_build_speed import graphed_ms  # noqa: E402
-
 from flashtree.models import gpu_kernels  # noqa: E402
-from flashtree.spec import tree as tree_module  # noqa: E402
+
+from flashtree.kernels.gpu import tree as tree_kernels2
+from flashtree.speculative.tree import build as tree as tree_module  # noqa: E402
 
 STAGES = {
     "expand": ["sort kept weights + lower bound", "candidates", "threshold", "counts", "slot owners",
@@ -51,14 +52,14 @@ def case(budget, reps, vocab=151_936, depth=15):
     k = min(budget, vocab)
     top_logp, top_tokens = tree_module._top_tokens(logits, k)
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
-    levels = gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs)
-    expand_ms = round(graphed_ms(lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs), reps), 4)
-    row = {"budget": budget, "batch": 1, "search": gpu_kernels.threshold_search(pairs[0].numel(), budget),
-           "expand": stage_table("expand", lambda c: gpu_kernels.expand_levels(
+    levels = tree_kernels.expand_levels(top_logp, top_tokens, budget, *pairs)
+    expand_ms = round(graphed_ms(lambda: tree_kernels.expand_levels(top_logp, top_tokens, budget, *pairs), reps), 4)
+    row = {"budget": budget, "batch": 1, "search": tree_kernels.threshold_search(pairs[0].numel(), budget),
+           "expand": stage_table("expand", lambda c: tree_kernels.expand_levels(
                top_logp, top_tokens, budget, *pairs, stage_clocks=c), expand_ms)}
     if depth * budget <= tree_module.SELECT_KERNEL_MAX_NODES:
-        select_ms = round(graphed_ms(lambda: gpu_kernels.select_nodes(*levels, budgets, budget), reps), 4)
-        row["select"] = stage_table("select", lambda c: gpu_kernels.select_nodes(
+        select_ms = round(graphed_ms(lambda: tree_kernels.select_nodes(*levels, budgets, budget), reps), 4)
+        row["select"] = stage_table("select", lambda c: tree_kernels.select_nodes(
             *levels, budgets, budget, stage_clocks=c), select_ms)
     print(json.dumps(row), flush=True)
     return row

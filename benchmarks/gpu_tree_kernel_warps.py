@@ -4,14 +4,14 @@
 
 Vocab 151,936, 15 draft positions, bf16 logits, budgets 16 / 64 / 256, batch 1 and 8. Each part is
 timed alone as one replayed CUDA graph (ms): the drafter's top-K tokens and log-probs
-(``tree._top_tokens``: the Triton radix select of ``gpu_kernels.top_log_probs``; for comparison,
+(``tree._top_tokens``: the Triton radix select of ``topk_kernels.top_log_probs``; for comparison,
 torch.topk on the bf16 logits with the Triton log-normalizer (seventh session), and the torch ops
-alone: float32 copy, logsumexp, top-k), ``gpu_kernels.expand_levels``
-and ``gpu_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
+alone: float32 copy, logsumexp, top-k), ``tree_kernels.expand_levels``
+and ``tree_kernels.select_nodes`` at 1, 2, 4 and 8 warps per program (outputs checked equal across
 warps; select only where build_tree uses it, depth x budget <= tree.SELECT_KERNEL_MAX_NODES),
 the kept lists' three threshold searches (sort of the prefilter list, bisection, a narrowed
-bisection and a sort; each at its default warps, gpu_kernels.EXPAND_WARPS; checked equal), and
-``gpu_kernels.accept_walk``.
+bisection and a sort; each at its default warps, tree_kernels.EXPAND_WARPS; checked equal), and
+``tree_kernels.accept_walk``.
 """
 
 import argparse
@@ -22,10 +22,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_build_speed import graphed_ms  # noqa: E402
-
+from tree_build_speed import graphed_ms  # noqa: 
 from flashtree.models import gpu_kernels  # noqa: E402
-from flashtree.spec import tree as tree_module  # noqa: E402
+
+from flashtree.kernels.gpu import topk as topk_kernels
+
+from flashtree.kernels.gpu import tree as tree_kernels E402
+from flashtree.speculative.tree import build as tree as tree_module  # noqa: E402
 
 WARPS = (1, 2, 4, 8)
 
@@ -46,7 +49,7 @@ def topk_then_normalizer(logits, k):
     """The seventh session's ``tree._top_tokens``: torch.topk on the bf16 logits, then the Triton
     log-normalizer."""
     top = torch.topk(logits, k, dim=-1)
-    return gpu_kernels.log_normalize_top(logits, top.values), top.indices
+    return topk_kernels.log_normalize_top(logits, top.values), top.indices
 
 
 def case(budget, batch, vocab, depth, reps, warps_list=WARPS):
@@ -63,22 +66,22 @@ def case(budget, batch, vocab, depth, reps, warps_list=WARPS):
     selects = depth * budget <= tree_module.SELECT_KERNEL_MAX_NODES
     levels, trees = [], []
     for warps in warps_list:
-        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps))
+        levels.append(tree_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps))
         row[f"expand_w{warps}_ms"] = timed(
-            lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps), reps)
+            lambda: tree_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, num_warps=warps), reps)
         if selects:
-            trees.append(gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps))
+            trees.append(tree_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps))
             row[f"select_w{warps}_ms"] = timed(
-                lambda: gpu_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps), reps)
-    for search in gpu_kernels.THRESHOLD_SEARCHES:
-        levels.append(gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search))
+                lambda: tree_kernels.select_nodes(*levels[0], budgets, budget, num_warps=warps), reps)
+    for search in tree_kernels.THRESHOLD_SEARCHES:
+        levels.append(tree_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search))
         row[f"expand_{search}_ms"] = timed(
-            lambda: gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search), reps)
+            lambda: tree_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search), reps)
     assert all(torch.equal(a, b) for lv in levels[1:] for a, b in zip(lv, levels[0])), "kept lists differ"
     assert all(torch.equal(a, b) for tr in trees[1:] for a, b in zip(tr, trees[0])), "select differs by warps"
     tree = tree_module.build_tree(logits, budgets, budget, kernel=True)
     choice = tree.tokens.roll(-1, dims=1)
-    row["walk_ms"] = timed(lambda: gpu_kernels.accept_walk(tree.tokens, tree.parents, tree.valid, choice, depth), reps)
+    row["walk_ms"] = timed(lambda: tree_kernels.accept_walk(tree.tokens, tree.parents, tree.valid, choice, depth), reps)
     print(json.dumps(row), flush=True)
     return row
 
@@ -98,7 +101,7 @@ def main():
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))
     keys = (["top_tokens_ms", "top_tokens_topk_ms", "top_tokens_torch_ms"] + [f"expand_w{w}_ms" for w in warps_list]
-            + [f"expand_{search}_ms" for search in gpu_kernels.THRESHOLD_SEARCHES]
+            + [f"expand_{search}_ms" for search in tree_kernels.THRESHOLD_SEARCHES]
             + [f"select_w{w}_ms" for w in warps_list] + ["walk_ms"])
     print("budget batch " + " ".join(k.replace("_ms", "") for k in keys))
     for r in rows:

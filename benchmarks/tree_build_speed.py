@@ -29,9 +29,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flashtree.models import gpu_kernels  # noqa: E402
-from flashtree.spec.tree import build_tree  # noqa: E402
-from flashtree.spec.verify import accept_walk  # noqa: E402
+from flashtree.kernels import gpu as gpu_kernels  # noqa: E402
+from flashtree.kernels.gpu import topk as topk_kernels  # noqa: E402
+from flashtree.kernels.gpu import tree as tree_kernels  # noqa: E402
+from flashtree.speculative.tree.build import build_tree  # noqa: E402
+from flashtree.speculative.verify import accept_walk  # noqa: E402
 from tests.test_tree_reference import _reference_accept_walk, _reference_build_tree  # noqa: E402
 
 IMPLEMENTATIONS = {
@@ -119,7 +121,7 @@ def graphed_ms(fn, reps=20):
 
 def same_outputs(a, b, weight_tolerance=0.0):
     """Equal trees and walks; log weights within ``weight_tolerance`` (where the Triton kernels run,
-    "after" takes the drafter's log-normalizer from gpu_kernels.log_normalize_top and "before" from
+    "after" takes the drafter's log-normalizer from topk_kernels.log_normalize_top and "before" from
     torch.logsumexp: the same float32 value up to rounding)."""
     for name, x, y in zip([*a[0]._fields, *a[1]._fields], [*a[0], *a[1]], [*b[0], *b[1]]):
         if name == "log_weights" and weight_tolerance:
@@ -195,7 +197,7 @@ def main():
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "vocab": args.vocab, "depth": args.depth, "logits_dtype": str(dtype),
-        "sort_list_max": gpu_kernels.SORT_LIST_MAX, "narrow_max": gpu_kernels.NARROW_MAX,
+        "sort_list_max": tree_kernels.SORT_LIST_MAX, "narrow_max": tree_kernels.NARROW_MAX,
         "reps": args.reps, "rows": rows,
     }
     if args.out:

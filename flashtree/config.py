@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flashtree.engine.spec_policy import SpecPolicyConfig
+from flashtree.policy.adaptive import SpecPolicyConfig
 from flashtree.errors import ConfigError
 
 SPEC_METHODS = ("none", "dflash", "ddtree")

@@ -16,9 +16,9 @@ from typing import Sequence
 from flashtree.config import EngineConfig, SpecConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.engine.request import Request
-from flashtree.spec.defaults import default_spec
+from flashtree.speculative.defaults import default_spec
 from flashtree.sampling import SamplingParams
-from flashtree.tokenizer import encode_chat, encode_prompt
+from flashtree.models.tokenizer import encode_chat, encode_prompt
 
 
 @dataclasses.dataclass(frozen=True)

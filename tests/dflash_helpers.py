@@ -18,10 +18,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.sampling import filter_logits
-from flashtree.spec.tree import build_tree, chain_tree
+from flashtree.speculative.tree.build import build_tree, chain_tree
 from tests.helpers import tiny_hf_model
 
 AUTO: Any = "auto"  # sentinel: pick a sensible value (None means: leave the key out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.build import build_model
 from flashtree.models.config import ModelConfig
 

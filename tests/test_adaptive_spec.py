@@ -15,8 +15,8 @@ import torch
 import flashtree.engine.engine as engine_module
 import flashtree.engine.runner as runner_module
 from flashtree import LLM, SamplingParams
-from flashtree.engine.spec_policy import SpecPolicyConfig
-from flashtree.spec.tree import build_tree, chain_tree
+from flashtree.policy.adaptive import SpecPolicyConfig
+from flashtree.speculative.tree.build import build_tree, chain_tree
 from tests.dflash_helpers import PassThroughGraphs, one_thread, tiny_pair
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
 
@@ -155,7 +155,7 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, graph
     capture's warm-up and replay do). ``queued``: plain rounds after plain rounds are queued
     before the round ahead is read (engine.py, "Queued plain rounds"; the script's tenth round,
     never run, is drafted, so the ninth queues nothing behind it)."""
-    import flashtree.spec.dflash_proposer as proposer_module
+    import flashtree.speculative.drafter as proposer_module
 
     monkeypatch.setattr(proposer_module, "LAG_CAPACITY", lag_capacity)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, queue_plain_rounds=queued,
@@ -456,7 +456,7 @@ def test_a_full_lag_catches_up_every_lagging_row_in_one_pass(pair, plain, method
     """Rows that joined at different times: when one row's lag is full, every lagging row is
     caught up in the same drafter pass, so the rows fall into step (one pass per lag capacity
     rounds, not one per row); the tokens stay plain decoding's."""
-    import flashtree.spec.dflash_proposer as proposer_module
+    import flashtree.speculative.drafter as proposer_module
 
     monkeypatch.setattr(proposer_module, "LAG_CAPACITY", 4)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)

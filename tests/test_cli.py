@@ -80,10 +80,11 @@ def test_prompt_token_out_of_vocab(tiny_dir, capsys):
 def test_adaptive_spec_flags():
     """On by default for generate and serve, off by default for bench (it measures each method
     as named); --adaptive-spec / --no-adaptive-spec override both."""
-    from flashtree.bench.cli import setup_from_args
+    from flashtree.cli.bench import setup_from_args
     from flashtree.bench.methods import parse_method
-    from flashtree.cli import adaptive_spec_of, build_parser
-    from flashtree.server.cli import config_from_args
+    from flashtree.cli.args import adaptive_spec_of
+    from flashtree.cli import build_parser
+    from flashtree.cli.serve import config_from_args
 
     parser = build_parser()
     generate = ["generate", "--prompt", "hi"]
@@ -103,9 +104,9 @@ def test_adaptive_spec_flags():
 def test_triton_switches_reach_the_engine_config():
     """--triton-tree is on by default and --no-triton-tree turns it off; --triton-attention is off
     except in regenerate (plain decoding of many rows on scattered slots), for every subcommand."""
-    from flashtree.bench.cli import setup_from_args
+    from flashtree.cli.bench import setup_from_args
     from flashtree.cli import build_parser
-    from flashtree.server.cli import config_from_args
+    from flashtree.cli.serve import config_from_args
 
     assert (EngineConfig().triton_tree, EngineConfig().triton_attention) == (True, False)
     parser = build_parser()
@@ -125,7 +126,7 @@ def test_serve_http_and_loop_choices_reach_uvicorn_and_bad_ones_are_refused():
     """--http / --loop pick uvicorn's protocol and event loop (auto by default); a ServerConfig
     with anything else names the flag and the choices."""
     from flashtree.cli import build_parser
-    from flashtree.server.cli import config_from_args
+    from flashtree.cli.serve import config_from_args
     from flashtree.server.config import ServerConfig
 
     parser = build_parser()
@@ -146,7 +147,7 @@ def test_serve_switch_interval_is_validated_and_set_only_while_serving():
     import sys
 
     from flashtree.cli import build_parser
-    from flashtree.server.cli import config_from_args, switch_interval
+    from flashtree.cli.serve import config_from_args, switch_interval
     from flashtree.server.config import ServerConfig
 
     parser = build_parser()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.models import cpu_kernels, cpu_quant_linear
+from flashtree.kernels.cpu import fused as cpu_kernels
+from flashtree.kernels.cpu import library as cpu_library
 from tests.test_gpu_kernels import _check, compare, compare_attention, compare_drafter
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernel library does not build here")
@@ -68,11 +69,11 @@ def test_tree_attention_node_equals_its_plain_decode_step():
         assert torch.equal(step[:, :, 0], tree[:, :, i]), f"node {i}"
 
 
-@pytest.mark.skipif("avx2" not in cpu_quant_linear.cpu_flags(), reason="needs an AVX2 CPU")
+@pytest.mark.skipif("avx2" not in cpu_library.cpu_flags(), reason="needs an AVX2 CPU")
 def test_avx2_build_of_the_fused_ops(monkeypatch):
     """The AVX2 build's silu, attention and the other fused ops (its own vector exp), also on a CPU
     that would take the AVX-512 one, against the torch ops and the tree-node identity above."""
-    quant = cpu_quant_linear
+    quant = cpu_library
     monkeypatch.setattr(quant, "cpu_flags", lambda: {"avx2", "f16c", "fma"})
     quant.load_kernels.cache_clear()
     try:

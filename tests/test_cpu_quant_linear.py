@@ -14,8 +14,11 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.config import EngineConfig
-from flashtree.models import cpu_quant_linear
-from flashtree.models.cpu_quant_linear import MAX_ROWS, QuantizedLinear, kernels_available
+from flashtree.kernels.cpu import library as cpu_library
+from flashtree.kernels.cpu import quant_linear
+from flashtree.models import gguf_blocks as gguf_block_store
+from flashtree.kernels.cpu.library import kernels_available
+from flashtree.kernels.cpu.quant_linear import MAX_ROWS, QuantizedLinear
 from flashtree.models.loader import resolve_model_dir
 from tests.dflash_helpers import save_tiny_drafter, use_copying_proposer
 from tests.test_loader import QT, tiny_model, write_tiny_gguf
@@ -67,11 +70,11 @@ def test_linear_dispatches_by_rows_and_keeps_shapes():
     holder, dense = quantized(64, 96, "Q4_1", seed=1)
     for shape in [(1, 1, 96), (2, 1, 96), (1, 4, 96), (2, 4, 96), (3, 5, 96), (40, 96)]:
         x = torch.randn(*shape)
-        y = cpu_quant_linear.linear(x, dense, None, holder)
+        y = quant_linear.linear(x, dense, None, holder)
         assert y.shape == (*shape[:-1], 64)
         torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-4)
     x = torch.randn(2, 4, 96)[:, ::2]  # non-contiguous input
-    torch.testing.assert_close(cpu_quant_linear.linear(x, dense, None, holder), x @ dense.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(quant_linear.linear(x, dense, None, holder), x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel
@@ -130,7 +133,7 @@ def test_blocks_are_cached_beside_the_conversion(tmp_path):
     """The conversion keeps the blocks (gguf_blocks.safetensors); an older cache entry without
     them gets them from the GGUF on the next load."""
     path = str(tiny_gguf(tmp_path / "tiny.gguf"))
-    blocks_file = resolve_model_dir(path) / cpu_quant_linear.BLOCKS_FILE
+    blocks_file = resolve_model_dir(path) / gguf_block_store.BLOCKS_FILE
     assert blocks_file.is_file()
     first = LLM(path, device="cpu", max_running=1, max_context=64)
     blocks_file.unlink()
@@ -146,13 +149,13 @@ def test_switch_off_and_fallback_log(tmp_path, monkeypatch, caplog):
     off = LLM(path, device="cpu", max_running=1, max_context=64, quant_kernels=False)
     assert all(h is None for h in holders(off.engine.model))
     assert all(h is None for h in holders(LLM(path, device="cpu", max_context=64, dtype="bfloat16").engine.model))
-    monkeypatch.setattr(cpu_quant_linear, "cpu_flags", lambda: {"sse4_2"})
-    cpu_quant_linear.load_kernels.cache_clear()
+    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: {"sse4_2"})
+    cpu_library.load_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="flashtree"):
             llm = LLM(path, device="cpu", max_running=1, max_context=64)
     finally:
-        cpu_quant_linear.load_kernels.cache_clear()
+        cpu_library.load_kernels.cache_clear()
     assert all(h is None for h in holders(llm.engine.model))
     assert [r.getMessage() for r in caplog.records if "quantized CPU kernels off" in r.getMessage()] == [
         "flashtree: quantized CPU kernels off, using the float32 weights: this CPU lacks avx2, f16c, fma "
@@ -160,32 +163,32 @@ def test_switch_off_and_fallback_log(tmp_path, monkeypatch, caplog):
 
 
 def test_instruction_set_is_the_best_the_cpu_has():
-    pick = cpu_quant_linear.isa_compiler_flags
+    pick = cpu_library.isa_compiler_flags
     assert pick({"avx512f", "avx512bw", "avx2", "f16c", "fma"}) == ("-mavx512f", "-mavx512bw")
     assert pick({"avx512f", "avx2", "f16c", "fma"}) == ("-mavx2",)  # no avx512bw: the AVX2 build
     assert pick({"avx2", "f16c", "fma", "sse4_2"}) == ("-mavx2",)
-    with pytest.raises(cpu_quant_linear.KernelUnavailable, match="lacks f16c"):
+    with pytest.raises(cpu_library.KernelUnavailable, match="lacks f16c"):
         pick({"avx2", "fma"})
 
 
 @needs_kernel
-@pytest.mark.skipif("avx2" not in cpu_quant_linear.cpu_flags(), reason="needs an AVX2 CPU")
+@pytest.mark.skipif("avx2" not in cpu_library.cpu_flags(), reason="needs an AVX2 CPU")
 def test_avx2_build_matches_dequantized_matmul(monkeypatch):
     """The AVX2 build, also on a CPU that would take the AVX-512 one (where both then get tested)."""
-    monkeypatch.setattr(cpu_quant_linear, "cpu_flags", lambda: {"avx2", "f16c", "fma"})
-    cpu_quant_linear.load_kernels.cache_clear()
+    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: {"avx2", "f16c", "fma"})
+    cpu_library.load_kernels.cache_clear()
     try:
         test_kernel_matches_dequantized_matmul("Q4_1", (200, 1536))
         test_kernel_matches_dequantized_matmul("Q8_0", (96, 576))
         test_kernel_matches_dequantized_matmul("Q4_0", (1000, 64))
     finally:
-        cpu_quant_linear.load_kernels.cache_clear()
+        cpu_library.load_kernels.cache_clear()
 
 
 def test_switch_reaches_the_engine_config():
-    from flashtree.bench.cli import setup_from_args
+    from flashtree.cli.bench import setup_from_args
     from flashtree.cli import build_parser
-    from flashtree.server.cli import config_from_args
+    from flashtree.cli.serve import config_from_args
 
     assert EngineConfig().quant_kernels is True
     parser = build_parser()

@@ -13,8 +13,8 @@ import torch
 import flashtree.engine.runner as runner_module
 from flashtree import LLM, SamplingParams
 from flashtree.cli import main as cli_main
-from flashtree.spec.dflash_proposer import DDTreeProposer
-from flashtree.spec.tree import ROOT
+from flashtree.speculative.drafter import DDTreeProposer
+from flashtree.speculative.tree.build import ROOT
 from tests.dflash_helpers import (assert_first_tokens_match_target, chi_square, chi_square_critical,
                                   first_tokens_distribution, one_thread, sample_first_tokens, tiny_pair,
                                   use_copying_proposer)

@@ -21,7 +21,7 @@ from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashDrafter, load_drafter
 from flashtree.models.dflash_config import default_target_layer_ids, parse_dflash_config
 from flashtree.models.transformer import CausalLM
-from flashtree.spec.dflash_proposer import DDTreeProposer, DFlashProposer, default_budget
+from flashtree.speculative.drafter import DDTreeProposer, DFlashProposer, default_budget
 from tests.dflash_helpers import (drafter_weight_shapes, one_thread, random_drafter_weights, save_tiny_drafter,
                                   save_tiny_tokenizer, tiny_drafter_config, tiny_pair, write_drafter)
 from tests.helpers import ours_from_hf
@@ -244,7 +244,7 @@ def test_quantized_drafter_stays_close(pair):
     rounding of the checkpoint drafter, and its block products equal its fp32 products (the fp32
     weights are the blocks' values), so the drafter's state does not depend on how many tokens a
     pass carries."""
-    from flashtree.models import cpu_kernels
+    from flashtree.kernels.cpu import fused as cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("the CPU kernel library does not build here")

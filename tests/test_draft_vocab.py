@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 from flashtree import LLM, SamplingParams
 from flashtree.config import SpecConfig
 from flashtree.errors import CheckpointError, ConfigError
-from flashtree.spec.defaults import shipped_drafter
-from flashtree.spec.draft_vocab import CPU_DEFAULT_SIZE, DRAFT_VOCAB_FILE, RANKING_KEY, default_size, load_draft_vocab
-from flashtree.spec.tree import ROOT
+from flashtree.speculative.defaults import shipped_drafter
+from flashtree.speculative.draft_vocab import CPU_DEFAULT_SIZE, DRAFT_VOCAB_FILE, RANKING_KEY, default_size, load_draft_vocab
+from flashtree.speculative.tree.build import ROOT
 from flashtree.train.data import Conversation
 from flashtree.train.draft_vocab import assistant_tokens, rank_tokens, write_ranking
 from tests.dflash_helpers import tiny_pair
@@ -137,9 +137,9 @@ def test_zero_turns_a_ranking_off(pair, tmp_path):
 
 
 def test_the_command_lines_pass_it_on():
-    from flashtree.bench.cli import setup_from_args
+    from flashtree.cli.bench import setup_from_args
     from flashtree.cli import build_parser
-    from flashtree.server.cli import config_from_args
+    from flashtree.cli.serve import config_from_args
 
     parser = build_parser()
     assert config_from_args(parser.parse_args(["serve", "--draft-vocab", "8192"])).engine.spec.draft_vocab == 8192

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashtree.models.batch import ForwardBatch, causal_mask
-from flashtree.models.feature_sink import FeatureSink
+from flashtree.kernels.feature_sink import FeatureSink
 from tests.helpers import make_cache, ours_from_hf, tiny_hf_model
 
 

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashtree.models import gpu_kernels
+from flashtree.kernels.gpu import attention as attention_kernels
+
+from flashtree.kernels.gpu import tree as tree_kernels
+
 from flashtree.models.batch import ForwardBatch, causal_mask
 from tests.helpers import make_cache, ours_from_hf, tiny_hf_model
 
@@ -62,7 +65,7 @@ def _run(model, device: str) -> dict[str, torch.Tensor]:
 def _sink_step(model, cache, lengths: torch.Tensor, device: str) -> torch.Tensor:
     """One decode token per row whose captured layers (the last one too) go into a feature sink's
     scattered rows (the fused norm writes them); returns the sink's buffer."""
-    from flashtree.models.feature_sink import FeatureSink
+    from flashtree.kernels.feature_sink import FeatureSink
 
     capture = (0, model.config.num_hidden_layers - 1)
     buffer = torch.zeros(6, len(capture) * model.config.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
@@ -119,7 +122,7 @@ def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu") -> 
     """tree_attention against SDPA over the gathered cache with the engine's mask: rows of
     different committed lengths (one empty), a random tree mask, a sliding window, 1-4 key splits."""
     from flashtree.models.batch import attention_mask
-    from flashtree.models import cpu_kernels, gpu_kernels
+    from flashtree.kernels.cpu import fused as cpu_kernels
 
     gen = torch.Generator().manual_seed(0)
     slots_n, kv_heads, capacity, head_dim, heads, rows, new = 4, 2, 300, 16, 8, 3, 5
@@ -142,7 +145,7 @@ def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu") -> 
             enable_gqa=True)
         for splits in ((1, 2, 4) if backend == "gpu" else (1,)):
             if backend == "gpu":
-                out = gpu_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window, splits=splits)
+                out = attention_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window, splits=splits)
             else:
                 out = cpu_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window)
             diffs[f"attention/window={window}/splits={splits}"] = (out.float() - ref).abs().max().item()
@@ -180,10 +183,10 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
     narrowed bisection and sort)."""
     import random
 
-    from flashtree.spec import tree as tree_module
+    from flashtree.speculative.tree import build as tree as tree_module
     from tests.test_tree_reference import assert_same_tree, make_logits
 
-    from flashtree.spec.verify import accept_walk
+    from flashtree.speculative.verify import accept_walk
 
     rng, differing, differing_walks, differing_thresholds = random.Random(0), 0, 0, 0
     for case in range(cases):
@@ -215,7 +218,7 @@ def compare_top_tokens(device: str) -> dict[str, float]:
     differing ranked values, and for 16-bit logits the number of differing tokens against a stable
     sort (ties in token order). Logits span several vocabulary chunks; one depth has a chunk of
     -inf only, one has many ties, one keeps every token (k = V)."""
-    from flashtree.spec import tree as tree_module
+    from flashtree.speculative.tree import build as tree as tree_module
 
     worst, differing, differing_tokens = 0.0, 0, 0
     for dtype, vocab, k in ((torch.float32, 9000, 50), (torch.bfloat16, 9000, 50), (torch.float16, 9000, 256),
@@ -237,11 +240,11 @@ def compare_top_tokens(device: str) -> dict[str, float]:
 
 
 def compare_commit(device: str) -> dict[str, float]:
-    """The KV commit kernel (gpu_kernels.commit_entries) against the torch gather + scatter: the
+    """The KV commit kernel (tree_kernels.commit_entries) against the torch gather + scatter: the
     number of differing storage entries (0 expected) after committing random tree paths (kept
     indices increasing, each at or past its place, so entries land where others are read) for
     several rows, odd head counts and a padded path."""
-    from flashtree.kv_cache import KVCache, KVCacheSpec
+    from flashtree.kv.cache import KVCache, KVCacheSpec
 
     differing = 0
     for heads, head_dim, rows, path in ((2, 16, 3, 5), (3, 8, 2, 7), (1, 32, 4, 1)):
@@ -266,13 +269,13 @@ def same_kept_lists_every_way(logits: torch.Tensor, budget: int) -> bool:
     """The kept-list kernel finds each depth's threshold by sorting the prefilter list, by
     bisection, or by a narrowed bisection and a sort (chosen by the list's length): all must give
     the same kept lists."""
-    from flashtree.spec import tree as tree_module
+    from flashtree.speculative.tree import build as tree as tree_module
 
     k = min(budget, logits.shape[2])
     top_logp, top_tokens = tree_module._top_tokens(logits, k)
     pairs = tree_module._prefilter_pairs(budget, k, logits.device)
-    ways = [gpu_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search)
-            for search in gpu_kernels.THRESHOLD_SEARCHES]
+    ways = [tree_kernels.expand_levels(top_logp, top_tokens, budget, *pairs, search=search)
+            for search in tree_kernels.THRESHOLD_SEARCHES]
     return all(torch.equal(a, b) for way in ways[1:] for a, b in zip(way, ways[0]))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.engine.spec_policy import SpecPolicyConfig
+from flashtree.policy.adaptive import SpecPolicyConfig
 from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, one_thread, tiny_pair
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
 
@@ -101,7 +101,7 @@ def test_queued_rounds_catch_the_drafter_up_when_a_lag_fills(pair, plain, monkey
     """With a lag capacity of 4, a queued round whose rows' lag would fill catches the drafter up
     first (on the device, as the engine's own catch-up does); after every step the drafter's
     context holds each row's committed tokens but its lag, and the tokens are plain decoding's."""
-    import flashtree.spec.dflash_proposer as proposer_module
+    import flashtree.speculative.drafter as proposer_module
 
     monkeypatch.setattr(proposer_module, "LAG_CAPACITY", 4)
     llm = queued_llm(pair, "ddtree", graphed)

@@ -50,7 +50,7 @@ def test_chat_stops_at_end_of_turn(smollm2):
 def test_shipped_drafter_is_lossless_and_accepts(smollm2, method, budget):
     """The drafter shipped for the embedded default (flashtree/assets/smollm2-dflash) gives the
     plain tokens, greedy and seeded, batched, and real acceptance (mean acceptance length > 1.2)."""
-    from flashtree.spec.defaults import shipped_drafter
+    from flashtree.speculative.defaults import shipped_drafter
 
     assert shipped_drafter("smollm2") is not None
     spec = LLM("smollm2", spec=method, budget=budget, adaptive_spec=False, max_running=4, max_context=512)

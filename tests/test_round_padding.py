@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from flashtree import LLM, SamplingParams
-from flashtree.engine.spec_policy import SpecPolicyConfig
+from flashtree.policy.adaptive import SpecPolicyConfig
 from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, one_thread, tiny_pair  # noqa: F401  (fixture)
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
 

@@ -366,7 +366,7 @@ def test_the_serve_process_freezes_startup_objects_once_loaded(tmp_path, monkeyp
 
     import flashtree.server.app as app_module
 
-    from flashtree.server.cli import config_from_args
+    from flashtree.cli.serve import config_from_args
     from flashtree.cli import build_parser
 
     assert config_from_args(build_parser().parse_args(["serve"])).freeze_gc is True
@@ -436,7 +436,7 @@ def test_serve_refuses_a_kv_cache_larger_than_memory(tmp_path, capsys):
 
 
 def test_serve_stops_when_the_model_fails_to_load(tmp_path):
-    from flashtree.server.cli import serve
+    from flashtree.cli.serve import serve
 
     target = save_tiny_chat_model(tmp_path / "target")
     (target / "model.safetensors").unlink()  # config.json is fine (the memory check passes), weights are gone

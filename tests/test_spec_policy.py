@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from flashtree.engine.spec_policy import (FixedNodes, SpecPolicy, SpecPolicyConfig, node_ladder,
+from flashtree.policy.adaptive import (FixedNodes, SpecPolicy, SpecPolicyConfig, node_ladder,
                                           rows_bucket)
 from flashtree.errors import ConfigError
 

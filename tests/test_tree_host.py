@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashtree.spec.tree import HOST_MAX_BUDGET, HOST_MAX_ROW_NODES, DraftTree, build_tree
+from flashtree.speculative.tree.build import HOST_MAX_BUDGET, HOST_MAX_ROW_NODES, DraftTree, build_tree
 
 
 def assert_same_trees(host: DraftTree, device_ops: DraftTree) -> None:
@@ -44,7 +44,7 @@ def test_host_tree_with_every_logit_equal_and_budget_past_the_prefixes() -> None
 
 
 def test_host_is_the_default_only_for_small_cpu_trees_and_refuses_other_devices(monkeypatch) -> None:
-    from flashtree.spec import tree_host
+    from flashtree.speculative.tree import host as tree_host
 
     calls: list[int] = []
     real = tree_host.build_tree_on_host

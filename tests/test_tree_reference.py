@@ -14,8 +14,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from flashtree.spec import tree as tree_module
-from flashtree.spec.tree import (
+from flashtree.speculative.tree import build as tree as tree_module
+from flashtree.speculative.tree.build import (
     NO_PARENT,
     PAD_TOKEN,
     ROOT,
@@ -23,7 +23,7 @@ from flashtree.spec.tree import (
     DraftTree,
     build_tree,
 )
-from flashtree.spec.verify import PATH_PAD, AcceptResult, accept_walk
+from flashtree.speculative.verify import PATH_PAD, AcceptResult, accept_walk
 
 # ---------------------------------------------------------------- frozen reference (before #4)
 

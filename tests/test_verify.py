@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from flashtree.spec.tree import DraftTree, build_tree, chain_tree
-from flashtree.spec.verify import AcceptResult, accept_walk
+from flashtree.speculative.tree.build import DraftTree, build_tree, chain_tree
+from flashtree.speculative.verify import AcceptResult, accept_walk
 
 
 def make_tree(tokens: list[int], parents: list[int], valid: list[bool] | None = None) -> DraftTree:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from flashtree.errors import ConfigError
-from flashtree.tokenizer import encode_chat
+from flashtree.models.tokenizer import encode_chat
 
 DATASET_FORMS = "humaneval, sharegpt-heldout, or a .jsonl file of {\"prompt\"} / {\"messages\"} / {\"prompt_ids\"} lines"
 HUMANEVAL_FILE = Path("data") / "HumanEval.jsonl.gz"

@@ -54,19 +54,19 @@ from flashtree.engine.policy_trace import PolicyTracer
 from flashtree.engine.request import Request, Status
 from flashtree.engine.runner import ModelRunner, RoundResult, StageTimer
 from flashtree.engine.scheduler import Scheduler
-from flashtree.engine.spec_policy import FixedNodes, SpecPolicy, node_ladder, rows_bucket
+from flashtree.policy.adaptive import FixedNodes, SpecPolicy, node_ladder, rows_bucket
 from flashtree.engine.step_trace import StepTracer
 from flashtree.engine.tree_trace import TreeTracer
 from flashtree.errors import RequestError
-from flashtree.kv_cache import KVCache, KVCacheSpec
-from flashtree.models import gpu_kernels
+from flashtree.kv.cache import KVCache, KVCacheSpec
+from flashtree.kernels import gpu as gpu_kernels
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
-from flashtree.models.cpu_quant_linear import maybe_attach_quantized
+from flashtree.models.gguf_blocks import maybe_attach_quantized
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.transformer import CausalLM
 from flashtree.sampling import SamplingParams
-from flashtree.spec.registry import make_proposer
-from flashtree.tokenizer import stop_token_ids_for
+from flashtree.speculative.registry import make_proposer
+from flashtree.models.tokenizer import stop_token_ids_for
 
 
 class LoadedTarget(NamedTuple):

@@ -20,15 +20,15 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from flashtree.device_copy import to_device
-from flashtree.engine.cuda_graphs import GraphCache
+from flashtree.engine.graphs import GraphCache
 from flashtree.engine.request import Request
 from flashtree.engine.tree_trace import TreeTracer
-from flashtree.kv_cache import KVCache
+from flashtree.kv.cache import KVCache
 from flashtree.models.batch import ForwardBatch, causal_mask, slot_range_of
 from flashtree.models.transformer import CausalLM
 from flashtree.sampling import SamplingTensors, choose_tokens, seed_value
-from flashtree.spec.proposer import Proposer, root_only_tree
-from flashtree.spec.verify import accept_walk
+from flashtree.speculative.proposer import Proposer, root_only_tree
+from flashtree.speculative.verify import accept_walk
 
 
 class RoundInputs(NamedTuple):

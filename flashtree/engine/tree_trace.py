@@ -13,7 +13,7 @@ import torch
 
 from flashtree.engine.json_lines import JsonLines
 from flashtree.engine.request import Request
-from flashtree.spec.tree import DraftTree
+from flashtree.speculative.tree.build import DraftTree
 
 
 class TreeTracer:

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from flashtree.errors import CheckpointError, ConfigError
-from flashtree.kv_cache import KVCache, KVCacheSpec
-from flashtree.models import cpu_kernels
+from flashtree.kv.cache import KVCache, KVCacheSpec
+from flashtree.kernels.cpu import fused as cpu_kernels
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.build import copy_weights, init_random_weights
-from flashtree.models.cpu_quant_linear import QuantizedLinear, linear, quantize_q8_0
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear, quantize_q8_0
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
 from flashtree.models.rope import RotaryTable, apply_rotary

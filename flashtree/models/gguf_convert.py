@@ -18,7 +18,7 @@ an interrupted conversion never leaves a half-written cache entry.
 Two llama.cpp conventions are undone here:
 - for the ``llama`` architecture, llama.cpp's converter permutes the rows of ``attn_q`` and
   ``attn_k`` (per head, from "first half / second half" rotary pairs to interleaved pairs);
-  :func:`unpermute_rotary_rows` restores Hugging Face's order. Qwen2/Qwen3 are not permuted.
+  :mod:`gguf_layout` restores Hugging Face's order. Qwen2/Qwen3 are not permuted.
 - Llama 3.1 rope scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors;
   :func:`llama3_rope_scaling` turns it back into a ``rope_scaling: {rope_type: llama3}`` dict.
 """
@@ -43,6 +43,9 @@ import torch
 
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
+from flashtree.models.gguf_blocks import gguf_blocks, save_blocks
+from flashtree.models.gguf_layout import unpermute_for_hf
+from flashtree.paths import cache_root as default_cache_root
 
 SUPPORTED_ARCHITECTURES = {  # GGUF general.architecture -> Hugging Face architectures entry
     "llama": "LlamaForCausalLM",
@@ -52,7 +55,6 @@ SUPPORTED_ARCHITECTURES = {  # GGUF general.architecture -> Hugging Face archite
 SUPPORTED_TENSOR_TYPES = tuple(
     gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 )
-_ROTARY_PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp permutes q/k rows only for these
 _CACHE_FORMAT_VERSION = 1  # bump when the converted layout changes: old entries are ignored
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"
 _LLAMA3_ORIGINAL_CONTEXT = 8192  # any value gives identical frequencies, see llama3_rope_scaling
@@ -85,11 +87,6 @@ class GGUFModel:
 
     config: dict[str, Any]  # config.json contents
     weights: dict[str, torch.Tensor]  # Hugging Face names, float32
-
-
-def default_cache_root() -> Path:
-    """``$FLASHTREE_CACHE``, else ``~/.cache/flashtree``."""
-    return Path(os.environ.get("FLASHTREE_CACHE") or Path.home() / ".cache" / "flashtree")
 
 
 def cache_dir_for(gguf_path: Path, cache_root: Path) -> Path:
@@ -134,8 +131,6 @@ def write_converted(gguf_path: Path, out_dir: Path) -> None:
 
 def _save_quantized_blocks(reader: gguf.GGUFReader, config: dict[str, Any], out_dir: Path) -> None:
     """Keep the Q4_0 / Q4_1 / Q8_0 blocks too, for the CPU block kernel (cpu_quant_linear.py)."""
-    from flashtree.models.cpu_quant_linear import gguf_blocks, save_blocks
-
     blocks = gguf_blocks(reader, config["model_type"], config["num_attention_heads"], config["num_key_value_heads"])
     if blocks:
         save_blocks(blocks, out_dir, config["flashtree_source_gguf"])
@@ -205,31 +200,6 @@ def hf_tensor_name(gguf_name: str, gguf_path: Path) -> str:
         f"{gguf_path}: tensor {gguf_name!r} has no Hugging Face equivalent; known: "
         f"{', '.join(_GLOBAL_TENSOR_NAMES)}, blk.N.{{{','.join(_BLOCK_TENSOR_NAMES)}}}, rope_freqs"
     )
-
-
-def unpermute_rotary_rows(array: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation for one projection (weight or bias).
-
-    llama.cpp maps the rows of each head from [pairs: first half | second half] to
-    interleaved pairs: reshape (n_head, 2, head_dim/2, ...) -> swap axes 1, 2. The inverse
-    reads the rows as (n_head, head_dim/2, 2, ...) and swaps them back."""
-    half = array.shape[0] // n_head // 2
-    heads = array.reshape(n_head, half, 2, *array.shape[1:])
-    return np.ascontiguousarray(heads.swapaxes(1, 2)).reshape(array.shape)
-
-
-def unpermute_for_hf(gguf_name: str, array: np.ndarray, architecture: str, heads: int, kv_heads: int
-                     ) -> np.ndarray:
-    """``array`` (rows first: dequantized values, or raw quantized blocks that move with their
-    rows) in Hugging Face's row order: q/k projections of the architectures llama.cpp permutes
-    are un-permuted, everything else is returned as it is."""
-    if architecture not in _ROTARY_PERMUTED_ARCHITECTURES:
-        return array
-    if ".attn_q." in gguf_name:
-        return unpermute_rotary_rows(array, heads)
-    if ".attn_k." in gguf_name:
-        return unpermute_rotary_rows(array, kv_heads)
-    return array
 
 
 def gguf_config(reader: gguf.GGUFReader, gguf_path: Path) -> dict[str, Any]:

@@ -14,13 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree.kv_cache import KVCache
-from flashtree.models import cpu_kernels, gpu_kernels
+from flashtree.kv.cache import KVCache
+from flashtree.kernels import gpu as gpu_kernels
+from flashtree.kernels.cpu import fused as cpu_fused
+from flashtree.kernels.gpu import fused as gpu_fused
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
-from flashtree.models.cpu_quant_linear import QuantizedLinear, linear
-from flashtree.models.feature_sink import FeatureSink, SinkSegment
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear
+from flashtree.kernels.feature_sink import FeatureSink, SinkSegment
 from flashtree.models.rope import RotaryTable, apply_rotary
 
 
@@ -249,14 +251,14 @@ class FusedKernelSwitch:
         head_dim = self.config.head_dim
         on = (enabled and gpu_kernels.usable_on(self._kernel_weight()) and head_dim & (head_dim - 1) == 0
               and self._ready_for_kernels())
-        self._set_kernels(gpu_kernels if on else None, on and attention and attention_kernel_fits(self.config))
+        self._set_kernels(gpu_fused if on else None, on and attention and attention_kernel_fits(self.config))
         return on
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
         """Switch the C++ kernels on for an fp32 model on the CPU where their library builds,
         attention of up to 32 new tokens included; returns whether they are on."""
-        on = enabled and cpu_kernels.usable_on(self._kernel_weight()) and self._ready_for_kernels()
-        self._set_kernels(cpu_kernels if on else None, on)
+        on = enabled and cpu_fused.usable_on(self._kernel_weight()) and self._ready_for_kernels()
+        self._set_kernels(cpu_fused if on else None, on)
         return on
 
     @property

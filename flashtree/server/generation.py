@@ -15,7 +15,7 @@ from flashtree.errors import RequestError
 from flashtree.sampling import SamplingParams
 from flashtree.server.errors import APIError, param_named_in
 from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from flashtree.tokenizer import encode_chat, encode_prompt
+from flashtree.models.tokenizer import encode_chat, encode_prompt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,12 +16,12 @@ import torch
 from flashtree.config import EngineConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import ConfigError
-from flashtree.kv_cache import KVCacheSpec
+from flashtree.kv.cache import KVCacheSpec
 from flashtree.models.build import resolve_device, resolve_dtype
 from flashtree.models.config import ModelConfig
 from flashtree.models.loader import resolve_model_dir
 from flashtree.sampling import SamplingParams
-from flashtree.tokenizer import encode_chat
+from flashtree.models.tokenizer import encode_chat
 
 log = logging.getLogger("flashtree.server")
 

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from flashtree.spec.draft_vocab import DRAFT_VOCAB_FILE, RANKING_KEY
+from flashtree.speculative.draft_vocab import DRAFT_VOCAB_FILE, RANKING_KEY
 from flashtree.train.data import SHAREGPT, Conversation, load_conversations, split_conversations
 
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from flashtree.errors import ConfigError
 from flashtree.sampling import SamplingParams
-from flashtree.tokenizer import encode_chat
+from flashtree.models.tokenizer import encode_chat
 from flashtree.train.data import (DEFAULT_HELDOUT_PERCENT, TURN_CHOICES, Conversation, chat_prompts,
                                   load_conversations, split_conversations)
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from flashtree.kv_cache import KVCache, KVCacheSpec
+from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.models.transformer import CausalLM
 

@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from flashtree.models import gpu_kernels
+from flashtree.kernels.gpu import tree as tree_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class KVCache:
         self.k = [self.storage[i, 0] for i in range(spec.num_layers)]
         self.v = [self.storage[i, 1] for i in range(spec.num_layers)]
         self.lengths = torch.zeros(spec.max_slots, dtype=torch.long, device=device)  # [max_slots]
-        self.commit_kernel = False  # commit moves entries with gpu_kernels.commit_entries (the engine's triton_tree)
+        self.commit_kernel = False  # commit moves entries with tree_kernels.commit_entries (the engine's triton_tree)
 
     @staticmethod
     def write_index(slots: torch.Tensor, starts: torch.Tensor, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +98,7 @@ class KVCache:
         not incremented, so running the same commit twice (CUDA-graph warm-up) is harmless.
         """
         if self.commit_kernel:  # the lengths too
-            gpu_kernels.commit_entries(self.storage, slots, starts, keep, keep_counts, self.lengths)
+            tree_kernels.commit_entries(self.storage, slots, starts, keep, keep_counts, self.lengths)
             return
         n_keep = keep.shape[1]
         src = starts[:, None] + keep.clamp(min=0)  # [B, P]

@@ -29,7 +29,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from flashtree.models import gpu_kernels
+from flashtree.kernels import gpu as gpu_kernels
+
+from flashtree.kernels.gpu import topk as topk_kernels
+
+from flashtree.kernels.gpu import tree as tree_kernels
 
 ROOT = 0  # node index of the root (the bonus token)
 NO_PARENT = -1  # parent of the root
@@ -66,7 +70,7 @@ def build_tree(
     budgets: [R] int64 (or an int for all rows), 0 <= budget <= max_budget; 0 = root only.
     max_budget: B, the static node count.
     kernel: compute the per-depth kept lists, then the tree, with two Triton kernels per row
-    (``models/gpu_kernels.expand_levels`` and ``select_nodes``; same result) where they can run:
+    (``models/tree_kernels.expand_levels`` and ``select_nodes``; same result) where they can run:
     float32 log-probs on CUDA with Triton (or the interpreter). The engine turns it on with its
     ``triton_tree`` option.
     host: after the top-k, build the tree with numpy on the host (``tree_host.py``; same tree), for
@@ -88,14 +92,14 @@ def build_tree(
     elif host and device.type != "cpu":
         raise ValueError(f"host=True builds trees of CPU tensors only, got draft_logits on {device}")
     if host:
-        from flashtree.spec.tree_host import build_tree_on_host  # (it imports DraftTree from here)
+        from flashtree.speculative.tree.host import build_tree_on_host  # (it imports DraftTree from here)
 
         return build_tree_on_host(top_logp, top_tokens, budgets, max_budget)
     if kernel and top_logp.dtype == torch.float32 and gpu_kernels.usable_on(top_logp):
         pairs = _kernel_pairs(max_budget, top_logp.shape[2], device)  # [M] x2
-        weights, parents, tokens = gpu_kernels.expand_levels(top_logp, top_tokens, max_budget, *pairs)  # [R, L, B] x3
+        weights, parents, tokens = tree_kernels.expand_levels(top_logp, top_tokens, max_budget, *pairs)  # [R, L, B] x3
         if depth * max_budget <= SELECT_KERNEL_MAX_NODES:
-            return DraftTree(*gpu_kernels.select_nodes(weights, parents, tokens, budgets, max_budget))
+            return DraftTree(*tree_kernels.select_nodes(weights, parents, tokens, budgets, max_budget))
         levels = [_Level(weights[:, d], parents[:, d], tokens[:, d]) for d in range(depth)]
     else:
         levels = _expand_levels(top_logp, top_tokens, max_budget)
@@ -144,15 +148,15 @@ def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     """Top-k tokens per depth with their log-probabilities, best first (rank order).
 
     Where the Triton kernels run: bf16 / fp16 logits take an exact radix select over their 16-bit
-    order keys that also computes the log-normalizer (``gpu_kernels.top_log_probs``; equal values
+    order keys that also computes the log-normalizer (``topk_kernels.top_log_probs``; equal values
     in token order); other dtypes take ``torch.topk`` on the logits as they are and the Triton
-    log-normalizer (``gpu_kernels.log_normalize_top``), without a float32 copy of every logit.
+    log-normalizer (``topk_kernels.log_normalize_top``), without a float32 copy of every logit.
     Both tree paths (kernel or not) use the same top-k, so they see the same log-probs."""
     if gpu_kernels.usable_on(draft_logits) and draft_logits.dtype in (torch.bfloat16, torch.float16):
-        return gpu_kernels.top_log_probs(draft_logits, k)
+        return topk_kernels.top_log_probs(draft_logits, k)
     top = torch.topk(draft_logits, k, dim=-1, largest=True, sorted=True)  # [R, L, K] x2
     if gpu_kernels.usable_on(draft_logits) and draft_logits.dtype != torch.float64:
-        return gpu_kernels.log_normalize_top(draft_logits, top.values), top.indices
+        return topk_kernels.log_normalize_top(draft_logits, top.values), top.indices
     dtype = torch.promote_types(draft_logits.dtype, torch.float32)
     log_norm = torch.logsumexp(draft_logits.to(dtype), dim=-1, keepdim=True)  # [R, L, 1]
     return top.values.to(dtype) - log_norm, top.indices  # [R, L, K] float, [R, L, K] int64

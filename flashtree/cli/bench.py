@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import NamedTuple
 
-from flashtree.cli import adaptive_spec_of, add_model_args
+from flashtree.cli.args import adaptive_spec_of, add_model_args
 from flashtree.errors import ConfigError, FlashtreeError
 
 DEFAULT_METHODS = "ar,dflash,ddtree:16,ddtree:64"
@@ -60,7 +60,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def setup_from_args(args: argparse.Namespace, needs_draft: bool):
     from flashtree.bench.runner import BenchSetup
-    from flashtree.spec.defaults import default_spec
+    from flashtree.speculative.defaults import default_spec
 
     if args.spec is not None or args.budget is not None:
         raise ConfigError("flashtree bench takes its decoding methods from --methods (e.g. ar,dflash,ddtree:64), "

@@ -19,8 +19,10 @@ from typing import NamedTuple
 
 import torch
 
-from flashtree.models import gpu_kernels
-from flashtree.spec.tree import ROOT, DraftTree
+from flashtree.kernels import gpu as gpu_kernels
+
+from flashtree.kernels.gpu import tree as tree_kernels
+from flashtree.speculative.tree.build import ROOT, DraftTree
 
 PATH_PAD = -1  # path / committed-token filler after the end of the accepted path
 
@@ -41,7 +43,7 @@ def accept_walk(
 
     tree: a DraftTree with N nodes per row. target_choice: [R, N] int64.
     max_depth: deepest node depth (L for DDTree / DFlash); defaults to N - 1, always enough.
-    kernel: walk in one Triton kernel per row (``models/gpu_kernels.accept_walk``; same result)
+    kernel: walk in one Triton kernel per row (``models/tree_kernels.accept_walk``; same result)
     where it can run (CUDA with Triton, or the interpreter).
     """
     num_rows, num_nodes = tree.tokens.shape
@@ -54,7 +56,7 @@ def accept_walk(
         max_depth = num_nodes - 1
     target_choice = target_choice.long()
     if kernel and gpu_kernels.usable_on(tree.tokens):
-        return AcceptResult(*gpu_kernels.accept_walk(tree.tokens, tree.parents, tree.valid, target_choice, max_depth))
+        return AcceptResult(*tree_kernels.accept_walk(tree.tokens, tree.parents, tree.valid, target_choice, max_depth))
     on_path = _path_nodes(tree, target_choice, max_depth)  # [R, N]
     # Path nodes have distinct depths 0..len-1: each goes to the slot of its depth.
     slot = torch.where(on_path, tree.depths, max_depth + 1)  # [R, N]; others to a dump slot

@@ -107,7 +107,7 @@ def cmd_train(args) -> None:
 
 # ---------------------------------------------------------------------------- regenerate
 def _register_regenerate(subparsers) -> None:
-    from flashtree.cli import add_model_args
+    from flashtree.cli.args import add_model_args
     from flashtree.train.regenerate import RegenerateConfig
 
     d = RegenerateConfig()
@@ -136,7 +136,7 @@ def _register_regenerate(subparsers) -> None:
 
 
 def cmd_regenerate(args) -> None:
-    from flashtree.cli import llm_from_args
+    from flashtree.cli.args import llm_from_args
     from flashtree.train.regenerate import RegenerateConfig, regenerate, select_prompts
 
     cfg = RegenerateConfig(prompts=args.prompts, output=args.output, split=args.split, limit=args.limit,

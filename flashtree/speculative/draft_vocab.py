@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from flashtree.errors import CheckpointError, ConfigError
-from flashtree.models.cpu_quant_linear import QuantizedLinear, linear
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 RANKING_KEY = "token_ids"

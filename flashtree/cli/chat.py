@@ -6,7 +6,7 @@ import sys
 
 from flashtree.llm import LLM
 from flashtree.sampling import SamplingParams
-from flashtree.tokenizer import encode_chat
+from flashtree.models.tokenizer import encode_chat
 
 
 def stream_reply(llm: LLM, messages: list[dict], params: SamplingParams, out=sys.stdout) -> str:

@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from flashtree.spec.tree import DraftTree
+from flashtree.speculative.tree.build import DraftTree
 
 
 class ProposerRows(Protocol):

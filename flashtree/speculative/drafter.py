@@ -32,14 +32,14 @@ import torch
 
 from flashtree.config import EngineConfig
 from flashtree.device_copy import to_device
-from flashtree.kv_cache import KVCache
-from flashtree.models import cpu_kernels
+from flashtree.kv.cache import KVCache
+from flashtree.kernels.cpu import fused as cpu_kernels
 from flashtree.models.batch import slot_range_of
 from flashtree.models.dflash import DFlashDrafter, load_drafter
-from flashtree.models.feature_sink import FeatureSink
-from flashtree.spec.proposer import Proposer, ProposerRows
-from flashtree.spec.draft_vocab import default_size, load_draft_vocab, vocab_head
-from flashtree.spec.tree import ROOT, DraftTree, build_tree, chain_tree
+from flashtree.kernels.feature_sink import FeatureSink
+from flashtree.speculative.proposer import Proposer, ProposerRows
+from flashtree.speculative.draft_vocab import default_size, load_draft_vocab, vocab_head
+from flashtree.speculative.tree.build import ROOT, DraftTree, build_tree, chain_tree
 
 
 def default_budget(device: torch.device) -> int:

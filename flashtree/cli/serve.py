@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from flashtree.cli import adaptive_spec_of, add_model_args
+from flashtree.cli.args import adaptive_spec_of, add_model_args
 from flashtree.config import EngineConfig, SpecConfig
 from flashtree.errors import FlashtreeError
 from flashtree.server.config import EVENT_LOOPS, HTTP_IMPLEMENTATIONS, LOOPBACK, ServerConfig
@@ -51,7 +51,7 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from flashtree.spec.defaults import default_spec
+    from flashtree.speculative.defaults import default_spec
 
     method, draft = default_spec(args.model, args.spec, args.draft)
     engine = EngineConfig(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flashtree.config import EngineConfig
 from flashtree.errors import ConfigError
-from flashtree.spec.proposer import PlainProposer, Proposer
+from flashtree.speculative.proposer import PlainProposer, Proposer
 
 
 def make_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
@@ -12,7 +12,7 @@ def make_proposer(config: EngineConfig, target, tokenizer) -> Proposer:
     if method == "none":
         return PlainProposer()
     if method in ("dflash", "ddtree"):
-        from flashtree.spec.dflash_proposer import make_dflash_proposer
+        from flashtree.speculative.drafter import make_dflash_proposer
 
         return make_dflash_proposer(config, target, tokenizer)
     raise ConfigError(f"--spec {method!r} is not a decoding method; allowed: none, dflash, ddtree")

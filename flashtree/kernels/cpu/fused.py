@@ -19,8 +19,8 @@ import functools
 
 import torch
 
-from flashtree.models.cpu_quant_linear import KernelUnavailable, load_kernels
-from flashtree.models.gpu_kernels import qkv_write_operands
+from flashtree.kernels.cpu.library import KernelUnavailable, load_kernels
+from flashtree.kernels.fused_ops import qkv_write_operands
 
 
 @functools.cache

@@ -1,0 +1,5 @@
+import sys
+
+from flashtree.cli.main import main
+
+sys.exit(main())

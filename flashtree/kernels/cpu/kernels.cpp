@@ -1,0 +1,405 @@
+// flashtree CPU block kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W in GGUF blocks.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+namespace {
+
+// V16: 16 floats in one AVX-512 register, or in two AVX2 registers (same element order); only
+// sums are associated differently (8 lanes instead of 16), so results differ by rounding alone.
+#if defined(__AVX512F__)
+struct V16 { __m512 v; };
+inline V16 v_zero() { return {_mm512_setzero_ps()}; }
+inline V16 v_set1(float a) { return {_mm512_set1_ps(a)}; }
+inline V16 v_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void v_store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 v_add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 v_mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float v_sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline V16 v_from_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }  // 16 int8
+inline V16 v_from_u8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))}; }  // 16 uint8
+inline V16 v_fnmadd(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
+inline V16 v_clamp(V16 a, float lo, float hi) {
+  return {_mm512_min_ps(_mm512_max_ps(a.v, _mm512_set1_ps(lo)), _mm512_set1_ps(hi))};
+}
+inline V16 v_round(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V16 v_times_pow2(V16 a, V16 n) { return {_mm512_scalef_ps(a.v, n.v)}; }  // a * 2^n, n integral
+inline V16 v_div(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+#else
+struct V16 { __m256 lo, hi; };
+inline V16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 v_set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline V16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void v_store(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline V16 v_add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 v_mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float v_sum(V16 a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline V16 v_from_i8(__m128i q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
+inline V16 v_from_u8(__m128i q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
+}
+inline V16 v_fnmadd(V16 a, V16 b, V16 c) {  // c - a * b
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline __m256 clamp8(__m256 a, float lo, float hi) {
+  return _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+inline V16 v_clamp(V16 a, float lo, float hi) { return {clamp8(a.lo, lo, hi), clamp8(a.hi, lo, hi)}; }
+inline __m256 round8(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V16 v_round(V16 a) { return {round8(a.lo), round8(a.hi)}; }
+inline __m256 pow2_8(__m256 n) {  // 2^n for integral n in [-126, 127], through the exponent bits
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline V16 v_times_pow2(V16 a, V16 n) { return {_mm256_mul_ps(a.lo, pow2_8(n.lo)), _mm256_mul_ps(a.hi, pow2_8(n.hi))}; }
+inline V16 v_div(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+#endif
+
+// exp(x) for x in [-87.3, 88.3] (clamped there): the Cephes polynomial of r = x - n ln 2, times 2^n
+inline V16 v_exp(V16 x) {
+  x = v_clamp(x, -87.3f, 88.3f);
+  const V16 n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+  V16 r = v_fnmadd(n, v_set1(0.693359375f), x);
+  r = v_fnmadd(n, v_set1(-2.12194440e-4f), r);
+  V16 p = v_set1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = v_fmadd(p, r, v_set1(c));
+  p = v_add(v_fmadd(p, v_mul(r, r), r), v_set1(1.0f));
+  return v_times_pow2(p, n);
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One 32-weight block as two vectors of 16 weights (elements 0..15 and 16..31).
+// type 0: Q4_0 {fp16 d; u8 qs[16]}     w = d * (q - 8)  computed as fma(d, q, -8 d), exact
+// type 1: Q4_1 {fp16 d, m; u8 qs[16]}  w = fma(d, q, m) (d * q exact: one rounding, like d*q + m)
+// type 2: Q8_0 {fp16 d; i8 qs[32]}     w = d * q, exact
+template <int TYPE>
+inline void decode(const uint8_t* block, V16& w0, V16& w1) {
+  const V16 d = v_set1(half_to_float(block));
+  if (TYPE == 2) {
+    const __m128i* q = (const __m128i*)(block + 2);
+    w0 = v_mul(d, v_from_i8(_mm_loadu_si128(q)));
+    w1 = v_mul(d, v_from_i8(_mm_loadu_si128(q + 1)));
+  } else {
+    const V16 m = TYPE == 1 ? v_set1(half_to_float(block + 2)) : v_mul(d, v_set1(-8.0f));
+    const __m128i v = _mm_loadu_si128((const __m128i*)(block + (TYPE == 1 ? 4 : 2)));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    w0 = v_fmadd(d, v_from_u8(_mm_and_si128(v, low4)), m);
+    w1 = v_fmadd(d, v_from_u8(_mm_and_si128(_mm_srli_epi16(v, 4), low4)), m);
+  }
+}
+
+constexpr int64_t block_bytes(int type) { return type == 0 ? 18 : type == 1 ? 20 : 34; }
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+// Accumulators per row: AVX-512's 32 registers hold two (independent FMA chains); AVX2's 16 would
+// spill them from 3 rows on (a V16 is two registers), so it keeps one. The same for every row count,
+// so a row's result never depends on how many rows share the call.
+#if defined(__AVX512F__)
+constexpr bool ONE_ACCUMULATOR = false;
+#else
+constexpr bool ONE_ACCUMULATOR = true;
+#endif
+
+constexpr int ROW_GROUP = 8;  // rows of x whose accumulators share the registers while the weights stream
+constexpr int COLUMN_TILE = 4;  // weight rows (output columns) a task takes at once
+
+// Output columns worked on together by a group of M rows: one column's chain of FMAs is latency-bound
+// when few rows share it, so small groups interleave the independent chains of several columns
+// (as many as the registers hold: accumulators, decoded weights and the x vectors).
+#if defined(__AVX512F__)
+template <int M> constexpr int columns_for() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+#else
+template <int M> constexpr int columns_for() { return M == 1 ? 2 : 1; }
+#endif
+
+// y[r * N + c] = x[r] . W[c] + add[c] for the M <= ROW_GROUP rows of x and the C consecutive weight
+// rows at w (output columns c < C). Each (row, column) pair is its own chain of FMAs over the
+// blocks in order: the same arithmetic whatever M and C are.
+template <int TYPE, int M, int C>
+inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t K,
+                     const float* add, float* y, int64_t N) {
+  V16 acc0[C][M], acc1[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < M; ++r) acc0[c][r] = acc1[c][r] = v_zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    V16 w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * block_bytes(TYPE);
+      _mm_prefetch((const char*)(block + PREFETCH_BYTES), _MM_HINT_T0);
+      decode<TYPE>(block, w0[c], w1[c]);
+    }
+    for (int r = 0; r < M; ++r) {
+      const float* xr = x + r * K + b * 32;
+      const V16 x0 = v_load(xr), x1 = v_load(xr + 16);
+      for (int c = 0; c < C; ++c) {
+        if (ONE_ACCUMULATOR) {
+          acc0[c][r] = v_fmadd(w1[c], x1, v_fmadd(w0[c], x0, acc0[c][r]));
+        } else {
+          acc0[c][r] = v_fmadd(w0[c], x0, acc0[c][r]);
+          acc1[c][r] = v_fmadd(w1[c], x1, acc1[c][r]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < M; ++r)
+      y[r * N + c] = v_sum(ONE_ACCUMULATOR ? acc0[c][r] : v_add(acc0[c][r], acc1[c][r])) + add[c];
+}
+
+// `cols` <= COLUMN_TILE consecutive columns for M rows: in steps of columns_for<M>(), then one by one.
+template <int TYPE, int M>
+inline void tile_columns(const float* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t K,
+                         const float* add, float* y, int64_t N, int cols) {
+  constexpr int C = columns_for<M>();
+  int c = 0;
+  for (; c + C <= cols; c += C) dot_rows<TYPE, M, C>(x, w + c * row_bytes, row_bytes, blocks, K, add + c, y + c, N);
+  for (; c < cols; ++c) dot_rows<TYPE, M, 1>(x, w + c * row_bytes, row_bytes, blocks, K, add + c, y + c, N);
+}
+
+template <int TYPE>
+inline void tile_group(int m, const float* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t K,
+                       const float* add, float* y, int64_t N, int cols) {
+  switch (m) {
+    case 1: tile_columns<TYPE, 1>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 2: tile_columns<TYPE, 2>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 3: tile_columns<TYPE, 3>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 4: tile_columns<TYPE, 4>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 5: tile_columns<TYPE, 5>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 6: tile_columns<TYPE, 6>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 7: tile_columns<TYPE, 7>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    default: tile_columns<TYPE, 8>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+  }
+}
+
+// Tasks of COLUMN_TILE weight rows; within a task the rows of x go in groups of ROW_GROUP, so the
+// weights are read from memory once and decoded again from L1 for each further group. A row's
+// result never depends on how many rows share the call.
+template <int TYPE>
+int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+              int threads) {
+  if (M < 1) return 1;
+  const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
+  const int64_t tiles = (N + COLUMN_TILE - 1) / COLUMN_TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n = t * COLUMN_TILE;
+    const int cols = (int)(N - n < COLUMN_TILE ? N - n : COLUMN_TILE);
+    float add[COLUMN_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c = 0; bias && c < cols; ++c) add[c] = bias[n + c];
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_GROUP) {
+      const int m = (int)(M - r0 < ROW_GROUP ? M - r0 : ROW_GROUP);
+      tile_group<TYPE>(m, x + r0 * K, w + n * row_bytes, row_bytes, blocks, K, add, y + r0 * N + n, N, cols);
+    }
+  }
+  return 0;
+}
+
+template <int TYPE>
+void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
+  const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < blocks; ++b) {
+      V16 w0, w1;
+      decode<TYPE>(w + n * row_bytes + b * block_bytes(TYPE), w0, w1);
+      v_store(out + n * K + b * 32, w0);
+      v_store(out + n * K + b * 32 + 16, w1);
+    }
+}
+
+// ---- fused small ops of a decoder layer (fp32, rows = tokens); see cpu_kernels.py
+inline float dot_product(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  V16 acc = v_zero();
+  for (; d + 16 <= n; d += 16) acc = v_fmadd(v_load(a + d), v_load(b + d), acc);
+  float sum = v_sum(acc);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+inline float inv_rms(const float* x, int64_t width, float eps) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < width; ++j) sum += x[j] * x[j];
+  return 1.0f / sqrtf(sum / (float)width + eps);
+}
+
+}  // namespace
+
+extern "C" {
+
+// sum = x + residual; out = sum * rsqrt(mean(sum^2) + eps) * weight, per row of width values.
+void flashtree_add_rms_norm(const float* x, const float* residual, const float* weight, float* sum, float* out,
+                            int64_t rows, int64_t width, float eps) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float *xi = x + i * width, *ri = residual + i * width;
+    float *si = sum + i * width, *oi = out + i * width;
+    for (int64_t j = 0; j < width; ++j) si[j] = xi[j] + ri[j];
+    const float scale = inv_rms(si, width, eps);
+    for (int64_t j = 0; j < width; ++j) oi[j] = si[j] * scale * weight[j];
+  }
+}
+
+// out[i, j] = silu(gate_up[i, j]) * gate_up[i, width + j]
+void flashtree_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t width) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float *g = gate_up + i * 2 * width, *u = g + width;
+    float* o = out + i * width;
+    int64_t j = 0;
+    for (; j + 16 <= width; j += 16) {
+      const V16 gj = v_load(g + j);
+      const V16 sig = v_div(gj, v_add(v_set1(1.0f), v_exp(v_mul(v_set1(-1.0f), gj))));
+      v_store(o + j, v_mul(sig, v_load(u + j)));
+    }
+    for (; j < width; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+  }
+}
+
+// Per token t (= b * new_tokens + n) of qkv [T, (H + 2 KVH) * D]: q/k heads get the optional
+// RMSNorm (qk_norm [2, D]: q's weight, then k's) and rotary (rotate-half) at positions[t] from the
+// [P, D] cos/sin tables; q goes to q_out [B, H, N, D]; k and v go to the cache views at
+// (slots[t], head, entries[t]) with the given element strides.
+void flashtree_qkv_rope_write(const float* qkv, const float* qk_norm, const float* cos_table, const float* sin_table,
+                              const int64_t* positions, const int64_t* slots, const int64_t* entries, float* q_out,
+                              float* k_cache, float* v_cache, int64_t tokens, int64_t new_tokens, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, float eps, int64_t slot_stride,
+                              int64_t head_stride, int64_t pos_stride) {
+  const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
+  float normed[1024];
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = qkv + t * width;
+    const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+    const int64_t b = t / new_tokens, n = t % new_tokens;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const float* x = row + h * head_dim;
+      if (qk_norm) {
+        const float* w = qk_norm + (h < heads ? 0 : head_dim);
+        const float scale = inv_rms(x, head_dim, eps);
+        for (int64_t j = 0; j < head_dim; ++j) normed[j] = x[j] * scale * w[j];
+        x = normed;
+      }
+      float* dst = h < heads ? q_out + ((b * heads + h) * new_tokens + n) * head_dim
+                             : k_cache + slots[t] * slot_stride + (h - heads) * head_stride + entries[t] * pos_stride;
+      for (int64_t j = 0; j < half; ++j) {
+        const float lo = x[j], hi = x[j + half];
+        dst[j] = lo * c[j] - hi * s[j];
+        dst[j + half] = hi * c[j + half] + lo * s[j + half];
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const float* v = row + (heads + kv_heads + h) * head_dim;
+      float* dst = v_cache + slots[t] * slot_stride + h * head_stride + entries[t] * pos_stride;
+      memcpy(dst, v, head_dim * sizeof(float));
+    }
+  }
+}
+
+// Attention of each row's N new tokens over its cache entries 0 .. lengths[b] + N - 1 (committed
+// context, then the new tokens' own entries): query i sees every committed entry (the last
+// `window` ones when window > 0) and new token t where new_mask[b, i, t]. q, out: [B, H, N, D].
+// One task per (row, head) on `threads` threads; a task reads each key and value once for all N
+// queries, and every query's sums run over the keys in the same order as in a one-query call, so a
+// query's result never depends on how many queries share the call.
+void flashtree_tree_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* slots,
+                              const int64_t* lengths, const uint8_t* new_mask, float* out, int64_t rows,
+                              int64_t new_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window,
+                              float scale, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
+                              int threads) {
+  const int64_t group = heads / kv_heads, n = new_tokens;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * heads > 1)
+  for (int64_t task = 0; task < rows * heads; ++task) {
+    const int64_t b = task / heads, h = task % heads;
+    const int64_t committed = lengths[b], total = committed + n;
+    const int64_t oldest = window > 0 && committed > window ? committed - window : 0;
+    const float* keys = k_cache + slots[b] * slot_stride + (h / group) * head_stride;
+    const float* values = v_cache + slots[b] * slot_stride + (h / group) * head_stride;
+    const float* qh = q + (b * heads + h) * n * head_dim;
+    float* oh = out + (b * heads + h) * n * head_dim;
+    const uint8_t* sees = new_mask + b * n * n;
+    std::vector<float> scores(n * total), top(n, -INFINITY), sums(n, 0.0f);
+    for (int64_t j = oldest; j < total; ++j) {
+      const float* kj = keys + j * pos_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        float s = -INFINITY;
+        if (j < committed || sees[i * n + (j - committed)]) s = dot_product(qh + i * head_dim, kj, head_dim) * scale;
+        scores[i * total + j] = s;
+        top[i] = s > top[i] ? s : top[i];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {  // scores -> exp(score - top), 0 for keys the query does not see
+      float* si = scores.data() + i * total;
+      int64_t j = oldest;
+      for (; j + 16 <= total; j += 16) {
+        float e[16];
+        v_store(e, v_exp(v_add(v_load(si + j), v_set1(-top[i]))));
+        for (int t = 0; t < 16; ++t) si[j + t] = si[j + t] == -INFINITY ? 0.0f : e[t];
+      }
+      for (; j < total; ++j) {
+        float e[16];
+        v_store(e, v_exp(v_set1(si[j] - top[i])));
+        si[j] = si[j] == -INFINITY ? 0.0f : e[0];
+      }
+    }
+    for (int64_t d = 0; d < n * head_dim; ++d) oh[d] = 0.0f;
+    for (int64_t j = oldest; j < total; ++j) {
+      const float* vj = values + j * pos_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = scores[i * total + j];
+        if (p == 0.0f) continue;
+        sums[i] += p;
+        float* oi = oh + i * head_dim;
+        const V16 pv = v_set1(p);
+        int64_t d = 0;
+        for (; d + 16 <= head_dim; d += 16) v_store(oi + d, v_fmadd(pv, v_load(vj + d), v_load(oi + d)));
+        for (; d < head_dim; ++d) oi[d] = fmaf(p, vj[d], oi[d]);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float inv = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) oh[i * head_dim + d] *= inv;
+    }
+  }
+}
+
+// Returns 0 on success, 1 for an unsupported type or row count.
+int flashtree_block_gemm(int type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
+                         int64_t N, int64_t K, int threads) {
+  if (K % 32 != 0) return 1;
+  switch (type) {
+    case 0: return gemm_rows<0>(x, w, bias, y, M, N, K, threads);
+    case 1: return gemm_rows<1>(x, w, bias, y, M, N, K, threads);
+    case 2: return gemm_rows<2>(x, w, bias, y, M, N, K, threads);
+  }
+  return 1;
+}
+
+int flashtree_block_dequantize(int type, const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
+  if (K % 32 != 0) return 1;
+  switch (type) {
+    case 0: dequantize<0>(w, out, N, K, threads); return 0;
+    case 1: dequantize<1>(w, out, N, K, threads); return 0;
+    case 2: dequantize<2>(w, out, N, K, threads); return 0;
+  }
+  return 1;
+}
+
+}

@@ -1,0 +1,63 @@
+"""Tree attention on CUDA: each row's N new tokens over its KV-cache entries, read by slot and length."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
+
+
+@functools.cache
+def _kernels():
+    from flashtree.kernels.gpu import triton_attention
+
+    return triton_attention
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def _key_splits(programs: int, capacity: int, device: torch.device) -> int:
+    """Key splits per (row, kv head, query tile): enough programs for about two waves on the
+    device, at most one split per 256 cache entries, a power of two up to 16."""
+    want = max(1, min(2 * _multiprocessors(device) // max(programs, 1), capacity // 256, 16))
+    return 1 << (want.bit_length() - 1)
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
+                   splits: int | None = None) -> torch.Tensor:
+    """Attention of N new tokens per row over the KV cache; returns ``[B, H, N, D]``.
+
+    q: ``[B, H, N, D]``; k_cache/v_cache: one layer's ``[slots, KVH, capacity, D]`` views holding,
+    for row b at slot ``slots[b]``, the committed entries ``0 .. lengths[b]-1`` followed by the N
+    new tokens' entries. Query i of row b sees every committed entry (only the last ``window``
+    ones with a sliding window) and new token t where ``new_mask[b, i, t]``. ``splits`` overrides
+    the number of key splits (tests).
+    """
+    b, heads, n, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if head_dim < 16 or head_dim & (head_dim - 1) or heads % kv_heads:
+        raise ValueError(f"tree_attention needs a power-of-two head_dim >= 16 and heads divisible by kv heads, "
+                         f"got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads}")
+    group = heads // kv_heads
+    block_m = min(64, max(16, _next_power_of_2(n * group)))
+    m_tiles = -(-n * group // block_m)
+    splits = splits or _key_splits(b * kv_heads * m_tiles, k_cache.shape[2], q.device)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    part = out if splits == 1 else torch.empty(b, heads, n, splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = out if splits == 1 else torch.empty(b, heads, n, splits, dtype=torch.float32, device=q.device)
+    _kernels()._tree_attention_kernel[(b * kv_heads, m_tiles, splits)](
+        q, k_cache, v_cache, slots.contiguous(), lengths.contiguous(), new_mask.contiguous().view(torch.uint8),
+        part, lse, n, heads, kv_heads, window or 0, head_dim ** -0.5 * 1.4426950408889634,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, INTERPRET=interpreting())
+    if splits > 1:
+        _kernels()._combine_splits_kernel[(b * heads * n,)](part, lse, out, SPLITS=splits, HEAD_DIM=head_dim)
+    return out

@@ -1,0 +1,106 @@
+"""Triton kernels of tree attention (behind :mod:`flashtree.kernels.gpu.attention`): each row's new tokens over
+its committed cache entries and the new tokens its mask allows, split over the keys and merged."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b, new_tokens, base, d,
+                 k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2, cache_pos_stride,
+                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax update with the keys ``key0 .. key0 + BLOCK_N - 1`` (those before ``stop``)."""
+    j = key0 + tl.arange(0, BLOCK_N)  # [N]
+    in_range = j < stop
+    kv_off = base + j.to(tl.int64)[:, None] * cache_pos_stride + d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2  # [M, N], base-2 logits
+    new = j - committed  # index among the new tokens (negative: committed context)
+    tree = tl.load(new_mask_ptr + (b * new_tokens + token)[:, None].to(tl.int64) * new_tokens + new[None, :],
+                   mask=valid_q[:, None] & (new[None, :] >= 0) & in_range[None, :], other=0)
+    visible = in_range[None, :] & tl.where(new[None, :] < 0, j[None, :] >= oldest, tree != 0)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lengths_ptr, new_mask_ptr, out_ptr, lse_ptr,
+        new_tokens, heads, kv_heads, window, scale_log2,
+        cache_slot_stride, cache_head_stride, cache_pos_stride,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One (row, kv head, tile of query (token, head) pairs, key split): online softmax over the
+    split's keys. Queries of the GROUP heads sharing a kv head are packed as r = token * GROUP + g."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // kv_heads
+    kv_head = pid_bh % kv_heads
+    split = tl.program_id(2)
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    token = r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    valid_q = token < new_tokens
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = ((b * heads + head) * new_tokens + token).to(tl.int64) * HEAD_DIM  # q, out: [B, H, N, D]
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid_q[:, None], other=0.0)
+
+    committed = tl.load(lengths_ptr + b)
+    total = committed + new_tokens  # keys of this row: committed context, then the new tokens
+    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    stop = tl.minimum(start + chunk, total)
+    oldest = tl.where(window > 0, committed - window, 0)  # a sliding window hides older context
+    base = tl.load(slots_ptr + b).to(tl.int64) * cache_slot_stride + kv_head * cache_head_stride
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
+        key0 = start
+        while key0 < stop:
+            m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b,
+                                         new_tokens, base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2,
+                                         cache_pos_stride, BLOCK_N, IEEE)
+            key0 += BLOCK_N
+    else:
+        for key0 in range(start, stop, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b,
+                                         new_tokens, base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2,
+                                         cache_pos_stride, BLOCK_N, IEEE)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLITS == 1:
+        tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid_q[:, None])
+    else:  # partial result and its log-sum-exp; _combine_splits_kernel merges the splits
+        part = ((b * heads + head) * new_tokens + token).to(tl.int64) * SPLITS + split
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=valid_q[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=valid_q)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[row] = sum_s w_s * part[row, s] with w_s proportional to 2^lse_s (one query row per program)."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + row * SPLITS + s)  # [S]
+    top = tl.max(lse, axis=0)
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
+    parts = tl.load(part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :])  # [S, D]
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))

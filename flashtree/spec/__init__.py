@@ -1,1 +1,0 @@
-"""Speculative decoding: draft trees (DDTree), chains (DFlash) and the accept walk."""
