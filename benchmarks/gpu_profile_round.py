@@ -17,7 +17,7 @@ from qwen3_8b_shape import QWEN3_8B, write_config  # noqa: E402
 from flashtree.config import EngineConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
-from flashtree.speculative.tree.build import build_tree  # noqa: E402
+from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
 
 

@@ -40,7 +40,7 @@ from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
 from flashtree.models.build import resolve_dtype  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
 from flashtree.models.attention import attention_bias  # noqa: E402
-from flashtree.speculative.tree.build import build_tree  # noqa: E402
+from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
 
 

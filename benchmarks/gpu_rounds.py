@@ -29,7 +29,7 @@ from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
 from flashtree.engine.graphs import GraphCache  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
-from flashtree.speculative.tree.build import build_tree  # noqa: E402
+from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
 
 

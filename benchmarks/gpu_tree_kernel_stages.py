@@ -22,7 +22,7 @@ from tree_build_speed import graphed_ms  # noqa: E402
 from flashtree.models import gpu_kernels  # noqa: E402
 
 from flashtree.kernels.gpu import tree as tree_kernels2
-from flashtree.speculative.tree import build as tree as tree_module  # noqa: E402
+from flashtree.speculative.tree import build as tree_module  # noqa: E402
 
 STAGES = {
     "expand": ["sort kept weights + lower bound", "candidates", "threshold", "counts", "slot owners",

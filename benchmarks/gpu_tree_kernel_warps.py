@@ -28,7 +28,7 @@ from flashtree.models import gpu_kernels  # noqa: E402
 from flashtree.kernels.gpu import topk as topk_kernels
 
 from flashtree.kernels.gpu import tree as tree_kernels E402
-from flashtree.speculative.tree import build as tree as tree_module  # noqa: E402
+from flashtree.speculative.tree import build as tree_module  # noqa: E402
 
 WARPS = (1, 2, 4, 8)
 

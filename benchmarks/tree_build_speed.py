@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree.kernels import gpu as gpu_kernels  # noqa: E402
 from flashtree.kernels.gpu import topk as topk_kernels  # noqa: E402
 from flashtree.kernels.gpu import tree as tree_kernels  # noqa: E402
-from flashtree.speculative.tree.build import build_tree  # noqa: E402
+from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
 from tests.test_tree_reference import _reference_accept_walk, _reference_build_tree  # noqa: E402
 

@@ -1,23 +1,97 @@
-"""EngineConfig: everything that shapes an engine, validated once, frozen."""
+"""The engine's configuration: one small frozen config per concern, each validated when it is made.
+
+``EngineConfig`` groups them:
+
+| config | concern |
+| --- | --- |
+| :class:`TargetConfig` | which target model, on which device, in which dtype |
+| :class:`SpeculationConfig` | the decoding method, its drafter and budget, the adaptive policy |
+| :class:`CacheConfig` | the KV cache: how many tokens a request may hold |
+| :class:`SchedulerConfig` | continuous batching: running and waiting requests, prefill chunks, queued rounds |
+| :class:`KernelConfig` | which kernels and execution paths run (each one can be switched off to compare) |
+| :class:`TraceConfig` | trace files; tracing observes and never changes what runs |
+
+Every field has a command-line flag of the same meaning (``flashtree generate --help`` lists them
+with their defaults). :meth:`EngineConfig.of` builds a config from flat keyword arguments (the
+field names, ``LLM(model, max_running=16, gpu_kernels=False)``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-from flashtree.policy.adaptive import SpecPolicyConfig
 from flashtree.errors import ConfigError
 
 SPEC_METHODS = ("none", "dflash", "ddtree")
 
 
+def _check_positive_ints(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_bools(config, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name} must be True or False, got {getattr(config, name)!r}")
+
+
 @dataclasses.dataclass(frozen=True)
-class SpecConfig:
+class TargetConfig:
+    model: str = "smollm2"  # HF directory, hub id, .gguf file, or "smollm2" (the embedded default)
+    device: str | None = None  # None / "auto": CUDA when available
+    dtype: str | None = None  # None / "auto": bf16 on CUDA, fp32 on CPU
+    random_weights: bool = False  # weights drawn from the config (speed runs at real sizes)
+    seed: int = 0  # random-weight initialization (the drafter's uses seed + 1)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model must be a non-empty string, got {self.model!r}")
+        _check_bools(self, "random_weights")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the adaptive speculation policy (``flashtree.policy.adaptive``)."""
+
+    smoothing: float = 0.2  # EMA weight of the newest round time (the first ones are averaged)
+    acceptance_smoothing: float = 0.05  # the same per row for acceptance lengths (a noisy small integer)
+    explore_rounds: int = 2  # timed rounds of every option per rows bucket before trusting estimates
+    probe_interval: int = 50  # rounds of a bucket between tries of a neighbour of the best option
+    max_probe_interval: int = 800  # the interval doubles after each probe that changes nothing, up to this
+    # (or to what probe_cost_share needs, if more)
+    min_tree_nodes: int = 4  # smallest non-zero tree in a DDTree ladder (halving stops above it)
+    probe_rounds: int = 4  # rows x rounds of a probe (consecutive rounds, averaged into one measurement)
+    plain_recheck_interval: int = 200  # rounds of a bucket on trees after which plain is re-measured
+    settled_batch: int = 8  # settled rounds (the best option, nothing due) folded into the estimates at a time
+    probe_cost_share: float | None = 0.001  # most of a bucket's time a probe that changes nothing may cost
+    # (its interval is stretched past max_probe_interval to keep it so; None: no such floor)
+
+    def __post_init__(self) -> None:
+        for name in ("smoothing", "acceptance_smoothing"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        _check_positive_ints(self, "explore_rounds", "probe_interval", "max_probe_interval", "min_tree_nodes",
+                             "probe_rounds", "plain_recheck_interval", "settled_batch")
+        if self.probe_cost_share is not None and not 0.0 < self.probe_cost_share <= 1.0:
+            raise ConfigError(f"probe_cost_share must be in (0, 1] or None, got {self.probe_cost_share!r}")
+        if self.max_probe_interval < self.probe_interval:
+            raise ConfigError(f"max_probe_interval ({self.max_probe_interval}) must be >= probe_interval "
+                              f"({self.probe_interval})")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig:
     method: str = "none"  # none | dflash | ddtree
     draft: str | None = None  # drafter checkpoint (directory or hub id)
     budget: int | None = None  # DDTree node budget (None: the default for the device)
     block_size: int | None = None  # lower the drafter's block size (never raise it)
-    draft_vocab: int | None = None  # draft from the drafter's N most frequent tokens only (spec/draft_vocab.py);
-    # 0: the whole vocabulary; None: the device's default (draft_vocab.default_size)
+    draft_vocab: int | None = None  # draft from the drafter's N most frequent tokens only
+    # (speculative/draft_vocab.py); 0: the whole vocabulary; None: the device's default
+    adaptive: bool = True  # pick each round's node count (0 = plain) for throughput; False: always the budget
+    policy: PolicyConfig = PolicyConfig()  # knobs of the adaptive policy
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -34,48 +108,92 @@ class SpecConfig:
                                   f"got {self.draft_vocab!r}")
             if self.method == "none" and self.draft_vocab:
                 raise ConfigError("--draft-vocab needs a drafter (--spec dflash or ddtree)")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive_spec must be True or False, got {self.adaptive!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    max_context: int = 2048  # prompt + output tokens per request
+
+    def __post_init__(self) -> None:
+        _check_positive_ints(self, "max_context")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 8  # requests decoded together (KV slots)
+    max_waiting: int = 256  # queued requests before the server answers 429
+    prefill_chunk: int = 512  # prompt tokens per request per step
+    max_prefill_tokens: int = 2048  # padded prompt tokens per step, all requests together (>= 1 chunk runs)
+    queue_plain_rounds: bool | None = None  # queue the next plain round before reading this one's
+    # results (engine/overlap.py); None: where the device runs ahead of the host (CUDA)
+    incremental_text: bool = True  # keep each request's text current every step (streaming); False:
+    # decode it once when the request finishes (batch jobs: regenerate, bench), unless it has stop strings
+
+    def __post_init__(self) -> None:
+        _check_positive_ints(self, "max_running", "max_waiting", "prefill_chunk", "max_prefill_tokens")
+        if self.queue_plain_rounds not in (None, True, False):
+            raise ConfigError(f"queue_plain_rounds must be True, False or None (auto), got {self.queue_plain_rounds!r}")
+        _check_bools(self, "incremental_text")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 32 rows straight from the GGUF blocks
+    gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (kernels/gpu/)
+    cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (kernels/cpu/; AVX-512 or AVX2)
+    triton_attention: bool = False  # with gpu_kernels: Triton tree attention instead of SDPA (reads K/V by
+    # slot, one graph for every context length; faster for scattered rows, slower than cuDNN for trees)
+    triton_tree: bool = True  # with gpu_kernels: DDTree tree work in Triton kernels (same trees, walks, cache)
+    cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
+    plain_fast_path: bool = True  # plain rounds skip the root-only tree and its accept walk (same values)
+    feature_sink: bool = True  # a plain round's drafter features are written by the fused norm, not copied after
+    planless_prefill: bool = True  # CUDA prefill attention with kernels that build no per-shape plan
+    profile_stages: bool = False  # time each stage of a round exactly: synchronizes the device around
+    # stages, so rounds run eagerly (no CUDA graphs); a profiling mode, not for serving
+
+    def __post_init__(self) -> None:
+        _check_bools(self, *(f.name for f in dataclasses.fields(self)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+    trees: str | None = None  # JSON lines: per round, each request's tree and accepted path
+    policy: str | None = None  # JSON lines: per round, the adaptive policy's choice, timing, estimates
+    steps: str | None = None  # JSON lines: per engine step, its round, prefill and the gap before it (ms)
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2"
-    spec: SpecConfig = SpecConfig()
-    device: str | None = None  # None/auto: CUDA when available
-    dtype: str | None = None  # None/auto: bf16 on CUDA, fp32 on CPU
-    max_running: int = 8  # max requests decoded together (KV slots)
-    max_context: int = 2048  # prompt + output tokens per request
-    max_waiting: int = 256  # queued requests before the server answers 429
-    prefill_chunk: int = 512  # prompt tokens per request per step
-    max_prefill_tokens: int = 2048  # padded prompt tokens per step, all requests together (>= 1 chunk runs)
-    random_weights: bool = False
-    seed: int = 0  # random-weight init
-    profile_stages: bool = False  # synchronize the device around stages for exact stage times
-    cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
-    trace_trees: str | None = None  # JSON-lines file: per round, each request's tree and accepted path
-    trace_policy: str | None = None  # JSON-lines file: per round, the adaptive policy's choice, timing, estimates
-    trace_steps: str | None = None  # JSON-lines file: per engine step, its round, prefill and the gap before it (ms)
-    quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 32 rows straight from the GGUF blocks
-    gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (models/gpu_kernels.py)
-    cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (models/cpu_kernels.py; AVX-512 or AVX2 + compiler)
-    triton_attention: bool = False  # with gpu_kernels: Triton tree attention instead of SDPA (one graph per
-    # batch shape for every context length; reads K/V by slot, so scattered rows need no gather: 2.4x the
-    # tokens/s of SDPA for regeneration at batch 512; slower than cuDNN for trees and small contiguous batches)
-    triton_tree: bool = True  # with gpu_kernels: DDTree tree work in Triton kernels (drafter top-k, kept lists,
-    # node selection, accept walk, KV commit; same trees, walks and cache; H200 build + walk at budget 256:
-    # 1.74 ms of torch ops -> 0.19 ms, benchmarks/README.md)
-    incremental_text: bool = True  # keep each request's text current every step (streaming); False:
-    # decode it once when the request finishes (batch jobs: regenerate, bench), unless it has stop strings
-    adaptive_spec: bool = True  # pick each round's node count (0 = plain) for throughput; False: always max
-    queue_plain_rounds: bool | None = None  # queue the next plain round before reading this one's results
-    # (engine.py, "Queued plain rounds"); None: where the device runs ahead of the host (CUDA)
-    spec_policy: SpecPolicyConfig = SpecPolicyConfig()  # knobs of the adaptive policy
+    target: TargetConfig = TargetConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    kernels: KernelConfig = KernelConfig()
+    trace: TraceConfig = TraceConfig()
 
-    def __post_init__(self) -> None:
-        for name in ("max_running", "max_context", "max_waiting", "prefill_chunk", "max_prefill_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.adaptive_spec, bool):
-            raise ConfigError(f"adaptive_spec must be True or False, got {self.adaptive_spec!r}")
-        if self.queue_plain_rounds not in (None, True, False):
-            raise ConfigError(f"queue_plain_rounds must be True, False or None (auto), got {self.queue_plain_rounds!r}")
+    @classmethod
+    def of(cls, spec: SpeculationConfig | None = None, **flat) -> "EngineConfig":
+        """A config from flat keyword arguments: the sections' field names (``max_running=16``,
+        ``gpu_kernels=False``), and ``spec`` for the whole :class:`SpeculationConfig`."""
+        sections: dict[str, dict] = {}
+        for name, value in flat.items():
+            if name not in FLAT_FIELDS:
+                raise ConfigError(f"{name!r} is not an engine setting; allowed: {', '.join(sorted(FLAT_FIELDS))}")
+            section, field = FLAT_FIELDS[name]
+            sections.setdefault(section, {})[field] = value
+        speculation = dataclasses.replace(spec or SpeculationConfig(), **sections.pop("speculation", {}))
+        made = {name: SECTIONS[name](**fields) for name, fields in sections.items()}
+        return cls(speculation=speculation, **made)
+
+
+SECTIONS = {"target": TargetConfig, "speculation": SpeculationConfig, "cache": CacheConfig,
+            "scheduler": SchedulerConfig, "kernels": KernelConfig, "trace": TraceConfig}
+# flat keyword -> (section, field); the flat name is the field's, except where a prefix says what it is
+_RENAMED = {("speculation", "adaptive"): "adaptive_spec", ("speculation", "policy"): "spec_policy",
+            ("trace", "trees"): "trace_trees", ("trace", "policy"): "trace_policy", ("trace", "steps"): "trace_steps"}
+FLAT_FIELDS = {_RENAMED.get((section, f.name), f.name): (section, f.name)
+               for section, config in SECTIONS.items() for f in dataclasses.fields(config)
+               if (section, f.name) not in {("speculation", n) for n in ("method", "draft", "budget", "block_size",
+                                                                         "draft_vocab")}}

@@ -13,7 +13,7 @@ import dataclasses
 from collections import Counter
 from typing import Sequence
 
-from flashtree.config import EngineConfig, SpecConfig
+from flashtree.config import EngineConfig, SpeculationConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.engine.request import Request
 from flashtree.speculative.defaults import default_spec
@@ -72,16 +72,19 @@ class RunStats:
 
 
 class LLM:
-    """Offline batched generation. Keyword arguments are :class:`EngineConfig` fields; ``draft``,
-    ``spec``, ``budget``, ``block_size`` and ``draft_vocab`` build its :class:`SpecConfig`."""
+    """Offline batched generation. Keyword arguments are engine settings (:meth:`EngineConfig.of`);
+    ``spec``, ``draft``, ``budget``, ``block_size`` and ``draft_vocab`` build its :class:`SpeculationConfig`.
+    ``config``: a whole :class:`EngineConfig` instead (then ``model`` and the keywords are not used)."""
 
     def __init__(self, model: str = "smollm2", *, spec: str = "none", draft: str | None = None,
                  budget: int | None = None, block_size: int | None = None, draft_vocab: int | None = None,
-                 **engine_kwargs):
-        spec, draft = default_spec(model, spec, draft)  # dflash/ddtree on smollm2: the shipped drafter
-        spec_config = SpecConfig(method=spec, draft=draft, budget=budget, block_size=block_size,
-                                 draft_vocab=draft_vocab)
-        self.engine = LLMEngine(EngineConfig(model=model, spec=spec_config, **engine_kwargs))
+                 config: EngineConfig | None = None, **engine_kwargs):
+        if config is None:
+            spec, draft = default_spec(model, spec, draft)  # dflash/ddtree on smollm2: the shipped drafter
+            spec_config = SpeculationConfig(method=spec, draft=draft, budget=budget, block_size=block_size,
+                                            draft_vocab=draft_vocab)
+            config = EngineConfig.of(model=model, spec=spec_config, **engine_kwargs)
+        self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._finished: list[RequestOutput] = []  # outputs since the last stats reset
         self._stage_base: dict[str, float] = {}  # timer readings at the last stats reset
@@ -117,7 +120,7 @@ class LLM:
         requests: list[Request] = []
         pending = list(zip(prompt_ids, per_prompt))
         while pending or any(not r.finished for r in requests):
-            while pending and len(self.engine.scheduler.waiting) < self.engine.config.max_waiting:
+            while pending and len(self.engine.scheduler.waiting) < self.engine.config.scheduler.max_waiting:
                 ids, p = pending.pop(0)
                 requests.append(self.engine.add_request(ids, p))
             self.engine.step()

@@ -21,7 +21,10 @@ import torch
 from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.sampling import filter_logits
-from flashtree.speculative.tree.build import build_tree, chain_tree
+from flashtree.policy import FixedNodes
+from flashtree.speculative.plain import PlainProposer
+from flashtree.speculative.tree import build_tree
+from flashtree.speculative.tree.draft_tree import chain_tree
 from tests.helpers import tiny_hf_model
 
 AUTO: Any = "auto"  # sentinel: pick a sensible value (None means: leave the key out)
@@ -207,17 +210,18 @@ def greedy_continuations(model, sequences: Sequence[Sequence[int]], depth: int) 
     return torch.tensor([r[len(s):] for r, s in zip(rows, sequences)], device=device)  # [B, depth]
 
 
-class CopyingProposer:
+class CopyingProposer(PlainProposer):
     """A test double that drafts the target's own greedy continuation: as a chain, or as the
     best-``budget`` tree of a near one-hot distribution (other tokens get small random weights).
 
     It reads committed tokens from the engine's requests (``attach(engine)`` after construction)."""
 
     name = "copy"
-    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, target, depth: int, budget: int | None = None, seed: int = 0):
+        super().__init__()
         self.target, self.max_depth, self.budget = target, depth, budget
+        self.chain = budget is None
         self.max_nodes = depth if budget is None else budget
         self.generator = torch.Generator().manual_seed(seed)
         self.engine = None
@@ -238,12 +242,6 @@ class CopyingProposer:
         noise = torch.rand(copy.shape[0], self.max_depth, vocab, generator=self.generator).to(copy.device)
         logits = noise + 8.0 * torch.nn.functional.one_hot(copy, vocab)  # [B, depth, V]
         return build_tree(logits, rows.budgets.clamp(max=nodes), nodes)
-
-    def observe(self, slots, features, counts, starts) -> None:
-        pass
-
-    def release(self, slots) -> None:
-        pass
 
 
 def use_copying_proposer(monkeypatch, depth: int, budget: int | None = None) -> list[CopyingProposer]:
@@ -341,10 +339,8 @@ def assert_first_tokens_match_target(samples: torch.Tensor, hf, prompt: Sequence
 
 # ---------------------------------------------------------------------------- scripted policy
 
-class ScriptedNodes:
+class ScriptedNodes(FixedNodes):
     """A policy whose rounds cycle through ``pattern`` (node counts), whatever the rows."""
-
-    probing = False
 
     def __init__(self, pattern):
         self.ladder = tuple(sorted(set(pattern), reverse=True))
@@ -357,14 +353,8 @@ class ScriptedNodes:
     best = choose
 
     def settled_on_plain(self, rows):
-        """(Queued plain rounds, engine.py: the pattern's next round is plain.)"""
+        """(Queued plain rounds, engine/overlap.py: the pattern's next round is plain.)"""
         return self.pattern[self.at % len(self.pattern)] == 0
-
-    def record(self, rows, nodes, seconds, acceptance):
-        pass
-
-    def fold_settled(self):
-        pass
 
 
 class PassThroughGraphs:

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 import flashtree.engine.engine as engine_module
-import flashtree.engine.runner as runner_module
+import flashtree.engine.stage_timer as stage_timer_module
 from flashtree import LLM, SamplingParams
-from flashtree.policy.adaptive import SpecPolicyConfig
-from flashtree.speculative.tree.build import build_tree, chain_tree
+from flashtree.config import PolicyConfig
+from flashtree.policy import FixedNodes
+from flashtree.speculative.plain import PlainProposer
+from flashtree.speculative.tree import build_tree, chain_tree
 from tests.dflash_helpers import PassThroughGraphs, one_thread, tiny_pair
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
 
@@ -27,13 +29,11 @@ BUDGET = 16  # DDTree ladder (16, 8, 4, 0)
 # enough for timing noise to decide it.
 ORACLE_DEPTH = 7
 ENGINE = dict(max_running=8, max_context=128, prefill_chunk=8)
-SWITCHY = SpecPolicyConfig(explore_rounds=1, probe_interval=3)  # switches node counts often
+SWITCHY = PolicyConfig(explore_rounds=1, probe_interval=3)  # switches node counts often
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(FixedNodes):
     """Node counts from a fixed cycle (the policy interface, without measurements)."""
-
-    probing = False
 
     def __init__(self, ladder, script):
         self.ladder, self.script, self.at = tuple(ladder), list(script), 0
@@ -45,12 +45,6 @@ class ScriptedPolicy:
     def settled_on_plain(self, rows: int) -> bool:
         """(Queued plain rounds: the script's next round is plain.)"""
         return self.script[self.at % len(self.script)] == 0
-
-    def record(self, rows, nodes, seconds, acceptance) -> None:
-        pass
-
-    def fold_settled(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,7 +147,7 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, graph
     by fewer, when the lag capacity forced a catch-up). ``graphed``: rounds and full-width
     catch-ups go through a pass-through graph cache (padded rows; a new key runs twice, as a
     capture's warm-up and replay do). ``queued``: plain rounds after plain rounds are queued
-    before the round ahead is read (engine.py, "Queued plain rounds"; the script's tenth round,
+    before the round ahead is read (engine/overlap.py; the script's tenth round,
     never run, is drafted, so the ninth queues nothing behind it)."""
     import flashtree.speculative.drafter as proposer_module
 
@@ -179,12 +173,12 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, graph
         lags.append(req.drafter_lag)
         drafter_cache = llm.engine.proposer.runner.cache
         assert int(drafter_cache.lengths[req.slot]) == len(committed) - req.drafter_lag
-        llm.engine.proposer.catch_up([req.slot], [len(committed) - req.drafter_lag], [req.drafter_lag])
+        llm.engine.proposer.runner.catch_up([req.slot], [len(committed) - req.drafter_lag], [req.drafter_lag])
         length, context = drafter_context(llm, req.slot)
         twin = reference.engine.add_request(committed, SamplingParams(max_tokens=2, ignore_eos=True))
         reference.engine.step()  # one prefill chunk holds the whole text
         if twin.drafter_lag:  # a prompt that fits the lag is deferred at prefill too
-            reference.engine.proposer.catch_up([twin.slot], [0], [twin.drafter_lag])  # (its whole prompt)
+            reference.engine.proposer.runner.catch_up([twin.slot], [0], [twin.drafter_lag])  # (its whole prompt)
             twin.drafter_lag = 0
         ref_length, ref_context = drafter_context(reference, twin.slot)
         reference.engine.run_until_done([twin])
@@ -214,7 +208,7 @@ def test_short_prompts_defer_the_drafter_at_prefill(pair, plain, method):
     chunked.engine.step(), chunked.engine.step()  # 9 + 8 tokens, each projected at once
     assert req.drafter_lag == len(prompt) and drafter_context(deferring, req.slot)[0] == 0
     assert twin.drafter_lag == 0
-    deferring.engine.proposer.catch_up([req.slot], [0], [req.drafter_lag])  # (its whole prompt)
+    deferring.engine.proposer.runner.catch_up([req.slot], [0], [req.drafter_lag])  # (its whole prompt)
     req.drafter_lag = 0
     (length, context), (twin_length, twin_context) = drafter_context(deferring, req.slot), drafter_context(chunked, twin.slot)
     assert length == twin_length == len(prompt)
@@ -250,13 +244,13 @@ def test_the_first_round_after_an_idle_pause_is_not_timed(pair):
     assert len(first) == len(second) == 5  # 6 tokens: the first from the prefill, 5 rounds
     assert first[0] is None and second[0] is None  # the engine's first round, and the first after the pause
     assert all(s is not None and s < engine_module.IDLE_GAP_S for s in first[1:] + second[1:])
-    slow_prefill = llm.engine.runner.prefill
+    slow_prefill = llm.engine.prefill
 
     def prefill_taking_a_while(*args, **kwargs):
         time.sleep(2 * engine_module.IDLE_GAP_S)
         return slow_prefill(*args, **kwargs)
 
-    llm.engine.runner.prefill = prefill_taking_a_while  # a busy server: a long prefill between rounds
+    llm.engine.prefill = prefill_taking_a_while  # a busy server: a long prefill between rounds
     reqs = [llm.engine.add_request(PROMPTS[0], params)]
     llm.engine.step(), llm.engine.step()  # its prefill, then a round
     reqs.append(llm.engine.add_request(PROMPTS[1], params))
@@ -273,15 +267,15 @@ def rstrip_zeros(sizes: list[int]) -> list[int]:
 
 # ---------------------------------------------------------------------------- policy outcomes
 
-class OracleProposer:
+class OracleProposer(PlainProposer):
     """A test double that drafts from the plain greedy continuation of each prompt: exactly
     (``match``), or always wrong (every drafted token differs from the target's, and a tree
     never holds the right one). Mismatching drafts pay ``delay`` seconds, like a drafter pass."""
 
     name = "oracle"
-    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], chain: bool, match: bool, delay: float):
+        super().__init__()
         self.continuations, self.chain, self.match, self.delay = continuations, chain, match, delay
         self.max_depth = ORACLE_DEPTH
         self.max_nodes = self.max_depth if chain else BUDGET
@@ -306,12 +300,6 @@ class OracleProposer:
             logits[:, 0].scatter_(1, right[:, :1], -30.0)  # far below every deeper prefix of the tree
         return build_tree(logits, rows.budgets, nodes)
 
-    def observe(self, slots, features, counts, starts) -> None:
-        pass
-
-    def release(self, slots) -> None:
-        pass
-
 
 class RecordingPolicy:
     """Wraps a policy and keeps its choices."""
@@ -323,15 +311,8 @@ class RecordingPolicy:
         self.chosen.append(self.policy.choose(rows))
         return self.chosen[-1]
 
-    def record(self, *args) -> None:
-        self.policy.record(*args)
-
-    def fold_settled(self) -> None:
-        self.policy.fold_settled()
-
-    @property
-    def probing(self) -> bool:
-        return self.policy.probing
+    def __getattr__(self, name):  # everything else of the policy interface: the wrapped policy's
+        return getattr(self.policy, name)
 
 
 class ReadCountClock:
@@ -372,8 +353,8 @@ def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool, runs_ahe
     if match:
         clock = ReadCountClock()
         monkeypatch.setattr(engine_module, "time", clock)
-        monkeypatch.setattr(runner_module, "time", clock)
-    config = SpecPolicyConfig(explore_rounds=1, probe_interval=10)
+        monkeypatch.setattr(stage_timer_module, "time", clock)
+    config = PolicyConfig(explore_rounds=1, probe_interval=10)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, spec_policy=config, **ENGINE)
     made[-1].engine = llm.engine
     llm.engine.runner.runs_ahead = runs_ahead
@@ -462,9 +443,9 @@ def test_a_full_lag_catches_up_every_lagging_row_in_one_pass(pair, plain, method
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)
     llm.engine.policy = ScriptedPolicy(llm.engine.policy.ladder, [0])  # plain rounds only
     passes = []
-    real_catch_up = llm.engine.proposer.catch_up
-    monkeypatch.setattr(llm.engine.proposer, "catch_up",
-                        lambda slots, starts, lags: (passes.append(sorted(slots)), real_catch_up(slots, starts, lags)))
+    real_catch_up = llm.engine.proposer.catch_up_rows
+    monkeypatch.setattr(llm.engine.proposer, "catch_up_rows",
+                        lambda slots, *rest: (passes.append(sorted(slots.tolist())), real_catch_up(slots, *rest)))
     prompts = [p for p in PROMPTS if len(p) > ENGINE["prefill_chunk"]][:3]  # (not deferred at prefill)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     reqs = []

@@ -76,7 +76,7 @@ def break_ddtree16(monkeypatch):
 
     def engine_factory(config, target):
         engine = real_engine(config, target)
-        if config.spec.method == "ddtree" and config.spec.budget == 16:
+        if config.speculation.method == "ddtree" and config.speculation.budget == 16:
             perturb_rounds(engine)
         return engine
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from flashtree.cli import main
-from flashtree.config import EngineConfig
+from flashtree.config import EngineConfig, KernelConfig
 from flashtree.errors import ConfigError, RequestError
 from flashtree.models.build import resolve_device
 from tests.helpers import tiny_hf_model
@@ -57,7 +57,7 @@ def test_cuda_without_gpu():
 
 def test_invalid_engine_settings():
     with pytest.raises(ConfigError, match="max_running"):
-        EngineConfig(max_running=0)
+        EngineConfig.of(max_running=0)
 
 
 def test_bad_sampling_params():
@@ -82,23 +82,24 @@ def test_adaptive_spec_flags():
     as named); --adaptive-spec / --no-adaptive-spec override both."""
     from flashtree.cli.bench import setup_from_args
     from flashtree.bench.methods import parse_method
-    from flashtree.cli.args import adaptive_spec_of
     from flashtree.cli import build_parser
+    from flashtree.cli.args import engine_config_from_args
     from flashtree.cli.serve import config_from_args
 
     parser = build_parser()
     generate = ["generate", "--prompt", "hi"]
-    assert adaptive_spec_of(parser.parse_args(generate)) is True
-    assert adaptive_spec_of(parser.parse_args(generate + ["--no-adaptive-spec"])) is False
-    assert config_from_args(parser.parse_args(["serve", "--spec", "none"])).engine.adaptive_spec is True
-    assert config_from_args(parser.parse_args(["serve", "--no-adaptive-spec"])).engine.adaptive_spec is False
+    assert engine_config_from_args(parser.parse_args(generate)).speculation.adaptive is True
+    assert engine_config_from_args(parser.parse_args(generate + ["--no-adaptive-spec"])).speculation.adaptive is False
+    assert config_from_args(parser.parse_args(["serve", "--spec", "none"])).engine.speculation.adaptive is True
+    assert config_from_args(parser.parse_args(["serve", "--no-adaptive-spec"])).engine.speculation.adaptive is False
     bench = ["bench", "--methods", "ar"]
-    assert setup_from_args(parser.parse_args(bench), needs_draft=False).adaptive_spec is False
+    assert setup_from_args(parser.parse_args(bench), needs_draft=False).engine.speculation.adaptive is False
     setup = setup_from_args(parser.parse_args(bench + ["--adaptive-spec"]), needs_draft=False)
-    assert setup.adaptive_spec is True and setup.engine_config(parse_method("ar")).adaptive_spec is True
-    assert EngineConfig().adaptive_spec is True
+    assert setup.engine.speculation.adaptive is True
+    assert setup.engine_config(parse_method("ar")).speculation.adaptive is True
+    assert EngineConfig.of().speculation.adaptive is True
     with pytest.raises(ConfigError):
-        EngineConfig(adaptive_spec="yes")
+        EngineConfig.of(adaptive_spec="yes")
 
 
 def test_triton_switches_reach_the_engine_config():
@@ -108,13 +109,13 @@ def test_triton_switches_reach_the_engine_config():
     from flashtree.cli import build_parser
     from flashtree.cli.serve import config_from_args
 
-    assert (EngineConfig().triton_tree, EngineConfig().triton_attention) == (True, False)
+    assert (KernelConfig().triton_tree, KernelConfig().triton_attention) == (True, False)
     parser = build_parser()
     for flags, tree, attention in (([], True, False), (["--no-triton-tree", "--triton-attention"], False, True)):
-        engine = config_from_args(parser.parse_args(["serve", *flags])).engine
-        assert (engine.triton_tree, engine.triton_attention) == (tree, attention)
+        kernels = config_from_args(parser.parse_args(["serve", *flags])).engine.kernels
+        assert (kernels.triton_tree, kernels.triton_attention) == (tree, attention)
         bench = setup_from_args(parser.parse_args(["bench", "--methods", "ar", "--dataset", "humaneval", *flags]),
-                                needs_draft=False)
+                                needs_draft=False).engine.kernels
         assert (bench.triton_tree, bench.triton_attention) == (tree, attention)
         generate = parser.parse_args(["generate", "--prompt", "x", *flags])
         assert (generate.triton_tree, generate.triton_attention) == (tree, attention)
@@ -138,7 +139,7 @@ def test_serve_http_and_loop_choices_reach_uvicorn_and_bad_ones_are_refused():
         parser.parse_args(["serve", "--http", "h2"])
     for bad, flag in ((dict(http="h2"), "--http"), (dict(loop="trio"), "--loop")):
         with pytest.raises(ConfigError, match=f"{flag} must be one of auto, "):
-            ServerConfig(engine=EngineConfig(), model_name="m", **bad)
+            ServerConfig(engine=EngineConfig.of(), model_name="m", **bad)
 
 
 def test_serve_switch_interval_is_validated_and_set_only_while_serving():
@@ -155,7 +156,7 @@ def test_serve_switch_interval_is_validated_and_set_only_while_serving():
     assert config_from_args(parser.parse_args(["serve", "--switch-interval-ms", "0.5"])).switch_interval_ms == 0.5
     for bad in (0, -1.0, 2000.0, "fast"):
         with pytest.raises(ConfigError, match=r"--switch-interval-ms must be in \(0, 1000\]"):
-            ServerConfig(engine=EngineConfig(), model_name="m", switch_interval_ms=bad)
+            ServerConfig(engine=EngineConfig.of(), model_name="m", switch_interval_ms=bad)
     before = sys.getswitchinterval()
     with switch_interval(0.5):
         assert sys.getswitchinterval() == pytest.approx(0.0005)

@@ -26,7 +26,7 @@ from tests.test_loader import QT, tiny_model, write_tiny_gguf
 AVAILABLE, WHY = kernels_available()
 needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU block kernel unavailable: {WHY}")
 # a fixed node count per round where the engine has an adaptive policy (so every round speculates)
-FIXED_NODES = {"adaptive_spec": False} if "adaptive_spec" in EngineConfig.__dataclass_fields__ else {}
+FIXED_NODES = {"adaptive_spec": False}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -190,14 +190,14 @@ def test_switch_reaches_the_engine_config():
     from flashtree.cli import build_parser
     from flashtree.cli.serve import config_from_args
 
-    assert EngineConfig().quant_kernels is True
+    assert EngineConfig.of().kernels.quant_kernels is True
     parser = build_parser()
-    assert parser.parse_args(["generate", "--prompt", "x"]).no_quant_kernels is False
-    assert parser.parse_args(["generate", "--prompt", "x", "--no-quant-kernels"]).no_quant_kernels is True
+    assert parser.parse_args(["generate", "--prompt", "x"]).quant_kernels is True
+    assert parser.parse_args(["generate", "--prompt", "x", "--no-quant-kernels"]).quant_kernels is False
     for flags, expected in (([], True), (["--no-quant-kernels"], False)):
-        assert config_from_args(parser.parse_args(["serve", *flags])).engine.quant_kernels is expected
+        assert config_from_args(parser.parse_args(["serve", *flags])).engine.kernels.quant_kernels is expected
         bench = parser.parse_args(["bench", "--methods", "ar", "--dataset", "humaneval", *flags])
-        assert setup_from_args(bench, needs_draft=False).quant_kernels is expected
+        assert setup_from_args(bench, needs_draft=False).engine.kernels.quant_kernels is expected
 
 
 PROMPTS = [[1, 5, 7], list(range(3, 20)), [9, 9, 9, 4], [30, 2, 60, 61, 62]]

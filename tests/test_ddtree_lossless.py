@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-import flashtree.engine.runner as runner_module
+import flashtree.engine.round as round_module
 from flashtree import LLM, SamplingParams
 from flashtree.cli import main as cli_main
-from flashtree.speculative.drafter import DDTreeProposer
-from flashtree.speculative.tree.build import ROOT
+from flashtree.speculative.ddtree import DDTreeProposer
+from flashtree.speculative.tree import ROOT
 from tests.dflash_helpers import (assert_first_tokens_match_target, chi_square, chi_square_critical,
                                   first_tokens_distribution, one_thread, sample_first_tokens, tiny_pair,
                                   use_copying_proposer)
@@ -165,7 +165,7 @@ def test_chi_square_catches_a_wrong_acceptance_rule(small, monkeypatch):
     """Guard on the test's power: a walk that always accepts the first depth-1 node (the
     drafter's top token) instead of checking the target's sample must fail the check."""
     pair, _, ddtree = small
-    real_walk = runner_module.accept_walk
+    real_walk = round_module.accept_walk
 
     def wrong_walk(tree, choice, max_depth=None, **options):
         first_child = (tree.parents == ROOT) & tree.valid
@@ -173,7 +173,7 @@ def test_chi_square_catches_a_wrong_acceptance_rule(small, monkeypatch):
         forced = tree.tokens.gather(1, first_child.long().argmax(1, keepdim=True))  # [B, 1]
         return real_walk(tree, torch.cat([forced, choice[:, 1:]], dim=1), max_depth, **options)
 
-    monkeypatch.setattr(runner_module, "accept_walk", wrong_walk)
+    monkeypatch.setattr(round_module, "accept_walk", wrong_walk)
     samples = sample_first_tokens(ddtree, SAMPLE_PROMPT, range(1000), temperature=1.0)
     joint, _ = first_tokens_distribution(pair.hf, SAMPLE_PROMPT)
     counts = torch.bincount(samples[:, 0] * 8 + samples[:, 1], minlength=64)

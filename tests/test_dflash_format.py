@@ -21,7 +21,8 @@ from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashDrafter, load_drafter
 from flashtree.models.dflash_config import default_target_layer_ids, parse_dflash_config
 from flashtree.models.transformer import CausalLM
-from flashtree.speculative.drafter import DDTreeProposer, DFlashProposer, default_budget
+from flashtree.speculative.ddtree import DDTreeProposer, default_budget
+from flashtree.speculative.dflash import DFlashProposer
 from tests.dflash_helpers import (drafter_weight_shapes, one_thread, random_drafter_weights, save_tiny_drafter,
                                   save_tiny_tokenizer, tiny_drafter_config, tiny_pair, write_drafter)
 from tests.helpers import ours_from_hf

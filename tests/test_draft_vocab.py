@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import save_file
 
 from flashtree import LLM, SamplingParams
-from flashtree.config import SpecConfig
+from flashtree.config import SpeculationConfig
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.speculative.defaults import shipped_drafter
 from flashtree.speculative.draft_vocab import CPU_DEFAULT_SIZE, DRAFT_VOCAB_FILE, RANKING_KEY, default_size, load_draft_vocab
-from flashtree.speculative.tree.build import ROOT
+from flashtree.speculative.tree import ROOT
 from flashtree.train.data import Conversation
 from flashtree.train.draft_vocab import assistant_tokens, rank_tokens, write_ranking
 from tests.dflash_helpers import tiny_pair
@@ -97,10 +97,10 @@ def test_rankings_and_sizes_are_checked(tmp_path):
     assert load_draft_vocab(tmp_path, 8, VOCAB, at_most=True).tolist() == [5, 2, 7]  # a default size
     for bad in (-1, True, 2.5):
         with pytest.raises(ConfigError, match="--draft-vocab must be an integer >= 0"):
-            SpecConfig(method="ddtree", draft="d", draft_vocab=bad)
+            SpeculationConfig(method="ddtree", draft="d", draft_vocab=bad)
     with pytest.raises(ConfigError, match="--draft-vocab needs a drafter"):
-        SpecConfig(draft_vocab=8)
-    SpecConfig(draft_vocab=0)  # the whole vocabulary: nothing to restrict
+        SpeculationConfig(draft_vocab=8)
+    SpeculationConfig(draft_vocab=0)  # the whole vocabulary: nothing to restrict
 
 
 def test_rank_tokens_counts_assistant_turns_most_frequent_first():
@@ -142,7 +142,7 @@ def test_the_command_lines_pass_it_on():
     from flashtree.cli.serve import config_from_args
 
     parser = build_parser()
-    assert config_from_args(parser.parse_args(["serve", "--draft-vocab", "8192"])).engine.spec.draft_vocab == 8192
+    assert config_from_args(parser.parse_args(["serve", "--draft-vocab", "8192"])).engine.speculation.draft_vocab == 8192
     bench = parser.parse_args(["bench", "--draft-vocab", "0", "--methods", "ar,ddtree:4"])
-    assert setup_from_args(bench, needs_draft=True).draft_vocab == 0
+    assert setup_from_args(bench, needs_draft=True).engine.speculation.draft_vocab == 0
     assert parser.parse_args(["generate", "--prompt", "x", "--draft-vocab", "100"]).draft_vocab == 100

@@ -183,7 +183,7 @@ def compare_tree(device: str, cases: int) -> dict[str, float]:
     narrowed bisection and sort)."""
     import random
 
-    from flashtree.speculative.tree import build as tree as tree_module
+    from flashtree.speculative.tree import build as tree_module
     from tests.test_tree_reference import assert_same_tree, make_logits
 
     from flashtree.speculative.verify import accept_walk
@@ -218,7 +218,7 @@ def compare_top_tokens(device: str) -> dict[str, float]:
     differing ranked values, and for 16-bit logits the number of differing tokens against a stable
     sort (ties in token order). Logits span several vocabulary chunks; one depth has a chunk of
     -inf only, one has many ties, one keeps every token (k = V)."""
-    from flashtree.speculative.tree import build as tree as tree_module
+    from flashtree.speculative.tree import build as tree_module
 
     worst, differing, differing_tokens = 0.0, 0, 0
     for dtype, vocab, k in ((torch.float32, 9000, 50), (torch.bfloat16, 9000, 50), (torch.float16, 9000, 256),
@@ -269,7 +269,7 @@ def same_kept_lists_every_way(logits: torch.Tensor, budget: int) -> bool:
     """The kept-list kernel finds each depth's threshold by sorting the prefilter list, by
     bisection, or by a narrowed bisection and a sort (chosen by the list's length): all must give
     the same kept lists."""
-    from flashtree.speculative.tree import build as tree as tree_module
+    from flashtree.speculative.tree import build as tree_module
 
     k = min(budget, logits.shape[2])
     top_logp, top_tokens = tree_module._top_tokens(logits, k)

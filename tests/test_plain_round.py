@@ -1,5 +1,5 @@
 """Plain rounds (0 drafted nodes) take a short path without the root-only tree and its accept walk
-(``ModelRunner._plain_round_device``). It must leave everything as the general path does: the
+(``DeviceRound._plain``, switched off by ``plain_fast_path=False``). It must leave everything as the general path does: the
 tokens, the acceptance of the drafted rounds that follow (so the drafter saw the same context
 features), the target's KV cache and the drafter's deferred features, whether the round writes
 them through the feature sink (the fused norm) or returns them to be deferred."""
@@ -28,10 +28,9 @@ def pair(tmp_path_factory):
 
 def run(pair, method: str, fast: bool, sink: bool = True):
     draft = None if method == "none" else str(pair.drafter)
-    llm = LLM(str(pair.target), spec=method, draft=draft, budget=6, **ENGINE)
+    # feature_sink=False: the short path defers the returned features
+    llm = LLM(str(pair.target), spec=method, draft=draft, budget=6, plain_fast_path=fast, feature_sink=sink, **ENGINE)
     engine = llm.engine
-    engine.runner.plain_fast_path = fast
-    engine.runner.use_feature_sink = sink  # False: the short path defers the returned features
     if method != "none":
         engine.policy = ScriptedNodes([0, 0, 2, 0, 3, 0, 0, 0])  # plain stretches between drafted rounds
     params = [SamplingParams(max_tokens=12 + 2 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)

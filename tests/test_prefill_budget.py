@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from flashtree import LLM, SamplingParams
-from flashtree.config import EngineConfig
+from flashtree.config import CacheConfig, SchedulerConfig
 from flashtree.engine.request import Request, Status
 from flashtree.engine.scheduler import Scheduler
 from flashtree.errors import ConfigError
@@ -25,7 +25,7 @@ def request(length: int) -> Request:
 
 
 def test_prefill_batch_fits_the_budget_oldest_first():
-    scheduler = Scheduler(EngineConfig(max_running=4, max_context=64, prefill_chunk=4, max_prefill_tokens=8))
+    scheduler = Scheduler(SchedulerConfig(max_running=4, prefill_chunk=4, max_prefill_tokens=8), CacheConfig(max_context=64))
     reqs = [request(n) for n in (10, 3, 7, 2)]
     for req in reqs:
         scheduler.add(req)
@@ -39,13 +39,13 @@ def test_prefill_batch_fits_the_budget_oldest_first():
 
 
 def test_one_request_always_prefills_and_the_budget_is_validated():
-    scheduler = Scheduler(EngineConfig(max_running=2, max_context=64, prefill_chunk=16, max_prefill_tokens=4))
+    scheduler = Scheduler(SchedulerConfig(max_running=2, prefill_chunk=16, max_prefill_tokens=4), CacheConfig(max_context=64))
     first, second = request(30), request(30)
     scheduler.add(first)
     scheduler.add(second)
     assert scheduler.schedule().prefill == [first]  # over budget alone, but progress is guaranteed
     with pytest.raises(ConfigError):
-        EngineConfig(max_prefill_tokens=0)
+        SchedulerConfig(max_prefill_tokens=0)
 
 
 @pytest.fixture(scope="module")

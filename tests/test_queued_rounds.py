@@ -1,4 +1,4 @@
-"""Queued plain rounds (engine.py, "Queued plain rounds"): the next plain round is queued before
+"""Queued plain rounds (engine/overlap.py): the next plain round is queued before
 the host reads the current one. On a CPU the queued round runs at once, so these tests check the
 bookkeeping a GPU relies on: the same tokens as unqueued plain decoding (greedy, stop tokens,
 length limits, seeded sampling, aborts, slots reused right after a row finished), one round per
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.policy.adaptive import SpecPolicyConfig
+from flashtree.config import PolicyConfig
 from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, one_thread, tiny_pair
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
 
 ENGINE = dict(max_running=3, max_context=96, prefill_chunk=8)  # few slots: finished rows' slots are reused
-SETTLES = SpecPolicyConfig(explore_rounds=1, probe_interval=20)  # a drafter that never matches: plain soon
+SETTLES = PolicyConfig(explore_rounds=1, probe_interval=20)  # a drafter that never matches: plain soon
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -133,17 +133,17 @@ def test_queued_rounds_catch_the_drafter_up_when_a_lag_fills(pair, plain, monkey
 
 
 def test_queue_setting_is_validated():
-    from flashtree.config import EngineConfig
+    from flashtree.config import SchedulerConfig
     from flashtree.errors import ConfigError
 
     with pytest.raises(ConfigError, match="queue_plain_rounds"):
-        EngineConfig(queue_plain_rounds="yes")
-    assert EngineConfig().queue_plain_rounds is None  # auto: where the device runs ahead (CUDA)
+        SchedulerConfig(queue_plain_rounds="yes")
+    assert SchedulerConfig().queue_plain_rounds is None  # auto: where the device runs ahead (CUDA)
 
 
 def test_queue_is_off_by_default_on_a_cpu(plain, pair):
     llm = LLM(str(pair.target), **ENGINE)
-    assert not llm.engine.queue_plain_rounds
+    assert not llm.engine.overlap.enabled
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
     assert llm.engine.queued_rounds == 0
     assert torch.device(llm.engine.device).type == "cpu"
@@ -159,7 +159,7 @@ def test_a_declined_probe_keeps_the_rounds_queued(pair, plain, monkeypatch):
     monkeypatch.setattr(engine.policy, "worth_a_graph", lambda rows, nodes: False)
     declined = []
     real_decline = engine.policy.decline_probe
-    monkeypatch.setattr(engine.policy, "decline_probe", lambda: (declined.append(engine._ahead), real_decline()))
+    monkeypatch.setattr(engine.policy, "decline_probe", lambda: (declined.append(engine.overlap.ahead), real_decline()))
     params = SamplingParams(max_tokens=90, ignore_eos=True)
     got = llm.generate([PROMPTS[1]], params)
     assert got[0].token_ids == plain.generate([PROMPTS[1]], params)[0].token_ids

@@ -54,7 +54,7 @@ def test_shipped_drafter_is_lossless_and_accepts(smollm2, method, budget):
 
     assert shipped_drafter("smollm2") is not None
     spec = LLM("smollm2", spec=method, budget=budget, adaptive_spec=False, max_running=4, max_context=512)
-    assert spec.engine.config.spec.draft == str(shipped_drafter("smollm2"))
+    assert spec.engine.config.speculation.draft == str(shipped_drafter("smollm2"))
     for params in (SamplingParams(max_tokens=32, ignore_eos=True),
                    SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)):
         want = smollm2.chat(CHATS, params)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from flashtree import LLM, SamplingParams
-from flashtree.policy.adaptive import SpecPolicyConfig
+from flashtree.policy.adaptive import PolicyConfig
 from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, one_thread, tiny_pair  # noqa: F401  (fixture)
 from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
 
@@ -59,12 +59,12 @@ def test_pad_rows_write_only_the_pad_slot(pair):
     padded(llm)
     engine = llm.engine
     reqs = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in PROMPTS[:3]]
-    idle = engine.cache.storage[:, :, 3:engine.config.max_running].clone()  # slots no request holds
+    idle = engine.cache.storage[:, :, 3:engine.config.scheduler.max_running].clone()  # slots no request holds
     for _ in range(6):
         engine.step()
-    assert engine.runner.pad_slot == engine.config.max_running
+    assert engine.runner.pad_slot == engine.config.scheduler.max_running
     assert sorted(r.slot for r in reqs) == [0, 1, 2]
-    assert (engine.cache.storage[:, :, 3:engine.config.max_running] == idle).all()
+    assert (engine.cache.storage[:, :, 3:engine.config.scheduler.max_running] == idle).all()
     assert int(engine.cache.lengths[engine.runner.pad_slot]) <= 9  # reset every round, never grows
 
 
@@ -87,7 +87,7 @@ def test_neighbour_probes_without_a_graph_are_declined_unless_worth_one(pair, mo
     option) when the policy says its option cannot win, and runs (capturing) when it can; the
     tokens are plain decoding's either way."""
     plain = LLM(str(pair.target), **ENGINE)
-    knobs = dict(ENGINE, adaptive_spec=True, spec_policy=SpecPolicyConfig(
+    knobs = dict(ENGINE, adaptive_spec=True, spec_policy=PolicyConfig(
         explore_rounds=1, probe_interval=3, max_probe_interval=3, plain_recheck_interval=1000))
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)
     padded(llm)
@@ -126,7 +126,7 @@ def test_graphed_catch_ups_give_the_eager_tokens_and_leave_the_pad_slot_alone(pa
     reference = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **knobs)
     graphs = padded(llm)
-    capacity = llm.engine.proposer.lag_capacity
+    capacity = llm.engine.proposer.lag.capacity
     for engine in (reference.engine, llm.engine):
         engine.policy = ScriptedNodes([0] * (capacity + 10) + [3, 0, 3])
     params = [SamplingParams(max_tokens=2 * capacity + 30 - 7 * i, ignore_eos=True,

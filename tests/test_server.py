@@ -416,7 +416,7 @@ def test_h11_and_asyncio_serve_the_same_streams_as_the_default_stack(plain_serve
     installed) are both uvicorn's: the same greedy stream either way, and the choice is the one used."""
     import dataclasses
 
-    config = dataclasses.replace(server_config(plain_server.engine.config.model, api_key=API_KEY, **ENGINE_LIMITS),
+    config = dataclasses.replace(server_config(plain_server.engine.config.target.model, api_key=API_KEY, **ENGINE_LIMITS),
                                  http="h11", loop="asyncio")
     with ServerThread(config) as pure_python:
         assert pure_python.server.config.http_protocol_class.__name__ == "H11Protocol"

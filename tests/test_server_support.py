@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from flashtree.config import EngineConfig, SpecConfig
+from flashtree.config import EngineConfig, SpeculationConfig
 from flashtree.server.app import create_app
 from flashtree.server.config import ServerConfig
 from tests.helpers import tiny_hf_model
@@ -58,8 +58,8 @@ def save_tiny_chat_model(path: Path, family: str = "llama_gqa", vocab_size: int 
 def server_config(model: Path | str, *, method: str = "none", draft: str | None = None, api_key: str | None = None,
                   **engine) -> ServerConfig:
     engine.setdefault("device", "cpu")
-    spec = SpecConfig(method=method, draft=draft)
-    return ServerConfig(engine=EngineConfig(model=str(model), spec=spec, **engine), model_name="tiny",
+    spec = SpeculationConfig(method=method, draft=draft)
+    return ServerConfig(engine=EngineConfig.of(model=str(model), spec=spec, **engine), model_name="tiny",
                         port=0, api_key=api_key, log_level="warning")
 
 
@@ -86,7 +86,7 @@ class ServerThread:
         """A fresh copy of the served tokenizer (the server's own are used by its threads)."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.app.state.flashtree.engine.engine.config.model)
+        return AutoTokenizer.from_pretrained(self.app.state.flashtree.engine.engine.config.target.model)
 
     @property
     def engine(self):

@@ -9,14 +9,14 @@ from collections import Counter
 
 import pytest
 
-from flashtree.policy.adaptive import (FixedNodes, SpecPolicy, SpecPolicyConfig, node_ladder,
-                                          rows_bucket)
+from flashtree.config import PolicyConfig
+from flashtree.policy import AdaptivePolicy, FixedNodes, node_ladder, rows_bucket
 from flashtree.errors import ConfigError
 
 LADDER = node_ladder(256, chain=False)  # (256, 128, 64, 32, 16, 8, 4, 0)
 
 
-def drive(policy: SpecPolicy, rounds: int, rows: int, acceptance, seconds, overlapped: bool = False) -> list[int]:
+def drive(policy: AdaptivePolicy, rounds: int, rows: int, acceptance, seconds, overlapped: bool = False) -> list[int]:
     """Run ``rounds`` decisions, feeding back ``acceptance(nodes)`` and ``seconds(rows, nodes)``;
     ``overlapped``: the held settled rounds are folded after each decision, as an engine whose
     device runs ahead does while the round runs."""
@@ -70,13 +70,13 @@ def test_config_is_validated():
                 dict(min_tree_nodes=0), dict(explore_rounds=1.5), dict(settled_batch=0),
                 dict(probe_cost_share=0.0), dict(probe_cost_share=1.5)):
         with pytest.raises(ConfigError):
-            SpecPolicyConfig(**bad)
+            PolicyConfig(**bad)
     with pytest.raises(ValueError):
-        SpecPolicy((4, 4, 0))
+        AdaptivePolicy((4, 4, 0))
 
 
 def test_explores_every_option_first():
-    policy = SpecPolicy(LADDER, SpecPolicyConfig(explore_rounds=2))
+    policy = AdaptivePolicy(LADDER, PolicyConfig(explore_rounds=2))
     first = drive(policy, 2 * len(LADDER), 1, lambda n: 1.5, lambda rows, nodes: 0.01)  # all close
     assert sorted(first) == sorted(LADDER * 2)
     assert first[:len(LADDER)] == sorted(LADDER)  # round robin, smallest first (it bounds the bigger trees)
@@ -85,7 +85,7 @@ def test_explores_every_option_first():
 def test_clearly_worse_options_are_not_explored_twice():
     """At 4 rows the 256-node tree and plain rounds give under half the best tokens/s after
     one round each: exploration does not repeat them."""
-    policy = SpecPolicy(LADDER, SpecPolicyConfig(explore_rounds=2))
+    policy = AdaptivePolicy(LADDER, PolicyConfig(explore_rounds=2))
     first = drive(policy, 2 * len(LADDER), 4, growing_acceptance, batch_bound_seconds)
     assert first[:len(LADDER)] == sorted(LADDER)
     assert first.count(256) == 1 and first.count(0) == 1 and first.count(64) >= 2
@@ -93,7 +93,7 @@ def test_clearly_worse_options_are_not_explored_twice():
 
 def test_untimed_rounds_do_not_count_as_explored():
     """A round whose time is not representative (a CUDA-graph capture) is measured again."""
-    policy = SpecPolicy((8, 0), SpecPolicyConfig(explore_rounds=1))
+    policy = AdaptivePolicy((8, 0), PolicyConfig(explore_rounds=1))
     assert policy.choose(1) == 0
     policy.record(1, 0, None, 1.0)
     assert policy.choose(1) == 0
@@ -103,8 +103,8 @@ def test_untimed_rounds_do_not_count_as_explored():
 
 def test_prefers_plain_when_drafts_are_rejected():
     """Acceptance ~1 and speculative rounds cost more: plain rounds, except the rare probe."""
-    config = SpecPolicyConfig(probe_interval=50)
-    policy = SpecPolicy(LADDER, config)
+    config = PolicyConfig(probe_interval=50)
+    policy = AdaptivePolicy(LADDER, config)
     chosen = drive(policy, 400, 8, lambda n: 1.0, batch_bound_seconds)
     assert policy.best(8) == 0
     tail = chosen[-200:]
@@ -112,7 +112,7 @@ def test_prefers_plain_when_drafts_are_rejected():
 
 
 def test_prefers_the_big_tree_when_acceptance_is_high_and_cost_flat():
-    policy = SpecPolicy(LADDER)
+    policy = AdaptivePolicy(LADDER)
     chosen = drive(policy, 300, 2, growing_acceptance, lambda rows, nodes: 0.01)
     assert policy.best(2) == 256
     # two neighbour probes and one plain recheck (every plain_recheck_interval rounds) at most
@@ -122,7 +122,7 @@ def test_prefers_the_big_tree_when_acceptance_is_high_and_cost_flat():
 def test_the_choice_adapts_to_the_batch_and_unseen_buckets_explore():
     """Same drafter, busier device: batch 1 takes the big tree, batch 32 a small one; a bucket
     never seen before explores all options itself before trusting estimates."""
-    policy = SpecPolicy(LADDER)
+    policy = AdaptivePolicy(LADDER)
     drive(policy, 100, 1, growing_acceptance, batch_bound_seconds)
     assert policy.best(1) == 256
     first = drive(policy, len(LADDER), 32, growing_acceptance, batch_bound_seconds)
@@ -139,8 +139,8 @@ def test_the_choice_adapts_to_the_batch_and_unseen_buckets_explore():
 
 def test_reprobes_a_close_neighbour_every_interval():
     """The neighbour (128) is within BACKOFF_BELOW of the best (256): no back-off."""
-    config = SpecPolicyConfig(probe_interval=10)
-    policy = SpecPolicy(LADDER, config)
+    config = PolicyConfig(probe_interval=10)
+    policy = AdaptivePolicy(LADDER, config)
     drive(policy, 100, 1, growing_acceptance, lambda rows, nodes: 0.01)  # converged on 256
     chosen = drive(policy, 60, 1, growing_acceptance, lambda rows, nodes: 0.01)
     runs = probe_runs(chosen, usual=256)
@@ -155,8 +155,8 @@ def test_probes_back_off_while_the_neighbour_stays_clearly_worse():
     """A drafter that never matches and rounds that cost 1.6x a plain step: probe intervals
     double up to max_probe_interval, so probes cost next to nothing in a long run (the doubling
     alone: without the probe_cost_share floor, tested below)."""
-    config = SpecPolicyConfig(probe_interval=50, max_probe_interval=400, probe_cost_share=None)
-    policy = SpecPolicy(LADDER, config)
+    config = PolicyConfig(probe_interval=50, max_probe_interval=400, probe_cost_share=None)
+    policy = AdaptivePolicy(LADDER, config)
     cost = lambda rows, nodes: 0.01 * (1.6 + nodes / 256) if nodes else 0.01  # noqa: E731
     chosen = drive(policy, 4000, 1, lambda n: 1.0, cost)
     runs = probe_runs(chosen, usual=0, start=100)
@@ -171,8 +171,8 @@ def test_a_far_worse_neighbour_is_probed_only_every_max_interval():
     max_probe_interval rounds later (doubling from 50 would have spent four more probes first),
     and each probe is a single round (32 rows' acceptance in one; 4 rounds at one row). (Without
     the probe_cost_share floor, which would space them further: tested below.)"""
-    config = SpecPolicyConfig(probe_interval=50, max_probe_interval=800, probe_cost_share=None)
-    policy = SpecPolicy((4, 0), config)
+    config = PolicyConfig(probe_interval=50, max_probe_interval=800, probe_cost_share=None)
+    policy = AdaptivePolicy((4, 0), config)
     chosen = drive(policy, 2000, 32, lambda n: 1.2, lambda rows, n: 0.04 if n else 0.01)
     runs = probe_runs(chosen, usual=0, start=10)
     gaps = [b[0] - a[0] - (a[1] - 1) for a, b in zip(runs, runs[1:])]
@@ -197,8 +197,8 @@ def test_a_costly_probe_that_changes_nothing_keeps_within_its_cost_share():
     """One row, a drafter that never matches, a tree of 4 costing 1.45 plain rounds: each probe
     (4 rounds) loses 2 plain rounds' time. Doubling alone spends it every max_probe_interval rounds
     (0.25% of the time); with probe_cost_share the probes stay within 0.1%, yet still come."""
-    floored = SpecPolicy(LADDER, SpecPolicyConfig())
-    doubling = SpecPolicy(LADDER, SpecPolicyConfig(probe_cost_share=None))
+    floored = AdaptivePolicy(LADDER, PolicyConfig())
+    doubling = AdaptivePolicy(LADDER, PolicyConfig(probe_cost_share=None))
     never_matches = lambda n: 1.0  # noqa: E731
     warm_up = 200  # exploration and the first probe (at probe_interval), which measures the probe's cost
     spent = {}
@@ -217,7 +217,7 @@ def test_a_cheap_probe_ends_on_the_doubling_schedule():
     cost = lambda rows, nodes: 0.01 * (1.3 if nodes else 1.0)  # noqa: E731
     gaps = {}
     for share in (0.001, None):
-        chosen = drive(SpecPolicy((8, 4, 0), SpecPolicyConfig(probe_cost_share=share)), 6000, 32, lambda n: 1.0, cost)
+        chosen = drive(AdaptivePolicy((8, 4, 0), PolicyConfig(probe_cost_share=share)), 6000, 32, lambda n: 1.0, cost)
         runs = probe_runs(chosen, usual=0, start=20)
         gaps[share] = [b[0] - a[0] for a, b in zip(runs, runs[1:])]
     assert gaps[0.001][0] in (300, 301) and gaps[None][0] == 100  # the floor (ceil of 300, in floats), against
@@ -228,7 +228,7 @@ def test_a_cheap_probe_ends_on_the_doubling_schedule():
 def test_a_drafter_that_starts_to_match_is_found_after_the_floored_interval():
     """A drafter that never matched starts to (acceptance 3 for a tree of 4): at one row the
     floored interval is about 1,800 rounds, and within it plus a probe the policy moves to trees."""
-    policy = SpecPolicy((16, 4, 0), SpecPolicyConfig())
+    policy = AdaptivePolicy((16, 4, 0), PolicyConfig())
     drive(policy, 3000, 1, lambda n: 1.0, h200_one_row_seconds)
     assert policy.best(1) == 0
     chosen = drive(policy, 2500, 1, lambda n: 3.0, h200_one_row_seconds)
@@ -239,7 +239,7 @@ def test_follows_drift_down_to_plain():
     """The drafter stops matching (e.g. the conversation changed): the policy walks down the
     ladder as each option's acceptance estimate is refreshed, and settles on plain rounds (at
     batch 1 each option's acceptance EMA takes some 50 rounds to fall: one row is one sample)."""
-    policy = SpecPolicy(LADDER, SpecPolicyConfig(probe_interval=20))
+    policy = AdaptivePolicy(LADDER, PolicyConfig(probe_interval=20))
     cost = lambda rows, nodes: 0.01 * (1 + nodes / 4096)  # noqa: E731 - slightly dearer per node
     drive(policy, 200, 1, growing_acceptance, cost)
     assert policy.best(1) == 256
@@ -252,14 +252,14 @@ def test_follows_drift_down_to_plain():
 def test_deterministic_given_the_same_measurements():
     runs = []
     for _ in range(2):
-        policy = SpecPolicy(LADDER, SpecPolicyConfig(probe_interval=7))
+        policy = AdaptivePolicy(LADDER, PolicyConfig(probe_interval=7))
         runs.append(drive(policy, 150, 3, growing_acceptance, batch_bound_seconds)
                     + drive(policy, 150, 12, lambda n: 1.2, batch_bound_seconds))
     assert runs[0] == runs[1]
 
 
 def test_plain_acceptance_is_exactly_one():
-    policy = SpecPolicy(LADDER)
+    policy = AdaptivePolicy(LADDER)
     policy.record(1, 0, 0.01, 5.0)  # ignored: a plain round commits exactly one token
     assert policy.acceptance(0) == 1.0 and policy.acceptance(16) is None
     with pytest.raises(ValueError):
@@ -281,8 +281,8 @@ def test_a_stalled_round_barely_moves_the_estimate():
     that become slower for good while trees do not (a change of their own cost, not the machine's
     pace) move it at the next probe, which re-times the tree (trees accept 1.1 tokens: below
     plain while plain rounds cost 10 ms)."""
-    config = SpecPolicyConfig(probe_interval=20, max_probe_interval=20)
-    policy = SpecPolicy((8, 0), config)
+    config = PolicyConfig(probe_interval=20, max_probe_interval=20)
+    policy = AdaptivePolicy((8, 0), config)
     cost = {8: 0.015, 0: 0.010}
     accept = lambda n: 1.1 if n else 1.0  # noqa: E731
     drive(policy, 20, 1, accept, lambda rows, n: cost[n])
@@ -299,8 +299,8 @@ def test_a_drafter_that_never_matches_never_moves_the_choice_to_a_tree():
     burst of HTTP work) lifts plain's estimate above the trees' old ones, but a tree round never
     costs less than a plain one, so no tree is chosen (probes aside: the H200 server ran 150-190
     tree rounds per 1,524-round pass before the policy used the monotone times)."""
-    config = SpecPolicyConfig()
-    policy = SpecPolicy((64, 32, 16, 8, 4, 0), config)
+    config = PolicyConfig()
+    policy = AdaptivePolicy((64, 32, 16, 8, 4, 0), config)
     quiet = {0: 0.0056, 4: 0.0095, 8: 0.0078, 16: 0.0083, 32: 0.0085, 64: 0.0092}
     drive(policy, 2000, 1, lambda n: 1.0, lambda rows, n: quiet[n])
     stretch = drive(policy, 200, 1, lambda n: 1.0, lambda rows, n: quiet[n] * (2.0 if n == 0 else 1.0))
@@ -314,8 +314,8 @@ def test_slow_rounds_of_the_chosen_option_move_every_estimate_alike():
     machine's pace, see "Common pace"), so the choice stays on plain: during the burst and after
     it only the regular probes run a tree (the H200 server ran about 50 tree rounds per such
     event when a burst could move the choice and the recheck waited ``probe_interval`` rounds)."""
-    config = SpecPolicyConfig()
-    policy = SpecPolicy((8, 4, 0), config)
+    config = PolicyConfig()
+    policy = AdaptivePolicy((8, 4, 0), config)
     quiet = {0: 0.005, 4: 0.0075, 8: 0.007}
     drive(policy, 2000, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: quiet[n])  # settled; probes backed off
     assert policy.best(1) == 0
@@ -336,12 +336,12 @@ def test_a_slow_stretch_of_a_cpu_server_keeps_a_big_batch_on_plain_rounds(settle
     stretch's plain rounds lifted plain's estimate above the tree's quiet one: trees ran during
     the stretch and for 52 rounds after it (a served pass at 0.71-0.80 of plain's throughput).
     Now only the regular probes run a tree, folded in batches or one by one."""
-    config = SpecPolicyConfig(settled_batch=settled_batch)
+    config = PolicyConfig(settled_batch=settled_batch)
     cost = lambda slow: (lambda rows, n: slow * (0.540 if n else 0.123))  # noqa: E731
     accept = lambda n: 2.2  # noqa: E731
 
     def run(slow: float) -> list[int]:
-        policy = SpecPolicy((4, 0), config)
+        policy = AdaptivePolicy((4, 0), config)
         chosen = drive(policy, 200, 32, accept, cost(1.0), overlapped)
         chosen += drive(policy, 20, 32, accept, cost(slow), overlapped)
         chosen += drive(policy, 300, 32, accept, cost(1.0), overlapped)
@@ -360,8 +360,8 @@ def test_plain_is_rechecked_while_a_tree_is_chosen():
     probes alone never re-measure plain (a tree stayed chosen for 3,000 rounds of 3,000 in the
     seventh session's version of this test); the plain recheck brings it back within
     ``plain_recheck_interval`` rounds."""
-    config = SpecPolicyConfig()
-    policy = SpecPolicy((64, 32, 16, 8, 4, 0), config)
+    config = PolicyConfig()
+    policy = AdaptivePolicy((64, 32, 16, 8, 4, 0), config)
     quiet = {0: 0.0112, 4: 0.0075, 8: 0.0085, 16: 0.0088, 32: 0.0090, 64: 0.0095}
     accept = lambda n: 1.0 if n in (0, 4) else 1.1  # noqa: E731
     drive(policy, 2000, 1, accept, lambda rows, n: quiet[n])
@@ -378,7 +378,7 @@ def test_big_trees_whose_bound_is_clearly_worse_are_never_explored_at_a_big_batc
     round costs 1 + nodes / 8 plain rounds. Exploring bucket 32 smallest first, the timed 16-node
     tree bounds the bigger ones (acceptance 1 / at least its time) under half of plain's tokens/s,
     so the 32- and 64-node trees (5 and 9 plain rounds each) never run there."""
-    policy = SpecPolicy((64, 32, 16, 8, 4, 0))
+    policy = AdaptivePolicy((64, 32, 16, 8, 4, 0))
     drive(policy, 300, 1, lambda n: 1.0, lambda rows, n: 0.005 * (1 + n / 256))
     chosen = drive(policy, 300, 32, lambda n: 1.0, lambda rows, n: 0.01 * (1 + n / 8))
     assert policy.best(32) == 0 and 32 not in chosen and 64 not in chosen, Counter(chosen)
@@ -392,7 +392,7 @@ def test_probes_average_rounds_so_a_few_unlucky_rounds_do_not_evict_a_better_opt
 
     def tree_rounds(seed: int, **knobs) -> int:
         rng = random.Random(seed)
-        policy = SpecPolicy((4, 0), SpecPolicyConfig(probe_interval=50, **knobs))
+        policy = AdaptivePolicy((4, 0), PolicyConfig(probe_interval=50, **knobs))
         chosen = drive(policy, 4000, 1, lambda n: float(rng.choice([1, 1, 2, 3, 4, 4])),
                        lambda rows, n: 0.02 if n else 0.01)
         return chosen[-2000:].count(4)
@@ -410,8 +410,8 @@ def test_probing_marks_neighbour_probes_only():
     """``probing`` (the engine may decline such rounds when their CUDA graph is missing) is true
     exactly for the rounds of neighbour probes: not for exploration, the best option, rechecks of
     a displaced option or plain rechecks."""
-    config = SpecPolicyConfig(probe_interval=10)
-    policy = SpecPolicy(LADDER, config)
+    config = PolicyConfig(probe_interval=10)
+    policy = AdaptivePolicy(LADDER, config)
     flags = []
     for _ in range(160):
         nodes = policy.choose(1)
@@ -424,7 +424,7 @@ def test_probing_marks_neighbour_probes_only():
     assert marked == [first + k for first, length, _ in runs for k in range(length)]  # the probes' rounds
     assert len(runs) >= 4
     # a recheck of a displaced option is timed, so it is not marked
-    policy = SpecPolicy((8, 4, 0), SpecPolicyConfig())
+    policy = AdaptivePolicy((8, 4, 0), PolicyConfig())
     drive(policy, 2000, 1, growing_acceptance, lambda rows, n: 0.01)  # settled on 8 nodes
     rechecks = []
     for _ in range(200):  # the drafter stops matching: the choice moves and the displaced tree is rechecked
@@ -440,8 +440,8 @@ def test_a_drafter_that_never_matches_explores_no_tree_in_a_new_bucket():
     verifies more nodes never costs less), so the new bucket times plain rounds and explores no
     tree; only the neighbour probe, ``probe_interval`` rounds later, tries the smallest one.
     (Exploring every tree there cost a served H200 5-15% of a pass in CUDA-graph captures.)"""
-    config = SpecPolicyConfig()
-    policy = SpecPolicy((64, 32, 16, 8, 4, 0), config)
+    config = PolicyConfig()
+    policy = AdaptivePolicy((64, 32, 16, 8, 4, 0), config)
     drive(policy, 300, 1, lambda n: 1.0, lambda rows, n: 0.005 * (1 + n / 256))
     chosen = drive(policy, config.probe_interval + 10, 16, lambda n: 1.0, lambda rows, n: 0.006 * (1 + n / 64))
     assert chosen[:config.probe_interval] == [0] * config.probe_interval, chosen
@@ -449,7 +449,7 @@ def test_a_drafter_that_never_matches_explores_no_tree_in_a_new_bucket():
     assert policy.best(16) == 0
 
 
-def drive_declining(policy: SpecPolicy, rounds: int, rows: int, acceptance, seconds) -> tuple[list[int], list[int]]:
+def drive_declining(policy: AdaptivePolicy, rounds: int, rows: int, acceptance, seconds) -> tuple[list[int], list[int]]:
     """``drive`` as the engine runs it when no probe has a CUDA graph: a neighbour probe whose
     option is not ``worth_a_graph`` is declined and the round runs the best option. Returns the
     options run and the round indices of the declined probes."""
@@ -470,8 +470,8 @@ def test_a_drafter_that_never_matches_makes_no_probe_worth_a_graph_and_declines_
     is declined, and the declines space the probes out like probes of a clearly worse option
     (50, 100, 200, 400, 800, 800 rounds). (Untimed probes that never backed off cost served H200
     runs 15-28% of a pass at 4-32 rows.)"""
-    config = SpecPolicyConfig()
-    policy = SpecPolicy((64, 32, 16, 8, 4, 0), config)
+    config = PolicyConfig()
+    policy = AdaptivePolicy((64, 32, 16, 8, 4, 0), config)
     drive(policy, 300, 1, lambda n: 1.0, lambda rows, n: 0.005 * (1 + n / 256))
     assert policy.worth_a_graph(16, 4)  # a bucket with nothing timed yet: no score to beat
     chosen, declined = drive_declining(policy, 3000, 16, lambda n: 1.0, lambda rows, n: 0.006 * (1 + n / 64))
@@ -484,7 +484,7 @@ def test_a_drafter_that_never_matches_makes_no_probe_worth_a_graph_and_declines_
 def test_a_matching_drafter_finds_its_probes_worth_a_graph():
     """A drafter whose bigger trees accept more: the bigger neighbour of the best option could win
     (its acceptance over the best's round time beats the best's score), so its probe runs."""
-    policy = SpecPolicy(LADDER, SpecPolicyConfig())
+    policy = AdaptivePolicy(LADDER, PolicyConfig())
     drive(policy, 500, 1, growing_acceptance, lambda rows, n: 0.01 * (1 + n / 1024))
     best = policy.best(1)
     assert best != 0 and best != LADDER[0]
@@ -495,21 +495,21 @@ def test_a_matching_drafter_finds_its_probes_worth_a_graph():
 
 
 def test_decline_probe_needs_a_neighbour_probe():
-    policy = SpecPolicy(LADDER, SpecPolicyConfig())
+    policy = AdaptivePolicy(LADDER, PolicyConfig())
     with pytest.raises(RuntimeError, match="neighbour probe"):
         policy.decline_probe()
 
 
 # ---------------------------------------------------------------------------- settled rounds
 
-def settled_pair() -> tuple[SpecPolicy, SpecPolicy]:
+def settled_pair() -> tuple[AdaptivePolicy, AdaptivePolicy]:
     """Two policies in the same state, settled on plain rounds (no probe due for a long while):
     one folds every round in at once, the other holds settled rounds 8 at a time."""
     import copy
     import dataclasses
 
-    config = SpecPolicyConfig(settled_batch=1, probe_interval=800)
-    immediate = SpecPolicy((8, 4, 0), config)
+    config = PolicyConfig(settled_batch=1, probe_interval=800)
+    immediate = AdaptivePolicy((8, 4, 0), config)
     drive(immediate, 300, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.005 if n == 0 else 0.007)
     assert immediate.best(1) == 0
     batched = copy.deepcopy(immediate)
@@ -528,7 +528,7 @@ def test_settled_rounds_are_folded_in_batches_into_the_same_estimates():
     drive(immediate, 1, 1, TREES_ACCEPT_A_LITTLE, seconds)
     drive(batched, 1, 1, TREES_ACCEPT_A_LITTLE, seconds)  # the 8th: folded, in order
     assert batched.snapshot(1) == immediate.snapshot(1) != before
-    assert batched._seconds[(1, 0)].value == immediate._seconds[(1, 0)].value
+    assert batched.estimates.seconds(1, 0) == immediate.estimates.seconds(1, 0)
 
 
 def test_rounds_folded_while_the_next_round_runs_reach_the_same_estimates_a_round_later():
@@ -543,9 +543,9 @@ def test_rounds_folded_while_the_next_round_runs_reach_the_same_estimates_a_roun
         overlapped.record(1, nodes, seconds(1, nodes), 1.0)
         assert len(overlapped._settled) == 1  # this one is held
         assert drive(immediate, 1, 1, TREES_ACCEPT_A_LITTLE, seconds) == [nodes]
-    assert overlapped._seconds[(1, 0)].value != immediate._seconds[(1, 0)].value  # (the last one is held)
+    assert overlapped.estimates.seconds(1, 0) != immediate.estimates.seconds(1, 0)  # (the last one is held)
     overlapped.fold_settled()
-    assert overlapped._seconds[(1, 0)].value == immediate._seconds[(1, 0)].value
+    assert overlapped.estimates.seconds(1, 0) == immediate.estimates.seconds(1, 0)
 
 
 def test_held_rounds_are_folded_before_anything_else_happens():
@@ -559,9 +559,9 @@ def test_held_rounds_are_folded_before_anything_else_happens():
     policy.record(2, nodes, 0.005, TREES_ACCEPT_A_LITTLE(nodes))
     drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.005)
     assert len(policy._settled) == 3
-    timed = policy._timed(1, 4)
+    timed = policy.estimates.timed(1, 4)
     policy.record(1, 4, 0.007, 1.15)  # a round of another option (e.g. a request's own budget)
-    assert policy._settled == [] and policy._timed(1, 4) == timed + 1
+    assert policy._settled == [] and policy.estimates.timed(1, 4) == timed + 1
     drive(policy, 3, 1, TREES_ACCEPT_A_LITTLE, lambda rows, n: 0.005)
     assert len(policy._settled) == 3
     policy._next_probe[1] = policy._rounds[1] + 1  # a neighbour probe is due at the next round

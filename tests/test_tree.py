@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from flashtree.speculative.tree.build import DraftTree, build_tree, chain_tree
+from flashtree.speculative.tree import DraftTree, build_tree, chain_tree
 
 Prefixes = dict[tuple[int, ...], float]  # token prefix -> log weight
 

@@ -3,7 +3,7 @@
 import torch
 
 from flashtree.models.batch import ForwardBatch, causal_mask
-from flashtree.speculative.tree.build import DraftTree
+from flashtree.speculative.tree import DraftTree
 from tests.helpers import make_cache, ours_from_hf, tiny_hf_model
 
 # node: 0 root, 1..7 ; parents in [root, nodes] indexing

@@ -14,15 +14,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from flashtree.speculative.tree import build as tree as tree_module
-from flashtree.speculative.tree.build import (
-    NO_PARENT,
-    PAD_TOKEN,
-    ROOT,
-    ROOT_TOKEN,
-    DraftTree,
-    build_tree,
-)
+from flashtree.speculative.tree import build as tree_module
+from flashtree.speculative.tree import NO_PARENT, PAD_TOKEN, ROOT, ROOT_TOKEN, DraftTree, build_tree
 from flashtree.speculative.verify import PATH_PAD, AcceptResult, accept_walk
 
 # ---------------------------------------------------------------- frozen reference (before #4)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from flashtree.speculative.tree.build import DraftTree, build_tree, chain_tree
+from flashtree.speculative.tree import DraftTree, build_tree, chain_tree
 from flashtree.speculative.verify import AcceptResult, accept_walk
 
 

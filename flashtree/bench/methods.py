@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flashtree.config import SpecConfig
+from flashtree.config import SpeculationConfig
 from flashtree.errors import ConfigError
 
 PLAIN = "ar"
@@ -14,18 +14,19 @@ METHOD_FORMS = "ar, dflash, ddtree, ddtree:N (N = node budget)"
 @dataclasses.dataclass(frozen=True)
 class BenchMethod:
     label: str  # as the user wrote it, e.g. "ddtree:64"
-    spec_method: str  # SpecConfig.method: none | dflash | ddtree
+    spec_method: str  # SpeculationConfig.method: none | dflash | ddtree
     budget: int | None = None  # DDTree budget; None = the engine's default
 
     @property
     def is_plain(self) -> bool:
         return self.spec_method == "none"
 
-    def spec_config(self, draft: str | None, block_size: int | None, draft_vocab: int | None = None) -> SpecConfig:
+    def speculation(self, base: SpeculationConfig) -> SpeculationConfig:
+        """This method's speculation; ``base`` gives the drafter, its block size and draft vocabulary,
+        and whether the policy adapts."""
         if self.is_plain:
-            return SpecConfig()
-        return SpecConfig(method=self.spec_method, draft=draft, budget=self.budget, block_size=block_size,
-                          draft_vocab=draft_vocab)
+            return SpeculationConfig(adaptive=base.adaptive, policy=base.policy)
+        return dataclasses.replace(base, method=self.spec_method, budget=self.budget)
 
 
 def parse_method(text: str) -> BenchMethod:

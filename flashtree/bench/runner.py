@@ -18,9 +18,9 @@ import torch
 
 from flashtree.bench.methods import BenchMethod
 from flashtree.config import EngineConfig
-from flashtree.engine.engine import LLMEngine, LoadedTarget, load_target
+from flashtree.engine.engine import LLMEngine
 from flashtree.engine.request import Request
-from flashtree.models.build import resolve_device, resolve_dtype
+from flashtree.models.build import LoadedTarget, load_target, resolve_device, resolve_dtype
 from flashtree.sampling import SamplingParams
 
 SEED_BASE = 1234  # prompt i samples with seed SEED_BASE + i under every method
@@ -28,36 +28,30 @@ SEED_BASE = 1234  # prompt i samples with seed SEED_BASE + i under every method
 
 @dataclasses.dataclass(frozen=True)
 class BenchSetup:
-    model: str
-    draft: str | None
-    block_size: int | None
-    device: str | None
-    dtype: str | None
-    batch_size: int  # requests decoded together (the engine's max_running)
-    max_context: int
+    """What every method of a benchmark shares: the engine but for its decoding method, and what it generates."""
+
+    engine: EngineConfig  # its speculation gives the drafter, block size, draft vocabulary and adaptive policy
     max_new_tokens: int
     temperature: float
     ignore_eos: bool = False
-    draft_vocab: int | None = None  # draft from the N most frequent tokens (spec/draft_vocab.py)
-    random_weights: bool = False
     warmup_tokens: int = 16  # tokens of each untimed warm-up request, one per row of the first batch (0: none)
-    profile_stages: bool = False  # exact per-stage times: synchronizes and turns CUDA graphs off (slower)
-    adaptive_spec: bool = False  # let speculative methods adapt their draft size (off: each method as named)
-    quant_kernels: bool = True  # CPU fp32 GGUF models: decode-sized products from the GGUF blocks
-    gpu_kernels: bool = True  # CUDA: fused Triton kernels for the small per-layer ops
-    cpu_kernels: bool = True  # CPU fp32: the same ops fused in C++
-    triton_attention: bool = False  # CUDA: the Triton attention that reads the cache by slot
-    triton_tree: bool = True  # CUDA: DDTree kept lists in one Triton kernel (the engine's default)
+
+    @property
+    def batch_size(self) -> int:
+        return self.engine.scheduler.max_running
 
     def engine_config(self, method: BenchMethod) -> EngineConfig:
-        device = resolve_device(self.device)
-        return EngineConfig(model=self.model, spec=method.spec_config(self.draft, self.block_size, self.draft_vocab),
-                            device=str(device), dtype=self.dtype, max_running=self.batch_size,
-                            max_context=self.max_context, random_weights=self.random_weights,
-                            profile_stages=self.profile_stages, quant_kernels=self.quant_kernels,
-                            gpu_kernels=self.gpu_kernels, cpu_kernels=self.cpu_kernels,
-                            triton_attention=self.triton_attention, triton_tree=self.triton_tree,
-                            incremental_text=False, adaptive_spec=self.adaptive_spec)
+        return dataclasses.replace(self.engine, speculation=method.speculation(self.engine.speculation))
+
+    def options(self) -> dict:
+        """The settings a report records."""
+        engine, spec = self.engine, self.engine.speculation
+        return {"model": engine.target.model, "draft": spec.draft, "block_size": spec.block_size,
+                "device": engine.target.device, "dtype": engine.target.dtype, "batch_size": self.batch_size,
+                "max_context": engine.cache.max_context, "max_new_tokens": self.max_new_tokens,
+                "temperature": self.temperature, "ignore_eos": self.ignore_eos, "draft_vocab": spec.draft_vocab,
+                "random_weights": engine.target.random_weights, "warmup_tokens": self.warmup_tokens,
+                "adaptive_spec": spec.adaptive, **dataclasses.asdict(engine.kernels)}
 
     def sampling(self, prompt_index: int, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_new_tokens,
@@ -76,9 +70,9 @@ class MethodRun(NamedTuple):
     stage_seconds: dict[str, float]  # engine.timer.seconds over the timed generation
 
 
-def load_shared_target(setup: BenchSetup, config: EngineConfig) -> LoadedTarget:
-    device = resolve_device(config.device)
-    return load_target(config, device, resolve_dtype(setup.dtype, device))
+def load_shared_target(config: EngineConfig) -> LoadedTarget:
+    device = resolve_device(config.target.device)
+    return load_target(config, device, resolve_dtype(config.target.dtype, device))
 
 
 def run_method(setup: BenchSetup, method: BenchMethod, target: LoadedTarget,
@@ -113,7 +107,7 @@ def generate(engine: LLMEngine, prompt_ids: Sequence[list[int]], params: Sequenc
     pending = deque(zip(prompt_ids, params))
     requests: list[Request] = []
     while pending or any(not r.finished for r in requests):
-        while pending and len(engine.scheduler.waiting) < engine.config.max_waiting:
+        while pending and len(engine.scheduler.waiting) < engine.config.scheduler.max_waiting:
             requests.append(engine.add_request(*pending.popleft()))
         finished = sum(event.finished for event in engine.step())
         if progress is not None and finished:

@@ -25,7 +25,7 @@ def run_suite(setup: BenchSetup, methods: list[BenchMethod], dataset: str, num_p
         raise ConfigError("the first benchmark method must be plain decoding (ar)")
     configs = [setup.engine_config(m) for m in methods]  # validates every method before loading
     prompts = load_prompts(dataset, num_prompts)
-    target = load_shared_target(setup, configs[0])
+    target = load_shared_target(configs[0])
     prompt_ids, skipped = fitting_prompts([p.encode(target.tokenizer) for p in prompts], setup)
     runs = [run_with_progress(setup, m, target, prompt_ids, progress) for m in methods]
     summaries = [summarize(run, runs[0]) for run in runs]
@@ -35,13 +35,14 @@ def run_suite(setup: BenchSetup, methods: list[BenchMethod], dataset: str, num_p
 
 def fitting_prompts(prompt_ids: list[list[int]], setup: BenchSetup) -> tuple[list[list[int]], int]:
     """Prompts whose tokens plus ``max_new_tokens`` fit in the context; and how many did not."""
-    fitting = [ids for ids in prompt_ids if len(ids) + setup.max_new_tokens <= setup.max_context]
+    max_context = setup.engine.cache.max_context
+    fitting = [ids for ids in prompt_ids if len(ids) + setup.max_new_tokens <= max_context]
     skipped = len(prompt_ids) - len(fitting)
     if skipped:
-        print(f"flashtree bench: skipped {skipped} prompt(s) longer than --max-context {setup.max_context} "
+        print(f"flashtree bench: skipped {skipped} prompt(s) longer than --max-context {max_context} "
               f"minus --max-new-tokens {setup.max_new_tokens}", file=sys.stderr)
     if not fitting:
-        raise ConfigError(f"no prompt fits in --max-context {setup.max_context} with "
+        raise ConfigError(f"no prompt fits in --max-context {max_context} with "
                           f"--max-new-tokens {setup.max_new_tokens}; raise --max-context")
     return fitting, skipped
 
@@ -58,8 +59,8 @@ def run_with_progress(setup: BenchSetup, method: BenchMethod, target, prompt_ids
 
 def session_config(setup: BenchSetup, dataset: str, num_prompts: int, skipped: int,
                    prompt_ids: list[list[int]]) -> dict:
-    device = resolve_device(setup.device)
-    options = dataclasses.asdict(setup)
-    options["dtype"] = str(resolve_dtype(setup.dtype, device)).removeprefix("torch.")
+    device = resolve_device(setup.engine.target.device)
+    options = setup.options()
+    options["dtype"] = str(resolve_dtype(setup.engine.target.dtype, device)).removeprefix("torch.")
     return {**options, **environment(device), "dataset": dataset, "num_prompts": num_prompts,
             "skipped_prompts": skipped, "mean_prompt_tokens": round(sum(map(len, prompt_ids)) / len(prompt_ids), 1)}

@@ -1,100 +1,153 @@
-"""The flags every model-loading subcommand shares, and what they build: sampling params, an LLM."""
+"""The engine flags every model-loading subcommand shares, grouped as the configs are, and what they build.
+
+Every field of :class:`~flashtree.config.EngineConfig`'s sections (but the adaptive policy's tuning
+knobs) has a flag here, with the config's default shown in ``--help``; :func:`engine_config_from_args`
+turns the parsed flags back into the config. A subcommand changes a default with
+``parser.set_defaults`` (``regenerate`` runs 256 rows with the Triton attention, for example).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-DEFAULT_MODEL = "smollm2"
+from flashtree.config import (SPEC_METHODS, CacheConfig, EngineConfig, KernelConfig, SchedulerConfig,
+                              SpeculationConfig, TargetConfig, TraceConfig)
+
+DEFAULT_MODEL = TargetConfig.model
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand shows its defaults
+
+
+def _on_off(group, name: str, default: bool | None, text: str) -> None:
+    group.add_argument(f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction,
+                       default=default, help=text)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Flags that pick and place the models; shared by every subcommand that loads one."""
-    parser.add_argument("--model", default=DEFAULT_MODEL,
+    """The engine's flags, one group per config section."""
+    target = parser.add_argument_group("model (TargetConfig)")
+    target.add_argument("--model", default=TargetConfig.model,
                         help="HF directory, hub id, .gguf file, or 'smollm2' (the embedded default)")
-    parser.add_argument("--random-weights", action="store_true",
+    target.add_argument("--device", default=TargetConfig.device, help="auto (None), cpu, cuda, cuda:N")
+    target.add_argument("--dtype", default=TargetConfig.dtype,
+                        help="auto (None: bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    target.add_argument("--random-weights", action="store_true", default=TargetConfig.random_weights,
                         help="initialize random weights from the model's config.json (speed tests)")
-    parser.add_argument("--spec", default=None, choices=["none", "dflash", "ddtree"],
-                        help="decoding method (default: ddtree when a drafter is known, else none)")
-    parser.add_argument("--draft", default=None, help="DFlash drafter directory or hub id")
-    parser.add_argument("--budget", type=int, default=None, help="DDTree node budget")
-    parser.add_argument("--block-size", type=int, default=None, help="lower the drafter's block size")
-    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                        help="draft from the drafter's N most frequent tokens only (its draft_vocab.safetensors "
-                             "ranking): a cheaper draft head, lossless as ever; 0: the whole vocabulary "
-                             "(default: 16384 on a CPU when the drafter ships a ranking, else 0)")
-    parser.add_argument("--adaptive-spec", action=argparse.BooleanOptionalAction, default=None,
-                        help="pick each round's draft size (down to plain decoding) for the most tokens/s; "
-                             "the budget becomes a maximum (default: on, except in bench)")
-    parser.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default=None, help="auto (default: bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
-    parser.add_argument("--max-context", type=int, default=2048, help="prompt + output tokens per request")
-    parser.add_argument("--max-running", type=int, default=8, help="requests decoded together")
-    parser.add_argument("--no-quant-kernels", action="store_true",
-                        help="CPU fp32 GGUF models: multiply every product by the dequantized fp32 weights "
-                             "(default: decode-sized products read the GGUF blocks with an AVX-512 / AVX2 kernel)")
-    parser.add_argument("--trace-policy", default=None, metavar="FILE",
-                        help="write each round's adaptive-speculation choice, time and estimates as JSON lines")
-    parser.add_argument("--trace-steps", default=None, metavar="FILE",
-                        help="write each engine step's round, prefill and the gap before it (ms) as JSON lines")
-    parser.add_argument("--no-cpu-kernels", action="store_true",
-                        help="CPU: run norms, rotary and KV writes as plain torch ops "
-                             "(default: fused C++ kernels where the AVX-512 / AVX2 kernel library builds)")
-    parser.add_argument("--no-gpu-kernels", action="store_true",
-                        help="CUDA: run norms, rotary and KV writes as plain torch ops "
-                             "(default: fused Triton kernels when Triton is installed)")
-    parser.add_argument("--triton-attention", action=argparse.BooleanOptionalAction, default=False,
-                        help="CUDA: attention with the Triton kernel that reads the KV cache by slot (no gather "
-                             "of scattered rows; one CUDA graph for every context length) instead of SDPA "
-                             "(default: off, except in regenerate)")
-    parser.add_argument("--triton-tree", action=argparse.BooleanOptionalAction, default=True,
-                        help="CUDA: DDTree tree work (kept lists, node selection, accept walk) in Triton kernels "
-                             "(same trees; default: on)")
-    parser.add_argument("--queue-plain-rounds", action=argparse.BooleanOptionalAction, default=None,
-                        help="queue the next plain round on the device before reading this one's results, so the "
-                             "host's work between rounds overlaps the device's (same tokens; default: on CUDA)")
+    target.add_argument("--weights-seed", dest="seed", type=int, default=TargetConfig.seed,
+                        help="seed of the random weights (the drafter's: this + 1)")
+
+    spec = parser.add_argument_group("speculation (SpeculationConfig)")
+    spec.add_argument("--spec", default=None, choices=SPEC_METHODS,
+                      help="decoding method (None: ddtree when a drafter is known, else none)")
+    spec.add_argument("--draft", default=SpeculationConfig.draft,
+                      help="DFlash drafter directory or hub id (None: the shipped one for smollm2)")
+    spec.add_argument("--budget", type=int, default=SpeculationConfig.budget,
+                      help="DDTree node budget (None: 64 on CUDA, 4 on a CPU)")
+    spec.add_argument("--block-size", type=int, default=SpeculationConfig.block_size,
+                      help="lower the drafter's block size (None: the checkpoint's)")
+    spec.add_argument("--draft-vocab", type=int, default=SpeculationConfig.draft_vocab, metavar="N",
+                      help="draft from the drafter's N most frequent tokens only (its draft_vocab.safetensors "
+                           "ranking): a cheaper draft head, lossless as ever; 0: the whole vocabulary "
+                           "(None: 16384 on a CPU when the drafter ships a ranking, else 0)")
+    _on_off(spec, "adaptive_spec", SpeculationConfig.adaptive,
+            "pick each round's draft size (down to plain decoding) for the most tokens/s; the budget becomes a maximum")
+
+    cache = parser.add_argument_group("KV cache (CacheConfig)")
+    cache.add_argument("--max-context", type=int, default=CacheConfig.max_context,
+                       help="prompt + output tokens per request")
+
+    scheduler = parser.add_argument_group("scheduling (SchedulerConfig)")
+    scheduler.add_argument("--max-running", type=int, default=SchedulerConfig.max_running,
+                           help="requests decoded together")
+    scheduler.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting,
+                           help="queued requests before new ones are refused (HTTP 429)")
+    scheduler.add_argument("--prefill-chunk", type=int, default=SchedulerConfig.prefill_chunk,
+                           help="prompt tokens per request per step")
+    scheduler.add_argument("--max-prefill-tokens", type=int, default=SchedulerConfig.max_prefill_tokens,
+                           help="padded prompt tokens per step over all prefilling requests (at least one chunk runs)")
+    _on_off(scheduler, "queue_plain_rounds", SchedulerConfig.queue_plain_rounds,
+            "queue the next plain round on the device before reading this one's results, so the host's work "
+            "between rounds overlaps the device's (same tokens; None: on CUDA)")
+    _on_off(scheduler, "incremental_text", SchedulerConfig.incremental_text,
+            "keep each request's text current every step (streaming); off: decode it once at the end")
+
+    kernels = parser.add_argument_group("kernels (KernelConfig)")
+    _on_off(kernels, "quant_kernels", KernelConfig.quant_kernels,
+            "CPU fp32 GGUF models: decode-sized products straight from the GGUF blocks (AVX-512 / AVX2 kernel)")
+    _on_off(kernels, "gpu_kernels", KernelConfig.gpu_kernels,
+            "CUDA: norms, rotary and KV writes as fused Triton kernels (when Triton is installed)")
+    _on_off(kernels, "cpu_kernels", KernelConfig.cpu_kernels,
+            "CPU: norms, rotary, KV writes and short attention as fused C++ kernels (AVX-512 / AVX2)")
+    _on_off(kernels, "triton_attention", KernelConfig.triton_attention,
+            "CUDA: attention with the Triton kernel that reads the KV cache by slot (no gather of scattered "
+            "rows; one CUDA graph for every context length) instead of SDPA")
+    _on_off(kernels, "triton_tree", KernelConfig.triton_tree,
+            "CUDA: DDTree tree work (kept lists, node selection, accept walk, KV commit) in Triton kernels (same trees)")
+    _on_off(kernels, "cuda_graphs", KernelConfig.cuda_graphs, "CUDA: replay decode rounds as CUDA graphs")
+    _on_off(kernels, "plain_fast_path", KernelConfig.plain_fast_path,
+            "plain rounds skip the root-only tree and its accept walk (same tokens)")
+    _on_off(kernels, "feature_sink", KernelConfig.feature_sink,
+            "a plain round's drafter features are written by the fused norm kernel (same tokens)")
+    _on_off(kernels, "planless_prefill", KernelConfig.planless_prefill,
+            "CUDA: prefill attention with kernels that build no per-shape plan (same tokens)")
+    kernels.add_argument("--profile-stages", action="store_true", default=KernelConfig.profile_stages,
+                         help="exact per-stage times: synchronizes the device around stages, so rounds run "
+                              "eagerly (no CUDA graphs); a profiling mode, not for serving")
+
+    trace = parser.add_argument_group("traces (TraceConfig): they observe and never change what runs")
+    trace.add_argument("--trace-trees", default=TraceConfig.trees, metavar="FILE",
+                       help="write each round's trees and accepted paths as JSON lines")
+    trace.add_argument("--trace-policy", default=TraceConfig.policy, metavar="FILE",
+                       help="write each round's adaptive-speculation choice, time and estimates as JSON lines")
+    trace.add_argument("--trace-steps", default=TraceConfig.steps, metavar="FILE",
+                       help="write each engine step's round, prefill and the gap before it (ms) as JSON lines")
 
 
-def add_trace_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace-trees", default=None, metavar="FILE",
-                        help="write each round's tree and accepted path as JSON lines (runs rounds eagerly)")
+# flag dest -> flat engine setting (EngineConfig.of); the speculation method and drafter go apart
+ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "max_context", "max_running",
+                "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
+                *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps")
+
+
+def speculation_from_args(args: argparse.Namespace) -> SpeculationConfig:
+    """The method, drafter and budget asked for (a drafter implies ddtree; the embedded default model
+    runs ddtree with its shipped drafter)."""
+    from flashtree.speculative.defaults import default_spec
+
+    method, draft = default_spec(args.model, args.spec, args.draft)
+    return SpeculationConfig(method=method, draft=draft, budget=args.budget, block_size=args.block_size,
+                             draft_vocab=args.draft_vocab)
+
+
+def engine_config_from_args(args: argparse.Namespace, spec: SpeculationConfig | None = None,
+                            **overrides) -> EngineConfig:
+    """The engine config the flags describe (``spec``: a speculation config made otherwise;
+    ``overrides``: flat settings a subcommand derives from its own flags)."""
+    flat = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    return EngineConfig.of(spec=spec or speculation_from_args(args), **{**flat, **overrides})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    sampling = parser.add_argument_group("sampling (SamplingParams)")
+    sampling.add_argument("--max-tokens", type=int, default=128, help="new tokens at most")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    sampling.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    sampling.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+                          help="sampling seed (None: a random one per request)")
+    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
 
 
 def sampling_from_args(args):
     from flashtree.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop),
+                          max_tokens=args.max_tokens, seed=args.sampling_seed, stop=tuple(args.stop),
                           ignore_eos=args.ignore_eos)
 
 
-def llm_from_args(args, **extra):
+def llm_from_args(args, **overrides):
     from flashtree.llm import LLM
-    from flashtree.speculative.defaults import default_spec
 
-    spec, draft = default_spec(args.model, args.spec, args.draft)
-    return LLM(args.model, spec=spec, draft=draft, budget=args.budget, block_size=args.block_size,
-               draft_vocab=args.draft_vocab,
-               device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-               max_context=args.max_context, max_running=args.max_running,
-               trace_trees=getattr(args, "trace_trees", None), adaptive_spec=adaptive_spec_of(args),
-               quant_kernels=not getattr(args, "no_quant_kernels", False),
-               gpu_kernels=not getattr(args, "no_gpu_kernels", False),
-               cpu_kernels=not getattr(args, "no_cpu_kernels", False), trace_policy=args.trace_policy,
-               trace_steps=args.trace_steps, triton_attention=args.triton_attention, triton_tree=args.triton_tree,
-               queue_plain_rounds=getattr(args, "queue_plain_rounds", None), **extra)
-
-
-def adaptive_spec_of(args, default: bool = True) -> bool:
-    """``--adaptive-spec`` / ``--no-adaptive-spec``, or ``default`` when neither was given."""
-    value = getattr(args, "adaptive_spec", None)
-    return default if value is None else value
+    return LLM(config=engine_config_from_args(args, **overrides))

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 from typing import NamedTuple
 
-from flashtree.cli.args import adaptive_spec_of, add_model_args
+from flashtree.cli.args import HELP_FORMAT, add_model_args, engine_config_from_args
+from flashtree.config import SpeculationConfig
 from flashtree.errors import ConfigError, FlashtreeError
 
 DEFAULT_METHODS = "ar,dflash,ddtree:16,ddtree:64"
@@ -19,7 +20,7 @@ class InexactMethodsError(FlashtreeError):
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="compare decoding methods side by side (tau, tokens/s, exactness)",
-                                  description=__doc__)
+                                  description=__doc__, formatter_class=HELP_FORMAT)
     add_model_args(bench)
     bench.add_argument("--methods", default=DEFAULT_METHODS,
                        help=f"comma-separated: ar, dflash, ddtree, ddtree:N (default {DEFAULT_METHODS}); ar always runs")
@@ -37,9 +38,8 @@ def register(subparsers) -> None:
     bench.add_argument("--allow-inexact", action="store_true",
                        help="exit 0 even when a method's tokens differ from plain decoding")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.add_argument("--profile-stages", action="store_true",
-                       help="exact per-stage times (synchronizes the GPU and disables CUDA graphs: lower tokens/s)")
-    bench.set_defaults(func=cmd_bench)
+    # each method as named (the adaptive policy would change its tau), texts decoded once at the end
+    bench.set_defaults(func=cmd_bench, adaptive_spec=False, incremental_text=False)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -72,16 +72,12 @@ def setup_from_args(args: argparse.Namespace, needs_draft: bool):
     if needs_draft and draft is None:
         raise ConfigError(f"--methods {args.methods} has speculative methods, which need a drafter: "
                           "pass --draft PATH (or use --methods ar)")
-    return BenchSetup(model=args.model, draft=draft, block_size=args.block_size, draft_vocab=args.draft_vocab,
-                      device=args.device,
-                      dtype=args.dtype, batch_size=args.batch_size, max_context=args.max_context,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      ignore_eos=args.ignore_eos, random_weights=args.random_weights,
-                      warmup_tokens=max(args.warmup_tokens, 0), profile_stages=args.profile_stages,
-                      quant_kernels=not args.no_quant_kernels, gpu_kernels=not args.no_gpu_kernels,
-                      cpu_kernels=not args.no_cpu_kernels, triton_attention=args.triton_attention,
-                      triton_tree=args.triton_tree,
-                      adaptive_spec=adaptive_spec_of(args, default=False))  # fixed methods: per-method tau
+    base = SpeculationConfig(method="ddtree" if draft else "none", draft=draft, block_size=args.block_size,
+                             draft_vocab=args.draft_vocab if draft else None)
+    engine = engine_config_from_args(args, spec=base, max_running=args.batch_size)
+    return BenchSetup(engine=engine, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, ignore_eos=args.ignore_eos,
+                      warmup_tokens=max(args.warmup_tokens, 0))
 
 
 class OutputPaths(NamedTuple):

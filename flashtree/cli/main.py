@@ -7,7 +7,7 @@ import json
 import sys
 
 from flashtree.cli import bench, serve, train
-from flashtree.cli.args import add_model_args, add_sampling_args, add_trace_arg, llm_from_args, sampling_from_args
+from flashtree.cli.args import HELP_FORMAT, add_model_args, add_sampling_args, llm_from_args, sampling_from_args
 from flashtree.errors import FlashtreeError
 
 
@@ -34,17 +34,16 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     from flashtree.cli.chat import run_chat
 
-    run_chat(llm_from_args(args, max_waiting=4), sampling_from_args(args), system=args.system)
+    run_chat(llm_from_args(args), sampling_from_args(args), system=args.system)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen = sub.add_parser("generate", help="generate a completion for one prompt", formatter_class=HELP_FORMAT)
     add_model_args(gen)
     add_sampling_args(gen)
-    add_trace_arg(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="user message (sent through the chat template)")
     source.add_argument("--prompt-ids", help="comma-separated prompt token ids (no template)")
@@ -52,12 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON line with token_ids and text")
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat that streams tokens")
+    chat = sub.add_parser("chat", help="interactive chat that streams tokens", formatter_class=HELP_FORMAT)
     add_model_args(chat)
     add_sampling_args(chat)
-    add_trace_arg(chat)
     chat.add_argument("--system", default=None, help="system message")
-    chat.set_defaults(func=cmd_chat)
+    chat.set_defaults(func=cmd_chat, max_waiting=4)
 
     for command in (serve, bench, train):
         command.register(sub)

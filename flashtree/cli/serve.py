@@ -16,8 +16,7 @@ import logging
 import os
 import sys
 
-from flashtree.cli.args import adaptive_spec_of, add_model_args
-from flashtree.config import EngineConfig, SpecConfig
+from flashtree.cli.args import HELP_FORMAT, add_model_args, engine_config_from_args
 from flashtree.errors import FlashtreeError
 from flashtree.server.config import EVENT_LOOPS, HTTP_IMPLEMENTATIONS, LOOPBACK, ServerConfig
 
@@ -26,17 +25,14 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def register(subparsers) -> None:
-    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                                  formatter_class=HELP_FORMAT)
     add_model_args(serve)
     serve.add_argument("--host", default=LOOPBACK, help=f"address to bind (default {LOOPBACK}: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
-    serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per request per step")
-    serve.add_argument("--max-prefill-tokens", type=int, default=2048,
-                       help="padded prompt tokens per step over all prefilling requests (at least one chunk runs)")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for torch (default: torch's choice; 1 helps on a busy shared CPU)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -51,18 +47,7 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from flashtree.speculative.defaults import default_spec
-
-    method, draft = default_spec(args.model, args.spec, args.draft)
-    engine = EngineConfig(
-        model=args.model, spec=SpecConfig(method=method, draft=draft, budget=args.budget, block_size=args.block_size,
-                                          draft_vocab=args.draft_vocab),
-        device=args.device, dtype=args.dtype, max_running=args.max_running, max_context=args.max_context,
-        max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
-        max_prefill_tokens=args.max_prefill_tokens, random_weights=args.random_weights,
-        quant_kernels=not args.no_quant_kernels, gpu_kernels=not args.no_gpu_kernels, cpu_kernels=not args.no_cpu_kernels,
-        triton_attention=args.triton_attention, triton_tree=args.triton_tree, trace_policy=args.trace_policy,
-        trace_steps=args.trace_steps, adaptive_spec=adaptive_spec_of(args), queue_plain_rounds=args.queue_plain_rounds)
+    engine = engine_config_from_args(args)
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         log_level=args.log_level, freeze_gc=True, http=args.http, loop=args.loop,

@@ -107,12 +107,13 @@ def cmd_train(args) -> None:
 
 # ---------------------------------------------------------------------------- regenerate
 def _register_regenerate(subparsers) -> None:
-    from flashtree.cli.args import add_model_args
+    from flashtree.cli.args import HELP_FORMAT, add_model_args
     from flashtree.train.regenerate import RegenerateConfig
 
     d = RegenerateConfig()
     p = subparsers.add_parser("regenerate", help="answer prompts with the target and write chats as JSONL",
-                              description="Generate assistant turns with the target (training data for drafters).")
+                              description="Generate assistant turns with the target (training data for drafters).",
+                              formatter_class=HELP_FORMAT)
     add_model_args(p)
     p.add_argument("--prompts", default=d.prompts,
                    help="'sharegpt' or a .jsonl of {messages} / {conversations} / {prompt}: records ending with "
@@ -130,9 +131,10 @@ def _register_regenerate(subparsers) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--time-budget-s", type=float, default=None, help="stop admitting prompts after this time")
     p.add_argument("--no-progress", action="store_true")
-    # Triton attention: plain decoding of hundreds of rows on scattered slots, where SDPA would first
-    # gather their K/V (H200, SmolLM2 shape, batch 512: 21.8k vs 9.2k tokens/s; benchmarks/regen_speed.sh)
-    p.set_defaults(func=cmd_regenerate, max_running=256, max_context=1024, spec="none", triton_attention=True)
+    # Triton attention: plain decoding of hundreds of rows on scattered slots, where SDPA would first gather
+    # their K/V (2.4x the tokens/s on the H200 at 512 rows); texts decoded once, at the end
+    p.set_defaults(func=cmd_regenerate, max_running=256, max_context=1024, spec="none", triton_attention=True,
+                   incremental_text=False)
 
 
 def cmd_regenerate(args) -> None:
@@ -144,7 +146,7 @@ def cmd_regenerate(args) -> None:
                            seed=args.seed, time_budget_s=args.time_budget_s, turns=args.turns,
                            append=args.append, progress=not args.no_progress)
     prompts = select_prompts(cfg)
-    llm = llm_from_args(args, max_waiting=max(256, args.max_running), incremental_text=False)
+    llm = llm_from_args(args, max_waiting=max(args.max_waiting, args.max_running))
     stats = regenerate(llm, prompts, cfg)
     print(json.dumps({"output": cfg.output, "answered": stats.answered, "skipped": stats.skipped,
                       "tokens": stats.tokens, "seconds": round(stats.seconds, 1),

@@ -69,7 +69,7 @@ class Request:
     status: Status = Status.WAITING
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
-    drafter_lag: int = 0  # committed tokens whose context features the drafter has deferred (plain rounds)
+    drafter_lag: int = 0  # tokens whose drafter features are deferred (read and written by DrafterLag only)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     decoded: DecodeState = dataclasses.field(default_factory=DecodeState)  # see TextTracker

@@ -1,59 +1,38 @@
-"""ModelRunner: the target model, its KV cache and the two things a step does with them.
+"""ModelRunner: the host side of a decode round (inputs, CUDA graphs, the one read of its results).
 
-- ``prefill``: run a chunk of each row's prompt, commit it, hand the context features to the
-  proposer, and choose the first output token for rows whose prompt is complete.
-- ``round``: draft (proposer) -> verify the tree with one target pass -> choose the target's
-  token at every node -> accept walk -> commit the accepted path's KV and features. The
-  caller picks the round's node count (``nodes``, the drafted nodes per row; part of the
-  round's static shape); 0 is a plain round: the root-only tree and no drafter pass, while the
-  drafter still observes the committed tokens' context features so it stays in sync.
+``launch`` sends the rows' inputs to the device in two non-blocking copies and queues the round's
+device work (``engine/round.py``), replayed as a CUDA graph when graphs are on (captured first
+when its key is new); ``finish`` waits for the round and reads its packed result, the host's one
+sync per round. Between the two the host is free: the engine queues the next plain round there
+(``engine/overlap.py``) and the policy folds its measurements.
 
-Both end with exactly one host sync: the tokens the scheduler needs.
+Graphed rounds pad their rows to the next power of two with the pad slot (a KV slot no request
+uses, with identical inputs in every pad row), so a handful of graphs serves every batch size. A
+graph's key is (padded rows, :class:`~flashtree.engine.round.RoundShape`), whose key length is a
+256-key bucket; with the Triton attention, which reads lengths and slots itself, one graph serves
+every context length and slot layout.
 """
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from flashtree.config import KernelConfig
 from flashtree.device_copy import to_device
 from flashtree.engine.graphs import GraphCache
 from flashtree.engine.request import Request
-from flashtree.engine.tree_trace import TreeTracer
+from flashtree.engine.round import INT_FIELDS, DeviceRound, RoundInputs, RoundShape
+from flashtree.engine.stage_timer import StageTimer
+from flashtree.engine.traces import TreeTracer
 from flashtree.kv.cache import KVCache
-from flashtree.models.batch import ForwardBatch, causal_mask, slot_range_of
+from flashtree.models.batch import slot_range_of
 from flashtree.models.transformer import CausalLM
-from flashtree.sampling import SamplingTensors, choose_tokens, seed_value
-from flashtree.speculative.proposer import Proposer, root_only_tree
-from flashtree.speculative.verify import accept_walk
+from flashtree.sampling import seed_value
+from flashtree.speculative.proposer import Proposer
 
-
-class RoundInputs(NamedTuple):
-    """A round's per-row inputs (all ``[B]`` device tensors); also what proposers see."""
-
-    slots: torch.Tensor  # KV slot
-    bonus: torch.Tensor  # bonus token (root of the tree)
-    starts: torch.Tensor  # position of the bonus token = committed length
-    budgets: torch.Tensor  # tree budget
-    generated: torch.Tensor  # output tokens so far (the bonus is output index generated-1)
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    seed: torch.Tensor
-    lags: torch.Tensor  # the drafter's deferred tokens of the row before this round (see DrafterRunner.defer)
-
-
-class RoundShape(NamedTuple):
-    """The static (host) facts a round's device work depends on; part of the graph key."""
-
-    kv_len: int
-    slot_range: tuple[int, int] | None
-    any_sampled: bool
-    any_filtered: bool
-    nodes: int  # drafted nodes per row (the tree has nodes + 1 entries); 0: plain round
+KV_BUCKET = 256  # a graphed round's key length is rounded up to a multiple of this
 
 
 class RoundResult(NamedTuple):
@@ -63,120 +42,47 @@ class RoundResult(NamedTuple):
 
 
 class LaunchedRound(NamedTuple):
-    """A round whose device work is queued and whose results the host has not read yet
-    (:meth:`ModelRunner.launch`; read with :meth:`ModelRunner.finish`)."""
+    """A round whose device work is queued and whose results the host has not read yet."""
 
     rows: list[Request]  # the real rows, in the round's order (pad rows follow them on the device)
     nodes: int
-    ints: torch.Tensor  # [8, B + pads] the RoundInputs' integer rows on the device (slots ... lags)
+    ints: torch.Tensor  # [8, B + pads] the RoundInputs' integer fields on the device (slots ... lags)
     floats: torch.Tensor  # [2, B + pads] temperature, top_p
-    packed: torch.Tensor  # [B + pads, 2 + D + 1] see ModelRunner._pack (a graph's static buffer)
+    packed: torch.Tensor  # [B + pads, 2 + D + 1] see round.pack (a graph's static buffer)
     host: torch.Tensor  # packed, copied to (pinned) host memory once ``done``
-    done: object  # a torch.cuda.Event recorded after that copy (None on a CPU: already done)
+    trace: tuple[torch.Tensor, ...] | None  # the round's tree tensors on the host, with a tree trace
+    done: object  # a torch.cuda.Event recorded after those copies (None on a CPU: already done)
     captured_graph: bool  # launching it captured a CUDA graph
     launched_at: float  # perf_counter() when its device work was queued
 
 
-class StageTimer:
-    """Wall time per stage; synchronizes the device around stages only when ``sync``."""
-
-    def __init__(self, device: torch.device, sync: bool):
-        self.sync = sync and device.type == "cuda"
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def mark(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def add(self, stage: str, since: float) -> float:
-        now = self.mark()
-        self.seconds[stage] += now - since
-        return now
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, proposer: Proposer, timer: StageTimer,
-                 cuda_graphs: bool = False, tracer: TreeTracer | None = None, pad_slot: int | None = None):
+                 kernels: KernelConfig = KernelConfig(), tracer: TreeTracer | None = None,
+                 pad_slot: int | None = None):
         """``pad_slot``: a KV slot no request uses; graphed rounds pad their rows with it up to the
-        next power of two, so a handful of graphs serves every batch size (None: no padding)."""
+        next power of two (None: no padding)."""
         self.model, self.cache, self.proposer, self.timer = model, cache, proposer, timer
         self.device = model.lm_head.weight.device
         self.tracer = tracer
-        use_graphs = cuda_graphs and self.device.type == "cuda" and not timer.sync and tracer is None
+        use_graphs = kernels.cuda_graphs and self.device.type == "cuda" and not timer.sync
         self.graphs = GraphCache() if use_graphs else None
         self.pad_slot = pad_slot
-        # prefill attention builds no per-shape plan (models/attention.py); False: PyTorch's choice
-        # (cuDNN on the H200), for comparisons (benchmarks/gpu_prefill_shapes.py)
-        self.planless_prefill = True
-        # plain rounds skip the root-only tree and its accept walk (_plain_round_device); False:
-        # the general path, for comparisons
-        self.plain_fast_path = True
-        # a plain round's drafter features go into the lag buffer from the fused norm (a feature
-        # sink, models/feature_sink.py); False: returned and deferred after the forward, for comparisons
-        self.use_feature_sink = True
+        self.round_program = DeviceRound(model, cache, proposer, kernels, tracing=tracer is not None)
         # the host returns from queuing a round's device work before the device is done with it
         # (CUDA); on a CPU the work runs as it is queued
         self.runs_ahead = self.device.type == "cuda"
         self._plain_steps: dict[tuple[int, int], torch.Tensor] = {}  # see _plain_step
 
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def prefill(self, rows: Sequence[Request], chunk: int, defer: Sequence[bool] | None = None) -> list[int | None]:
-        """Run the next prompt chunk of every row; returns the first output token of rows whose
-        prompt completed (None for rows still prefilling). ``defer[i]``: the proposer keeps row
-        i's context features for a later catch-up instead of projecting them now (the caller
-        checked that they fit its lag)."""
-        t0 = self.timer.mark()
-        pieces = [r.prompt_ids[r.prefilled:r.prefilled + chunk] for r in rows]
-        width = max(len(p) for p in pieces)
-        counts = self._tensor([len(p) for p in pieces])  # [B]
-        starts = self._tensor([r.prefilled for r in rows])  # [B]
-        ids = self._tensor([p + [0] * (width - len(p)) for p in pieces])  # [B, W]
-        slots_list = [r.slot for r in rows]
-        slots = self._tensor(slots_list)
-        batch = ForwardBatch(
-            input_ids=ids, positions=starts[:, None] + torch.arange(width, device=self.device),
-            slots=slots, cache_lengths=starts, new_mask=causal_mask(counts, width),
-            kv_len=max(r.prefilled for r in rows) + width, slot_range=slot_range_of(slots_list),
-            one_off_shape=self.planless_prefill)
-        last = (counts - 1)[:, None]  # [B, 1]
-        out = self.model(batch, self.cache, logits_index=last, capture_layers=self.proposer.capture_layers)
-        self.cache.advance(slots, counts)
-        if out.hidden is not None:
-            self._hand_features(rows, slots, out.hidden, counts, starts, defer)
-        sampling = SamplingTensors.build([r.params for r in rows], self.device)
-        first = choose_tokens(out.logits, sampling, torch.zeros_like(last))[:, 0].tolist()  # the one sync
-        self.timer.add("prefill", t0)
-        done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
-        return [tok if d else None for tok, d in zip(first, done)]
-
-    def _hand_features(self, rows: Sequence[Request], slots: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor,
-                       starts: torch.Tensor, defer: Sequence[bool] | None) -> None:
-        """A prefill chunk's context features ``[B, W, F]`` to the proposer: deferred for the rows
-        ``defer`` marks (after their lag so far), projected now for the others (each call sees the
-        other rows' counts as 0)."""
-        if not defer or not any(defer):
-            self.proposer.observe(slots, hidden, counts, starts)
-            return
-        lags = self._tensor([r.drafter_lag for r in rows])  # [B]
-        deferred = self._tensor([int(d) for d in defer])  # [B] 1: deferred
-        self.proposer.defer(slots, hidden, lags, counts * deferred)
-        if not all(defer):
-            self.proposer.observe(slots, hidden, counts * (1 - deferred), starts)
-
+    # ------------------------------------------------------------------ rounds
     def round(self, rows: Sequence[Request], nodes: int | None = None, meanwhile: Callable[[], None] | None = None
               ) -> RoundResult:
-        """One round for the running rows verifying ``nodes`` drafted nodes per row (default and
-        at most ``proposer.max_nodes``; rows' own budgets cap theirs); the device work is
-        replayed as a CUDA graph when enabled (captured first if its key is new). ``meanwhile``:
-        host work to do once the round's device work is queued, before the host waits for it (on
-        a device that runs ahead of the host, see ``runs_ahead``, it then costs the round nothing)."""
+        """One round of the running rows verifying ``nodes`` drafted nodes per row (default and at
+        most ``proposer.max_nodes``; rows' own budgets cap theirs)."""
         return self.finish(self.launch(rows, nodes), meanwhile)
 
     def launch(self, rows: Sequence[Request], nodes: int | None = None) -> LaunchedRound:
-        """Queue :meth:`round`'s device work; :meth:`finish` reads its results."""
+        """Queue a round's device work; :meth:`finish` reads its results."""
         nodes = self.proposer.max_nodes if nodes is None else nodes
         if not 0 <= nodes <= self.proposer.max_nodes:
             raise ValueError(f"nodes must be in [0, {self.proposer.max_nodes}], got {nodes}")
@@ -190,10 +96,9 @@ class ModelRunner:
         the host has read ``previous``: its inputs come from ``previous``'s on the device (the bonus
         token is the one ``previous`` chooses; position, output count and drafter lag one further
         for the real rows, the pad rows' unchanged). ``catch_up``: the drafter first projects every
-        row's deferred features (its lag by then: one more than ``previous``'s), as
-        :meth:`catch_up_drafter` does when a row's lag is full, and the round starts from lag 0. The
-        caller checked that every row has room for the token. None (nothing queued) when a CUDA
-        graph it needs is not captured yet: a capture would wait for the device."""
+        row's deferred features (its lag by then: one more than ``previous``'s), and the round starts
+        from lag 0. The caller checked that every row has room for the token. None (nothing queued)
+        when a CUDA graph it needs is not captured yet: a capture would wait for the device."""
         if previous.nodes != 0:
             raise ValueError("only a plain round's successor can be queued before its results are read")
         rows = previous.rows
@@ -202,7 +107,7 @@ class ModelRunner:
         shape = self._shape(rows, 0, slots_list, ahead=1)
         if self.graphs is not None and not self.graphs.has((width, shape)):
             return None
-        capacity = getattr(self.proposer, "lag_capacity", 0)
+        capacity = self.proposer.lag.capacity
         if catch_up and self.graphs is not None and not self.graphs.has(self._catch_up_key(width, capacity)):
             return None
         step = self._plain_step(len(rows), pads)  # [8, B + pads]
@@ -219,36 +124,6 @@ class ModelRunner:
             ints[7] = ints[7] * (1 - real)  # caught up: real rows start from lag 0
         return self._launch(rows, shape, width, ints, previous.floats)
 
-    def _plain_step(self, rows: int, pads: int) -> torch.Tensor:
-        """``[8, rows + pads]``: what a plain round adds to a real row's inputs (starts, generated
-        and lags + 1), nothing to a pad row's; cached per batch layout."""
-        key = (rows, pads)
-        step = self._plain_steps.get(key)
-        if step is None:
-            step = torch.zeros(8, rows + pads, dtype=torch.long)
-            step[[2, 4, 7], :rows] = 1  # RoundInputs rows: starts, generated, lags
-            step = self._plain_steps[key] = step.to(self.device)
-        return step
-
-    def _launch(self, rows: list[Request], shape: "RoundShape", width: int, ints: torch.Tensor,
-                floats: torch.Tensor) -> LaunchedRound:
-        launched_at = self.timer.mark()
-        captures = self.graphs.captures if self.graphs is not None else 0
-        slots, bonus, starts, budgets, generated, top_k, seed, lags = ints.unbind(0)
-        inputs = RoundInputs(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed, lags)
-        if self.graphs is None:
-            packed = self._round_device(shape, *inputs, timer=self.timer)
-        else:
-            packed = self.graphs.run((width, shape), lambda *t: self._round_device(shape, *t), inputs)
-        host, done = packed, None
-        if self.device.type == "cuda":  # read through an event: a later queued round need not finish first
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        captured = self.graphs is not None and self.graphs.captures != captures
-        return LaunchedRound(rows, shape.nodes, ints, floats, packed, host, done, captured, launched_at)
-
     def finish(self, launched: LaunchedRound, meanwhile: Callable[[], None] | None = None) -> RoundResult:
         """Wait for ``launched``'s results (the host's one wait per round; ``meanwhile`` runs before it)."""
         if meanwhile is not None:
@@ -260,27 +135,66 @@ class ModelRunner:
             self.timer.add("round", launched.launched_at)
             result = result._replace(captured_graph=launched.captured_graph)
         if self.tracer is not None:
-            self.tracer.write(launched.rows)
+            self.tracer.write(launched.rows, launched.trace)
         return result
 
+    def has_graph(self, rows: Sequence[Request], nodes: int) -> bool:
+        """A round of ``rows`` with ``nodes`` nodes would replay a captured CUDA graph (always
+        true without graphs: nothing to capture)."""
+        if self.graphs is None:
+            return True
+        slots_list = self._padded_slots(rows)
+        return self.graphs.has((len(slots_list), self._shape(rows, nodes, slots_list)))
+
+    def _launch(self, rows: list[Request], shape: RoundShape, width: int, ints: torch.Tensor,
+                floats: torch.Tensor) -> LaunchedRound:
+        launched_at = self.timer.mark()
+        captures = self.graphs.captures if self.graphs is not None else 0
+        inputs = RoundInputs.of(ints, floats)
+        if self.graphs is None:
+            out = self.round_program(shape, *inputs, timer=self.timer)
+        else:
+            out = self.graphs.run((width, shape), lambda *t: self.round_program(shape, *t), inputs)
+        host, trace, done = out.packed, out.trace, None
+        if self.device.type == "cuda":  # read through an event: a later queued round need not finish first
+            host = _pinned_copy(out.packed)
+            trace = None if trace is None else tuple(_pinned_copy(t) for t in trace)
+            done = torch.cuda.Event()
+            done.record()
+        captured = self.graphs is not None and self.graphs.captures != captures
+        return LaunchedRound(rows, shape.nodes, ints, floats, out.packed, host, trace, done, captured, launched_at)
+
+    def _plain_step(self, rows: int, pads: int) -> torch.Tensor:
+        """``[8, rows + pads]``: what a plain round adds to a real row's inputs (starts, generated
+        and lags + 1), nothing to a pad row's; cached per batch layout."""
+        key = (rows, pads)
+        step = self._plain_steps.get(key)
+        if step is None:
+            step = torch.zeros(INT_FIELDS, rows + pads, dtype=torch.long)
+            step[[2, 4, 7], :rows] = 1  # RoundInputs rows: starts, generated, lags
+            step = self._plain_steps[key] = step.to(self.device)
+        return step
+
+    # ------------------------------------------------------------------ the drafter's catch-up
     def catch_up_drafter(self, rows: Sequence[Request]) -> bool:
-        """The proposer projects the context features it deferred for ``rows`` (``drafter_lag`` each,
-        after the ``committed_length - drafter_lag`` tokens its context holds). When graphs are on
-        it replays the full-width catch-up's CUDA graph (``lag_capacity`` columns, whatever the
-        largest lag; the rows padded to a power of two with the pad slot, whose count 0 projects
-        nothing): eager, its launches cost more than its device work, and the device sat idle for
-        2.5-4 ms of an eager catch-up before a probe at one row on the H200 (benchmarks/README.md,
-        "Fifteenth session"). Returns whether it captured a graph."""
-        slots, lags = [r.slot for r in rows], [r.drafter_lag for r in rows]
-        starts = [r.committed_length - r.drafter_lag for r in rows]
-        width = self.proposer.lag_capacity
+        """The proposer projects the context features it deferred for ``rows`` (their lag each,
+        after the ``committed_length - lag`` tokens its context holds). With graphs on it replays
+        the full-width catch-up's CUDA graph (``lag.capacity`` columns whatever the largest lag; the
+        rows padded to a power of two with the pad slot, whose count 0 projects nothing): eager,
+        its launches cost more than its device work. Returns whether it captured a graph."""
+        lag = self.proposer.lag
+        slots, lags = [r.slot for r in rows], [lag.of(r) for r in rows]
+        starts = [r.committed_length - n for r, n in zip(rows, lags)]
         if self.graphs is None or self.pad_slot is None:
-            self.proposer.catch_up(slots, starts, lags)
+            width = max(lags, default=0)
+            if width:
+                host = torch.tensor([slots, starts, lags], dtype=torch.long)  # [3, B]
+                self.proposer.catch_up_rows(*host.to(self.device).unbind(0), width)
             return False
         pads = self._pad_rows(len(rows))
         host = torch.tensor([slots + [self.pad_slot] * pads, starts + [0] * pads, lags + [0] * pads])  # [3, B + pads]
         captures = self.graphs.captures
-        self._replay_catch_up(to_device(host, self.device).unbind(0), width)
+        self._replay_catch_up(to_device(host, self.device).unbind(0), lag.capacity)
         return self.graphs.captures != captures
 
     @staticmethod
@@ -292,17 +206,16 @@ class ModelRunner:
         self.graphs.run(self._catch_up_key(len(rows[0]), width),
                         lambda *t: self.proposer.catch_up_rows(*t, width), tuple(rows))
 
-    def has_graph(self, rows: Sequence[Request], nodes: int) -> bool:
-        """A round of ``rows`` with ``nodes`` nodes would replay a captured CUDA graph (always
-        true without graphs: nothing to capture)."""
-        if self.graphs is None:
-            return True
-        slots_list = self._padded_slots(rows)
-        return self.graphs.has((len(slots_list), self._shape(rows, nodes, slots_list)))
-
+    # ------------------------------------------------------------------ inputs and shapes
     def _padded_slots(self, rows: Sequence[Request]) -> list[int]:
         """The rows' KV slots, then the pad slot for each pad row (see ``_pad_rows``)."""
         return [r.slot for r in rows] + [self.pad_slot] * self._pad_rows(len(rows))
+
+    def _pad_rows(self, rows: int) -> int:
+        """Pad rows a graphed round adds: up to the next power of two."""
+        if self.graphs is None or self.pad_slot is None:
+            return 0
+        return (1 << (rows - 1).bit_length()) - rows
 
     def _shape(self, rows: Sequence[Request], nodes: int, slots_list: list[int], ahead: int = 0) -> RoundShape:
         """The round's static shape (with graphs: its key-length bucket); ``ahead``: tokens the rows
@@ -318,11 +231,8 @@ class ModelRunner:
             shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))  # (capacity stays capacity)
         return shape
 
-    def _pad_rows(self, rows: int) -> int:
-        """Pad rows a graphed round adds: up to the next power of two."""
-        if self.graphs is None or self.pad_slot is None:
-            return 0
-        return (1 << (rows - 1).bit_length()) - rows
+    def _kv_bucket(self, kv_len: int) -> int:
+        return min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.cache.spec.capacity)
 
     def _round_inputs(self, rows: Sequence[Request], nodes: int, pads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' inputs on the device (``[8, B + pads]`` integers in RoundInputs' order,
@@ -332,106 +242,24 @@ class ModelRunner:
         ``pads`` pad rows follow the real ones: all on the pad slot with identical inputs (token 0
         at position 0, greedy, budget 0, a full lag: deferred features go to the padding column),
         so they write identical values to the same pad-slot entries and their outputs are dropped."""
+        lag = self.proposer.lag
         params = [r.params for r in rows]
         per_row = [(r.slot, r.output_ids[-1], r.committed_length, nodes if r.budget is None else min(r.budget, nodes),
-                    len(r.output_ids), p.top_k, seed_value(p), r.drafter_lag) for r, p in zip(rows, params)]
-        per_row += [(self.pad_slot, 0, 0, 0, 0, 0, 0, getattr(self.proposer, "lag_capacity", 0))] * pads
+                    len(r.output_ids), p.top_k, seed_value(p), lag.of(r)) for r, p in zip(rows, params)]
+        per_row += [(self.pad_slot, 0, 0, 0, 0, 0, 0, lag.capacity)] * pads
         ints = torch.tensor(per_row, dtype=torch.long).T.contiguous()  # [8, B + pads]
         temperature_top_p = [(p.temperature, p.top_p) for p in params] + [(0.0, 1.0)] * pads
         floats = torch.tensor(temperature_top_p).T.contiguous()  # [2, B + pads]
         return to_device(ints, self.device), to_device(floats, self.device)
 
     @staticmethod
-    def _sampling(shape: "RoundShape", rows: RoundInputs) -> SamplingTensors:
-        return SamplingTensors(rows.temperature, rows.top_p, rows.top_k, rows.seed, shape.any_sampled,
-                               shape.any_filtered)
-
-    def _kv_bucket(self, kv_len: int) -> int:
-        bucket = 256
-        return min(-(-kv_len // bucket) * bucket, self.cache.spec.capacity)
-
-    def _round_device(self, shape: "RoundShape", *tensors: torch.Tensor, timer: StageTimer | None = None):
-        """draft -> verify -> choose -> walk -> commit, all on the device; returns the packed
-        ``[B, 2 + D + 1]`` (acceptance length, tree size, emitted tokens) for the host, with
-        D = min(max_depth, nodes) the round's deepest node."""
-        rows = RoundInputs(*tensors)
-        nodes = shape.nodes
-        if nodes == 0 and self.plain_fast_path and self.tracer is None:
-            return self._plain_round_device(shape, rows, timer)
-        t0 = timer.mark() if timer else 0.0
-        tree = self.proposer.propose(rows, nodes) if nodes else root_only_tree(rows.bonus)  # N = nodes + 1
-        tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, T+1]
-        t1 = timer.add("draft", t0) if timer else 0.0
-
-        batch = ForwardBatch(
-            input_ids=tokens, positions=rows.starts[:, None] + tree.depths, slots=rows.slots,
-            cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len,
-            slot_range=shape.slot_range)
-        out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
-        sampling = self._sampling(shape, rows)
-        choice = choose_tokens(out.logits, sampling, rows.generated[:, None] + tree.depths)  # [B, T+1]
-        t2 = timer.add("verify", t1) if timer else 0.0
-
-        depth = min(self.proposer.max_depth, nodes)  # deepest node of this round's trees
-        walk = accept_walk(tree._replace(tokens=tokens), choice, depth,
-                           kernel=getattr(self.proposer, "tree_kernel", False))
-        if self.tracer is not None:
-            self.tracer.hold(tree, tokens, walk.path)
-        path = walk.path.clamp(min=0)  # [B, D+1]
-        if getattr(self.proposer, "chain", False) or nodes == 0:
-            self.cache.commit_prefix(rows.slots, rows.starts, walk.accept_lengths)
-        else:
-            self.cache.commit(rows.slots, rows.starts, path, walk.accept_lengths)
-        if out.hidden is not None and nodes == 0 and hasattr(self.proposer, "defer"):
-            self.proposer.defer(rows.slots, out.hidden[:, :1], rows.lags)  # projected at the next drafted round
-        elif out.hidden is not None:  # the drafter sees every committed token
-            features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
-            self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
-        packed = self._pack(walk, tree.valid)
-        if timer:
-            timer.add("commit", t2)
-        return packed
-
-    def _plain_round_device(self, shape: "RoundShape", rows: RoundInputs, timer: StageTimer | None) -> torch.Tensor:
-        """A plain round (``nodes`` 0) without the tree machinery: the root-only tree's walk always
-        accepts the root and nothing else, so the round is forward -> choose -> commit the one
-        token. Same values as the general path (tests/test_plain_round.py compares them); it
-        skips the tree's tensors and the accept walk's ops (tens of small kernels)."""
-        t0 = timer.mark() if timer else 0.0
-        num_rows = rows.bonus.shape[0]
-        root_mask = torch.ones(num_rows, 1, 1, dtype=torch.bool, device=rows.bonus.device)  # [B, 1, 1]
-        batch = ForwardBatch(
-            input_ids=rows.bonus[:, None], positions=rows.starts[:, None], slots=rows.slots,
-            cache_lengths=rows.starts, new_mask=root_mask, kv_len=shape.kv_len, slot_range=shape.slot_range)
-        # a drafter's features go straight to its lag buffer (projected at the next drafted round)
-        sinks = self.use_feature_sink and hasattr(self.proposer, "feature_sink")
-        sink = self.proposer.feature_sink(rows.slots, rows.lags) if sinks else None
-        out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers, feature_sink=sink)
-        next_bonus = choose_tokens(out.logits, self._sampling(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
-        t1 = timer.add("verify", t0) if timer else 0.0
-        ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
-        self.cache.commit_prefix(rows.slots, rows.starts, ones)
-        if out.hidden is not None and hasattr(self.proposer, "defer"):  # (no sink)
-            self.proposer.defer(rows.slots, out.hidden, rows.lags)  # [B, 1, F]
-        elif out.hidden is not None:
-            self.proposer.observe(rows.slots, out.hidden, ones, rows.starts)
-        packed = torch.stack([ones, torch.zeros_like(ones), next_bonus], dim=1)  # [B, 3], as _pack's
-        if timer:
-            timer.add("commit", t1)
-        return packed
-
-    @staticmethod
-    def _pack(walk, valid: torch.Tensor) -> torch.Tensor:
-        """Emitted tokens per row: the accepted drafts (committed path minus the old bonus) and
-        then the next bonus; their number is the acceptance length. ``[B, 2 + D + 1]``."""
-        counts = walk.accept_lengths  # [B]
-        pad = torch.full_like(walk.next_bonus[:, None], -1)
-        emitted = torch.cat([walk.committed_tokens[:, 1:], pad], dim=1)  # [B, D+1]
-        emitted = emitted.scatter(1, (counts - 1)[:, None], walk.next_bonus[:, None])
-        sizes = valid.sum(1, keepdim=True) - 1  # [B, 1] drafted nodes
-        return torch.cat([counts[:, None], sizes, emitted], dim=1)
-
-    @staticmethod
     def _to_host(packed: torch.Tensor, rows: int) -> RoundResult:
         host = packed[:rows].tolist()
         return RoundResult(emitted=[row[2:2 + row[0]] for row in host], tree_sizes=[row[1] for row in host])
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy of a device tensor into pinned host memory (valid once the stream reaches it)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from flashtree.config import EngineConfig
+from flashtree.config import CacheConfig, SchedulerConfig
 from flashtree.engine.request import Request, Status
 from flashtree.errors import FlashtreeError, RequestError
 
@@ -33,8 +33,9 @@ class ScheduledStep(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig = CacheConfig()):
         self.config = config
+        self.max_context = cache.max_context
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # prefilling or running, each with a slot
         self.admitted: list[Request] = []  # prefilling requests, oldest admission first
@@ -43,10 +44,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if len(req.prompt_ids) == 0:
             raise RequestError("the prompt is empty; give at least one token")
-        if len(req.prompt_ids) >= self.config.max_context:
+        if len(req.prompt_ids) >= self.max_context:
             raise PromptTooLongError(
-                f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.config.max_context} "
-                f"(prompt + output), so at most {self.config.max_context - 1} prompt tokens are allowed")
+                f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.max_context} "
+                f"(prompt + output), so at most {self.max_context - 1} prompt tokens are allowed")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})")
         self.waiting.append(req)

@@ -1,12 +1,34 @@
-"""Turn a loaded checkpoint into a ready :class:`CausalLM` on a device, in a dtype."""
+"""Turn a checkpoint into a ready :class:`CausalLM` on a device, in a dtype (:func:`load_target`)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from flashtree.config import EngineConfig
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
+from flashtree.models.gguf_blocks import maybe_attach_quantized
+from flashtree.models.loader import load_checkpoint
 from flashtree.models.transformer import CausalLM
+
+
+class LoadedTarget(NamedTuple):
+    """A built target model and its tokenizer; engines given the same one share its weights."""
+
+    model: CausalLM
+    tokenizer: object  # transformers tokenizer or None
+
+
+def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedTarget:
+    """The target of ``config.target`` on ``device`` in ``dtype``, with the kernels ``config.kernels`` allows."""
+    target, kernels = config.target, config.kernels
+    checkpoint = load_checkpoint(target.model, random_weights=target.random_weights)
+    model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=target.seed)
+    maybe_attach_quantized(model, checkpoint, enabled=kernels.quant_kernels)  # CPU fp32 GGUF models
+    model.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention)
+    return LoadedTarget(model, checkpoint.tokenizer)
 
 
 def resolve_device(device: str | None) -> torch.device:

@@ -330,7 +330,7 @@ class AsyncEngine:
         scheduler, config = self.engine.scheduler, self.engine.config
         held = sum(_kv_tokens(r) for r in scheduler.active)
         self.metrics.set_load(running=len(scheduler.active), waiting=len(scheduler.waiting),
-                              kv_usage=held / (config.max_running * config.max_context))
+                              kv_usage=held / (config.scheduler.max_running * config.cache.max_context))
 
 
 class _StepRounds:

@@ -30,7 +30,7 @@ class ServedModel:
     @classmethod
     def of(cls, engine: LLMEngine, name: str) -> "ServedModel":
         tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        return cls(name, engine.config.max_context, engine.model.config.vocab_size, tokenizer)
+        return cls(name, engine.config.cache.max_context, engine.model.config.vocab_size, tokenizer)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,25 +59,25 @@ def freeze_startup_objects() -> int:
 
 def check_kv_cache_fits(config: EngineConfig) -> None:
     """Raise ConfigError when the KV cache alone exceeds the device's memory."""
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    device = resolve_device(config.target.device)
+    dtype = resolve_dtype(config.target.dtype, device)
     need = estimated_kv_spec(config).bytes(dtype)
     have, what = device_memory(device)
     if need > have:
         raise ConfigError(
-            f"the KV cache needs {need / GIB:.2f} GiB (--max-running {config.max_running} x --max-context "
-            f"{config.max_context} tokens in {str(dtype).removeprefix('torch.')}) but the {device} device has "
+            f"the KV cache needs {need / GIB:.2f} GiB (--max-running {config.scheduler.max_running} x --max-context "
+            f"{config.cache.max_context} tokens in {str(dtype).removeprefix('torch.')}) but the {device} device has "
             f"{have / GIB:.2f} GiB {what}; lower --max-running or --max-context")
 
 
 def estimated_kv_spec(config: EngineConfig) -> KVCacheSpec:
     """The engine's KV layout, from config.json only (scratch estimated for drafters)."""
-    model = ModelConfig.from_file(resolve_model_dir(config.model, need_weights=False) / "config.json")
-    spec = config.spec
+    model = ModelConfig.from_file(resolve_model_dir(config.target.model, need_weights=False) / "config.json")
+    spec, scheduling = config.speculation, config.scheduler
     draft_scratch = 0 if spec.method == "none" else max((spec.budget or 0) + 1,
                                                          spec.block_size or DEFAULT_DRAFT_SCRATCH)
-    return KVCacheSpec(model.num_hidden_layers, config.max_running + 1, config.max_context,  # + the pad slot
-                       max(draft_scratch, config.prefill_chunk), model.num_key_value_heads, model.head_dim)
+    return KVCacheSpec(model.num_hidden_layers, scheduling.max_running + 1, config.cache.max_context,  # + the pad slot
+                       max(draft_scratch, scheduling.prefill_chunk), model.num_key_value_heads, model.head_dim)
 
 
 def device_memory(device: torch.device) -> tuple[int, str]:
@@ -99,12 +99,13 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 
 def describe(engine: LLMEngine) -> str:
-    config, spec = engine.config, engine.config.spec
+    config, spec, scheduling = engine.config, engine.config.speculation, engine.config.scheduler
     kv = engine.cache.spec.bytes(engine.dtype)
-    return (f"loaded {config.model} in {engine.load_seconds:.1f}s | method={engine.proposer.name} "
-            f"draft={spec.draft} budget={spec.budget} adaptive={config.adaptive_spec} | device={engine.device} dtype={engine.dtype} | "
-            f"max_running={config.max_running} max_context={config.max_context} "
-            f"prefill_chunk={config.prefill_chunk} max_prefill_tokens={config.max_prefill_tokens} max_waiting={config.max_waiting} | "
+    return (f"loaded {config.target.model} in {engine.load_seconds:.1f}s | method={engine.proposer.name} "
+            f"draft={spec.draft} budget={spec.budget} adaptive={spec.adaptive} | device={engine.device} dtype={engine.dtype} | "
+            f"max_running={scheduling.max_running} max_context={config.cache.max_context} "
+            f"prefill_chunk={scheduling.prefill_chunk} max_prefill_tokens={scheduling.max_prefill_tokens} "
+            f"max_waiting={scheduling.max_waiting} | "
             f"weights {weight_bytes(engine) / GIB:.3f} GiB, KV cache {kv / GIB:.3f} GiB")
 
 
@@ -114,7 +115,7 @@ def warm_up(engine: LLMEngine) -> None:
         prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": "Hello"}])
     else:
         prompt = [0]
-    prompt = prompt[: engine.config.max_context - 1]
+    prompt = prompt[: engine.config.cache.max_context - 1]
     req = engine.add_request(prompt, SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=0))
     engine.run_until_done([req])
     while engine.has_work:

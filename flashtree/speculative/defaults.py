@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+from flashtree.paths import ASSETS
+
 SMOLLM2_DRAFTER = ASSETS / "smollm2-dflash"
 
 

@@ -1,27 +1,33 @@
-"""The proposer interface shared by every decoding method, and the plain (no draft) proposer.
+"""The proposer protocol: what every decoding method gives the engine.
 
-A proposer turns the running rows into a :class:`DraftTree` whose root is each row's bonus
-token; the engine verifies that tree with one target pass and walks it. Plain decoding is the
-root-only tree, DFlash a chain, DDTree a best-first tree, so one round serves all three.
-Proposers that read context features (DFlash drafters) receive the target hidden states of
-every committed token through :meth:`Proposer.observe`, in plain rounds too.
+A proposer turns the running rows into a :class:`~flashtree.speculative.tree.DraftTree` whose root
+is each row's bonus token; the engine verifies that tree with one target pass and walks it. Plain
+decoding is the root-only tree, DFlash a chain, DDTree a best-first tree, so one round serves all
+three. Proposers that read context features (DFlash drafters) get the target's hidden states of
+every committed token, in plain rounds too: projected at once (:meth:`Proposer.observe`) or kept
+for later (:meth:`Proposer.defer`, :meth:`Proposer.feature_sink`) and projected in one pass
+(:meth:`Proposer.catch_up_rows`) when :class:`~flashtree.speculative.drafter.DrafterLag` says so.
 
-Each round has a node count (``nodes``, chosen by the engine's speculation policy, at most
-``max_nodes``): the tree it verifies has ``nodes + 1`` entries on the node axis. A round of 0
-nodes is plain: the engine builds the root-only tree itself and never calls ``propose``.
+Each round has a node count (``nodes``, the speculation policy's choice, at most ``max_nodes``):
+the tree it verifies has ``nodes + 1`` entries on the node axis. A round of 0 nodes is plain: the
+engine builds the root-only tree itself and never calls ``propose``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
-from flashtree.speculative.tree.build import DraftTree
+from flashtree.kernels.feature_sink import FeatureSink
+from flashtree.speculative.tree.draft_tree import DraftTree
+
+if TYPE_CHECKING:
+    from flashtree.speculative.drafter import DrafterLag
 
 
-class ProposerRows(Protocol):
-    """What a proposer sees of the running batch (built by the engine each round)."""
+class RoundRows(Protocol):
+    """What a proposer sees of the running batch (the engine's round inputs)."""
 
     slots: torch.Tensor  # [B] int64
     bonus: torch.Tensor  # [B] int64, each row's bonus token
@@ -31,50 +37,34 @@ class ProposerRows(Protocol):
 
 class Proposer(Protocol):
     name: str
-    capture_layers: tuple[int, ...]  # target layers whose outputs the proposer reads
-    max_nodes: int  # static number of drafted nodes per row (tree budget); 0 for plain
+    capture_layers: tuple[int, ...]  # target layers whose outputs the proposer reads (empty: none)
+    max_nodes: int  # drafted nodes per row at most (the tree budget); 0 for plain decoding
     max_depth: int  # deepest node
-    chain: bool  # node i's parent is always i-1 (plain, DFlash): accepted paths need no KV move
+    chain: bool  # node i's parent is always i-1 (plain, DFlash): an accepted path needs no KV move
+    tree_kernel: bool  # the accept walk may run as one Triton kernel per row
+    lag: "DrafterLag"  # the host's count of each slot's deferred features (capacity 0: nothing deferred)
 
-    def propose(self, rows: ProposerRows, nodes: int) -> DraftTree:
+    def propose(self, rows: RoundRows, nodes: int) -> DraftTree:
         """The round's trees with ``nodes`` drafted nodes per row (1 <= nodes <= max_nodes):
         every tensor has ``nodes + 1`` entries on the node axis."""
 
     def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
                 starts: torch.Tensor) -> None:
-        """Context features ``[B, P, F]`` of newly committed tokens at ``starts[b] + j`` for j < counts[b]."""
+        """Project context features ``[B, P, F]`` of newly committed tokens at ``starts[b] + j``,
+        j < counts[b], into the proposer's context."""
 
-    def release(self, slots: Sequence[int]) -> None: ...
+    def defer(self, slots: torch.Tensor, features: torch.Tensor, lags: torch.Tensor,
+              counts: torch.Tensor | None = None) -> None:
+        """Keep context features ``[B, P, F]`` (the first ``counts[b]`` of each row, default all)
+        after the ``lags[b]`` tokens each row has deferred already, for a later catch-up."""
 
+    def feature_sink(self, slots: torch.Tensor, lags: torch.Tensor) -> FeatureSink | None:
+        """Where a plain round's forward writes its one new token's features per row (the place
+        :meth:`defer` would put them); None: the forward returns them."""
 
-def root_only_tree(bonus: torch.Tensor) -> DraftTree:
-    """The tree of plain decoding: just the bonus token. bonus ``[B]``."""
-    rows = bonus.shape[0]
-    device = bonus.device
-    return DraftTree(
-        tokens=bonus[:, None].clone(),  # [B, 1]
-        parents=torch.full((rows, 1), -1, dtype=torch.long, device=device),
-        depths=torch.zeros(rows, 1, dtype=torch.long, device=device),
-        valid=torch.ones(rows, 1, dtype=torch.bool, device=device),
-        ancestor_mask=torch.ones(rows, 1, 1, dtype=torch.bool, device=device),
-        log_weights=torch.zeros(rows, 1, device=device),
-    )
+    def catch_up_rows(self, slots: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, width: int) -> None:
+        """Project each row's ``counts[b]`` deferred features after the ``starts[b]`` tokens its
+        context holds (all ``[B]`` device tensors; ``width`` >= the largest count). Capturable."""
 
-
-class PlainProposer:
-    """Autoregressive decoding: no draft, one target token per round."""
-
-    name = "none"
-    capture_layers: tuple[int, ...] = ()
-    max_nodes = 0
-    max_depth = 0
-    chain = True
-
-    def propose(self, rows: ProposerRows, nodes: int = 0) -> DraftTree:
-        return root_only_tree(rows.bonus)
-
-    def observe(self, slots, features, counts, starts) -> None:
-        pass
-
-    def release(self, slots) -> None:
-        pass
+    def release(self, slots: Sequence[int]) -> None:
+        """Forget the finished requests of ``slots``."""

@@ -22,7 +22,7 @@ import torch
 from flashtree.kernels import gpu as gpu_kernels
 
 from flashtree.kernels.gpu import tree as tree_kernels
-from flashtree.speculative.tree.build import ROOT, DraftTree
+from flashtree.speculative.tree import ROOT, DraftTree
 
 PATH_PAD = -1  # path / committed-token filler after the end of the accepted path
 

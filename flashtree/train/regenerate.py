@@ -104,7 +104,7 @@ def regenerate(llm, prompts: Sequence[tuple[str, list[dict]]], cfg: RegenerateCo
     stats = RegenerateStats()
     out_path = Path(cfg.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    limit = engine.config.max_context - cfg.max_new_tokens
+    limit = engine.config.cache.max_context - cfg.max_new_tokens
     pending = []
     for index, (conv_id, messages) in enumerate(prompts):
         ids = encode_chat(llm.tokenizer, messages)
@@ -116,7 +116,7 @@ def regenerate(llm, prompts: Sequence[tuple[str, list[dict]]], cfg: RegenerateCo
     start = time.perf_counter()
     bar = _progress(len(pending), cfg.progress)
     in_flight: dict[str, tuple[str, list[dict]]] = {}
-    queue_size = min(engine.config.max_running, engine.config.max_waiting)  # keep every slot busy
+    queue_size = min(engine.config.scheduler.max_running, engine.config.scheduler.max_waiting)  # keep every slot busy
     with out_path.open("a" if cfg.append else "w", encoding="utf-8") as handle:
         while pending or in_flight:
             admit = cfg.time_budget_s is None or time.perf_counter() - start < cfg.time_budget_s

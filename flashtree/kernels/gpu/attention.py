@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from flashtree.kernels.gpu import interpreting
 from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 
 

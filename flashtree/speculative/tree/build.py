@@ -30,27 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.kernels import gpu as gpu_kernels
+from flashtree.speculative.tree import host as tree_host
+from flashtree.speculative.tree.draft_tree import NO_PARENT, PAD_TOKEN, ROOT, ROOT_TOKEN, DraftTree
 
 from flashtree.kernels.gpu import topk as topk_kernels
 
 from flashtree.kernels.gpu import tree as tree_kernels
-
-ROOT = 0  # node index of the root (the bonus token)
-NO_PARENT = -1  # parent of the root
-ROOT_TOKEN = -1  # filler in the root's token slot; the engine writes the bonus token there
-PAD_TOKEN = 0  # token of invalid nodes (a legal id, so embedding lookups stay in range)
-
-
-class DraftTree(NamedTuple):
-    """A batch of draft trees with static shapes; N = B + 1 entries on the node axis."""
-
-    tokens: torch.Tensor  # [R, N] int64; root slot = ROOT_TOKEN, invalid = PAD_TOKEN
-    parents: torch.Tensor  # [R, N] int64; root = NO_PARENT, invalid = ROOT
-    depths: torch.Tensor  # [R, N] int64; root 0, invalid 0
-    valid: torch.Tensor  # [R, N] bool; root always True
-    ancestor_mask: torch.Tensor  # [R, N, N] bool; [r, i, j] = j is i or an ancestor of i
-    log_weights: torch.Tensor  # [R, N] float; root 0.0, invalid -inf
-
 
 class _Level(NamedTuple):
     """The kept list of one depth: B prefixes in lexicographic rank order."""
@@ -92,9 +77,7 @@ def build_tree(
     elif host and device.type != "cpu":
         raise ValueError(f"host=True builds trees of CPU tensors only, got draft_logits on {device}")
     if host:
-        from flashtree.speculative.tree.host import build_tree_on_host  # (it imports DraftTree from here)
-
-        return build_tree_on_host(top_logp, top_tokens, budgets, max_budget)
+        return tree_host.build_tree_on_host(top_logp, top_tokens, budgets, max_budget)
     if kernel and top_logp.dtype == torch.float32 and gpu_kernels.usable_on(top_logp):
         pairs = _kernel_pairs(max_budget, top_logp.shape[2], device)  # [M] x2
         weights, parents, tokens = tree_kernels.expand_levels(top_logp, top_tokens, max_budget, *pairs)  # [R, L, B] x3
@@ -115,25 +98,6 @@ HOST_MAX_ROW_NODES = 256
 # depth x budget up to which the kernel path also selects the nodes in one kernel (it holds that
 # many weights per row in registers; beyond it the torch ops below do it)
 SELECT_KERNEL_MAX_NODES = 8192
-
-
-def chain_tree(draft_tokens: torch.Tensor) -> DraftTree:
-    """The DFlash chain ``[bonus, d_1 .. d_L]`` as a tree: node i's parent is i-1, depth i.
-
-    draft_tokens: [R, L] int64. Weights are unknown for a chain and reported as 0.0.
-    """
-    num_rows, depth = draft_tokens.shape
-    device = draft_tokens.device
-    root_tokens = torch.full((num_rows, 1), ROOT_TOKEN, dtype=torch.long, device=device)
-    tokens = torch.cat([root_tokens, draft_tokens.long()], dim=1)  # [R, L+1]
-    index = torch.arange(depth + 1, device=device)  # [L+1]
-    parents = (index - 1).expand(num_rows, -1).contiguous()  # [R, L+1]; root -> -1
-    depths = index.expand(num_rows, -1).contiguous()  # [R, L+1]
-    valid = torch.ones(num_rows, depth + 1, dtype=torch.bool, device=device)  # [R, L+1]
-    causal = torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=device).tril()
-    ancestor_mask = causal.expand(num_rows, -1, -1).contiguous()  # [R, L+1, L+1]
-    log_weights = torch.zeros(num_rows, depth + 1, device=device)  # [R, L+1]
-    return DraftTree(tokens, parents, depths, valid, ancestor_mask, log_weights)
 
 
 def _as_budgets(budgets: torch.Tensor | int, num_rows: int, device: torch.device) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flashtree.speculative.tree.build import NO_PARENT, PAD_TOKEN, ROOT, ROOT_TOKEN, DraftTree
+from flashtree.speculative.tree.draft_tree import NO_PARENT, PAD_TOKEN, ROOT, ROOT_TOKEN, DraftTree
 
 
 def build_tree_on_host(top_logp: torch.Tensor, top_tokens: torch.Tensor, budgets: torch.Tensor,

@@ -1,0 +1,1 @@
+"""The engine: requests, the scheduler, one decode round and its host side, prefill, graphs, traces."""

@@ -1,0 +1,171 @@
+"""One decode round on the device, for every running row at once: propose -> verify -> accept -> commit.
+
+The round is pure device work with no host sync, so it can be captured and replayed as one CUDA
+graph (``engine/graphs.py``); the host reads its packed result once (``engine/runner.py``).
+
+Glossary
+- B: rows of the round (running requests, then pad rows on the pad slot when graphed).
+- nodes: drafted nodes per row this round (the policy's choice); N = nodes + 1 entries per tree.
+- D: the deepest node of this round's trees, ``min(max_depth, nodes)``; P = D + 1 path slots.
+- bonus token: the newest output token, chosen by the target and not yet run through it: the root.
+- lag: tokens whose drafter features a row has deferred so far (``speculative/drafter.py``).
+
+1. propose: the proposer's trees ``[B, N]`` rooted at each row's bonus token (plain: the root alone).
+2. verify: one target forward over every tree, each node at position start + depth, attending to
+   the committed context and its ancestors; the target's own choice at every node (argmax, or a
+   keyed sample: ``flashtree/sampling.py``).
+3. accept: from the root, follow the child carrying the target's choice while there is one
+   (``speculative/verify.py``); every committed token is the target's choice given the true prefix,
+   so decoding is lossless.
+4. commit: the accepted path's KV entries move to contiguous positions; the drafter gets the
+   accepted tokens' context features (or defers them, in a plain round).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from flashtree.config import KernelConfig
+from flashtree.engine.stage_timer import StageTimer
+from flashtree.kv.cache import KVCache
+from flashtree.models.batch import ForwardBatch
+from flashtree.models.transformer import CausalLM
+from flashtree.sampling import SamplingTensors, choose_tokens
+from flashtree.speculative.proposer import Proposer
+from flashtree.speculative.tree.draft_tree import root_only_tree
+from flashtree.speculative.verify import AcceptResult, accept_walk
+
+INT_FIELDS = 8  # RoundInputs' integer fields (all but temperature and top_p), in their order
+
+
+class RoundInputs(NamedTuple):
+    """A round's per-row inputs, all ``[B]`` device tensors (also what proposers see)."""
+
+    slots: torch.Tensor  # KV slot
+    bonus: torch.Tensor  # bonus token (root of the tree)
+    starts: torch.Tensor  # position of the bonus token = committed length
+    budgets: torch.Tensor  # tree budget
+    generated: torch.Tensor  # output tokens so far (the bonus is output index generated-1)
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed: torch.Tensor
+    lags: torch.Tensor  # tokens the row's drafter has deferred before this round
+
+    @classmethod
+    def of(cls, ints: torch.Tensor, floats: torch.Tensor) -> "RoundInputs":
+        """From ``ints [8, B]`` (slots, bonus, starts, budgets, generated, top_k, seed, lags) and
+        ``floats [2, B]`` (temperature, top_p)."""
+        slots, bonus, starts, budgets, generated, top_k, seed, lags = ints.unbind(0)
+        return cls(slots, bonus, starts, budgets, generated, floats[0], floats[1], top_k, seed, lags)
+
+
+class RoundShape(NamedTuple):
+    """The static (host) facts a round's device work depends on; part of its CUDA graph's key."""
+
+    kv_len: int  # keys attended per row (a bucket when graphed)
+    slot_range: tuple[int, int] | None  # (first, count) when the rows' slots are consecutive
+    any_sampled: bool
+    any_filtered: bool
+    nodes: int  # drafted nodes per row (the tree has nodes + 1 entries); 0: a plain round
+
+
+class RoundOutput(NamedTuple):
+    packed: torch.Tensor  # [B, 2 + D + 1] per row: acceptance length, tree size, emitted tokens (see pack)
+    trace: tuple[torch.Tensor, ...] | None  # with a tree trace: tokens, parents, valid [B, N], path [B, P]
+
+
+class DeviceRound:
+    """The round's device work over ``model``, its ``cache`` and the ``proposer``."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, proposer: Proposer, kernels: KernelConfig,
+                 tracing: bool = False):
+        self.model, self.cache, self.proposer = model, cache, proposer
+        self.kernels, self.tracing = kernels, tracing
+
+    def __call__(self, shape: RoundShape, *tensors: torch.Tensor, timer: StageTimer | None = None) -> RoundOutput:
+        rows = RoundInputs(*tensors)
+        nodes = shape.nodes
+        if nodes == 0 and self.kernels.plain_fast_path:
+            return self._plain(shape, rows, timer)
+        t0 = timer.mark() if timer else 0.0
+
+        # 1. propose: N = nodes + 1 entries per tree, the root first
+        tree = self.proposer.propose(rows, nodes) if nodes else root_only_tree(rows.bonus)
+        tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, N]
+        t1 = timer.add("draft", t0) if timer else 0.0
+
+        # 2. verify: every node at start + depth, seeing the committed context and its ancestors
+        batch = ForwardBatch(
+            input_ids=tokens, positions=rows.starts[:, None] + tree.depths, slots=rows.slots,
+            cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len,
+            slot_range=shape.slot_range)
+        out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
+        choice = choose_tokens(out.logits, sampling_of(shape, rows), rows.generated[:, None] + tree.depths)  # [B, N]
+        t2 = timer.add("verify", t1) if timer else 0.0
+
+        # 3. accept: the deepest path of nodes carrying the target's choices
+        depth = min(self.proposer.max_depth, nodes)  # deepest node of this round's trees
+        walk = accept_walk(tree._replace(tokens=tokens), choice, depth, kernel=self.proposer.tree_kernel)
+        path = walk.path.clamp(min=0)  # [B, P]
+
+        # 4. commit: the path's KV entries to start .. start + length - 1, its features to the drafter
+        if self.proposer.chain or nodes == 0:  # a chain's accepted path is a prefix: nothing moves
+            self.cache.commit_prefix(rows.slots, rows.starts, walk.accept_lengths)
+        else:
+            self.cache.commit(rows.slots, rows.starts, path, walk.accept_lengths)
+        if out.hidden is not None and nodes == 0:
+            self.proposer.defer(rows.slots, out.hidden[:, :1], rows.lags)  # projected at the next drafted round
+        elif out.hidden is not None:  # the drafter sees every committed token
+            features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))  # [B, P, F]
+            self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
+        packed = pack(walk, tree.valid)
+        if timer:
+            timer.add("commit", t2)
+        trace = (tokens, tree.parents, tree.valid, walk.path) if self.tracing else None
+        return RoundOutput(packed, trace)
+
+    def _plain(self, shape: RoundShape, rows: RoundInputs, timer: StageTimer | None) -> RoundOutput:
+        """A plain round without the tree machinery: the root-only tree's walk always accepts the
+        root and nothing else, so the round is forward -> choose -> commit the one token. Same values
+        as the general path, without the tree's tensors and the accept walk's ops."""
+        t0 = timer.mark() if timer else 0.0
+        num_rows = rows.bonus.shape[0]
+        root_mask = torch.ones(num_rows, 1, 1, dtype=torch.bool, device=rows.bonus.device)  # [B, 1, 1]
+        batch = ForwardBatch(
+            input_ids=rows.bonus[:, None], positions=rows.starts[:, None], slots=rows.slots,
+            cache_lengths=rows.starts, new_mask=root_mask, kv_len=shape.kv_len, slot_range=shape.slot_range)
+        # a drafter's features go straight to its lag buffer (projected at the next drafted round)
+        sink = self.proposer.feature_sink(rows.slots, rows.lags) if self.kernels.feature_sink else None
+        out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers, feature_sink=sink)
+        next_bonus = choose_tokens(out.logits, sampling_of(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
+        t1 = timer.add("verify", t0) if timer else 0.0
+        ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
+        self.cache.commit_prefix(rows.slots, rows.starts, ones)
+        if out.hidden is not None:  # (no sink)
+            self.proposer.defer(rows.slots, out.hidden, rows.lags)  # [B, 1, F]
+        packed = torch.stack([ones, torch.zeros_like(ones), next_bonus], dim=1)  # [B, 3], as pack's
+        if timer:
+            timer.add("commit", t1)
+        trace = None
+        if self.tracing:  # the root-only tree and its one-node path
+            zeros = torch.zeros_like(rows.slots)[:, None]  # [B, 1]
+            trace = (rows.bonus[:, None], zeros - 1, zeros == 0, zeros)
+        return RoundOutput(packed, trace)
+
+
+def sampling_of(shape: RoundShape, rows: RoundInputs) -> SamplingTensors:
+    return SamplingTensors(rows.temperature, rows.top_p, rows.top_k, rows.seed, shape.any_sampled, shape.any_filtered)
+
+
+def pack(walk: AcceptResult, valid: torch.Tensor) -> torch.Tensor:
+    """Per row: its acceptance length, its drafted nodes, then the emitted tokens (the accepted
+    drafts, i.e. the committed path minus the old bonus, then the next bonus). ``[B, 2 + D + 1]``."""
+    counts = walk.accept_lengths  # [B]
+    pad = torch.full_like(walk.next_bonus[:, None], -1)
+    emitted = torch.cat([walk.committed_tokens[:, 1:], pad], dim=1)  # [B, D+1]
+    emitted = emitted.scatter(1, (counts - 1)[:, None], walk.next_bonus[:, None])
+    sizes = valid.sum(1, keepdim=True) - 1  # [B, 1] drafted nodes
+    return torch.cat([counts[:, None], sizes, emitted], dim=1)

@@ -1,0 +1,110 @@
+"""The speculation policy's interface: which node count each round verifies.
+
+Glossary
+- nodes: drafted nodes per row a round verifies (0: a plain round, no drafter pass).
+- ladder: the node counts a policy may choose from, largest first, ending with 0 when plain rounds
+  are allowed (:func:`node_ladder`).
+- rows bucket: the timing bucket of a batch, the next power of two at or above its rows
+  (:func:`rows_bucket`); round times are kept per bucket.
+- option: one ladder entry of one rows bucket.
+
+Every option is lossless: the node count only changes the shape of a round, never which tokens
+are committed, so a policy is free to pick any of them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+PLAIN_NODES = 0  # the plain option: root-only tree, no drafter pass
+PLAIN_ACCEPTANCE = 1.0  # a plain round commits exactly its bonus token
+
+
+class Policy(Protocol):
+    ladder: tuple[int, ...]  # the node counts it chooses from, largest first
+
+    @property
+    def probing(self) -> bool:
+        """The round just chosen is a neighbour probe, which the engine may decline
+        (:meth:`decline_probe`) when its CUDA graph is not captured and it is not worth one."""
+
+    def choose(self, rows: int) -> int:
+        """The node count of the next round of ``rows`` rows."""
+
+    def best(self, rows: int) -> int:
+        """The option the estimates rate best for ``rows`` rows (what a declined probe runs)."""
+
+    def settled_on_plain(self, rows: int) -> bool:
+        """A plain round of ``rows`` rows changes nothing but the estimates: the next round may be
+        chosen, and queued, before this one's measurement is recorded."""
+
+    def record(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None) -> None:
+        """What a round measured: its wall time (None: not representative) and its rows' mean
+        acceptance length (None: no row could use the full node count)."""
+
+    def fold_settled(self) -> None:
+        """Fold held measurements in (the engine calls it while the device runs a round)."""
+
+    def worth_a_graph(self, rows: int, nodes: int) -> bool:
+        """Whether ``nodes`` could beat the best option for ``rows`` rows."""
+
+    def decline_probe(self) -> None:
+        """The engine did not run the neighbour probe just chosen."""
+
+    def snapshot(self, rows: int) -> dict | None:
+        """The estimates for ``rows`` rows, for traces (None: the policy keeps none)."""
+
+
+def node_ladder(max_nodes: int, chain: bool, min_tree_nodes: int = 4) -> tuple[int, ...]:
+    """The node counts a round may verify, largest first, ending with 0 (plain).
+
+    Chains (DFlash): the full block or nothing. Trees (DDTree): ``max_nodes`` halved down to
+    ``min_tree_nodes``, e.g. 256 -> (256, 128, 64, 32, 16, 8, 4, 0).
+    """
+    if max_nodes <= 0:
+        return (PLAIN_NODES,)
+    if chain:
+        return (max_nodes, PLAIN_NODES)
+    ladder = [max_nodes]
+    while ladder[-1] // 2 >= min_tree_nodes:
+        ladder.append(ladder[-1] // 2)
+    return (*ladder, PLAIN_NODES)
+
+
+def rows_bucket(rows: int) -> int:
+    """The timing bucket of a batch: the next power of two at or above ``rows`` (1, 2, 4, ...)."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    return 1 << (rows - 1).bit_length()
+
+
+class FixedNodes:
+    """Every round verifies ``nodes`` (speculation without the adaptive policy, or plain decoding)."""
+
+    probing = False  # (never probes)
+
+    def __init__(self, nodes: int):
+        self.ladder = (nodes,)
+
+    def choose(self, rows: int) -> int:
+        return self.ladder[0]
+
+    best = choose
+
+    def settled_on_plain(self, rows: int) -> bool:
+        return self.ladder[0] == PLAIN_NODES
+
+    def record(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None) -> None:
+        pass
+
+    def fold_settled(self) -> None:
+        pass
+
+    def worth_a_graph(self, rows: int, nodes: int) -> bool:
+        return True
+
+    def decline_probe(self) -> None:
+        raise RuntimeError("a fixed node count never probes")
+
+    def snapshot(self, rows: int) -> dict | None:
+        return None
