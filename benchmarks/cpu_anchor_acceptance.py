@@ -17,6 +17,9 @@ while the uniform mean over anchors counts each position of an easy run once. Th
 statistic, not a mismatch between training and inference.
 
     python benchmarks/cpu_anchor_acceptance.py [--prompts 4] [--new-tokens 128] [--out FILE]
+
+Writes results/cpu_anchor_acceptance.json by default (rename it by what it measured and the date);
+the committed run is results/cpu_anchor_acceptance_smollm2_v3_xeon_2026-12-01.json.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from flashtree import LLM, SamplingParams
 from flashtree.bench.datasets import load_prompts
 from flashtree.bench.environment import cpu_name
 
-RESULTS = Path(__file__).resolve().parent / "results" / "cpu_anchor_acceptance_smollm2_v3.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "cpu_anchor_acceptance.json"
 
 
 def walk(lengths: dict[int, int], total: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Time of the CPU block kernel (models/cpu_quant_linear.py) per product by row count, at SmolLM2's
+"""Time of the CPU block kernel (kernels/cpu/quant_linear.py) per product by row count, at SmolLM2's
 layer shapes, against the same product on the fp32 weights (torch / MKL or OpenBLAS).
 
 A verify pass of a speculative round multiplies every weight by 2-8 rows instead of one; this shows

@@ -7,6 +7,10 @@ rounds only (a drafter that never matches). Counts are deterministic; times are 
 cost of one catch-up on the H200 is what matters, and a CPU says nothing about it).
 
     python benchmarks/cpu_catch_up_rate.py [--rows 4,16,32] [--steps 1500] [--out FILE]
+
+Writes results/cpu_catch_up_rate.json by default (rename it by what it measured and the date); the
+committed runs are results/cpu_catch_up_rate_after_2026-12-02.json and ``..._before_2026-12-02.json``
+(before catch-ups in one pass, journal/session-10-2026-12-02.md).
 """
 
 from __future__ import annotations
@@ -22,10 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree import LLM, SamplingParams  # noqa: E402
+from flashtree.policy import FixedNodes  # noqa: E402
 from tests.dflash_helpers import tiny_pair  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_plain_round_upkeep import PlainRounds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_catch_up_rate.json"
 
@@ -34,10 +36,11 @@ def catch_ups_per_round(pair, rows: int, steps: int, seed: int = 0) -> dict:
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=16, max_running=max(32, rows),
               max_context=512, prefill_chunk=256)
     engine = llm.engine
-    engine.policy = PlainRounds()
-    passes = []
-    real = engine.proposer.catch_up
-    engine.proposer.catch_up = lambda slots, starts, lags: (passes.append(len(slots)), real(slots, starts, lags))
+    engine.policy = FixedNodes(0)  # plain rounds only
+    passes = []  # rows of each catch-up pass
+    real = engine.proposer.catch_up_rows  # the drafter pass (eager on a CPU: no pad rows)
+    engine.proposer.catch_up_rows = lambda slots, starts, counts, width: (passes.append(len(slots)),
+                                                                          real(slots, starts, counts, width))
     rng = random.Random(seed)
 
     def new_request():

@@ -1,4 +1,4 @@
-"""CPU A/B of the draft vocabulary (``--draft-vocab N``, spec/draft_vocab.py): plain decoding and
+"""CPU A/B of the draft vocabulary (``--draft-vocab N``, speculative/draft_vocab.py): plain decoding and
 DDTree (fixed budget) with the whole vocabulary and with the N most frequent tokens, on the embedded
 default (SmolLM2 + the shipped drafter, fp32, batch 1, greedy, end of sequence ignored).
 
@@ -8,6 +8,10 @@ wall time, prefill included) and tau.
 
     python benchmarks/cpu_draft_vocab_ab.py [--sizes 16384,24576] [--budget 4] [--dataset sharegpt-heldout|humaneval]
         [--prompts 8] [--out FILE]
+
+Writes results/cpu_draft_vocab_ab.json by default (rename it by what it measured and the date); the
+committed runs are results/cpu_draft_vocab_ab_epyc_2026-12-03.json (``--dataset humaneval``:
+results/cpu_draft_vocab_ab_humaneval_epyc_2026-12-03.json).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ only, as FR-Spec does) pay on the CPU? Two numbers decide it for the embedded de
   Q8_0 blocks, and the top-k + log-normalizer after it, against the full 49,152 rows.
 
     python benchmarks/cpu_draft_vocab_coverage.py [--train-conversations 6000] [--out FILE]
+
+Writes results/cpu_draft_vocab_coverage.json by default (rename it by what it measured and the
+date); the committed run is results/cpu_draft_vocab_coverage_epyc_2026-12-03.json.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quant_linear.MAX_ROWS = args.max_rows
     llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024)
-    model, cache = llm.engine.model, llm.engine.runner.cache
+    model, cache = llm.engine.model, llm.engine.cache
     install_timers(model)
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:

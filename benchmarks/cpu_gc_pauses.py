@@ -8,10 +8,13 @@ the official openai client). Passes alternate unfrozen / frozen (``gc.unfreeze()
 unfrozen one). Also timed: one explicit full collection right after each server's start.
 
 Why: in the H200 step traces every server, plain included, had about one 40-110 ms round per
-4-5 s pass at 16-32 rows (benchmarks/README.md, "Eleventh session"); a full collection walks
+4-5 s pass at 16-32 rows (benchmarks/journal/session-11-2026-12-02.md); a full collection walks
 every tracked object of the process.
 
     python benchmarks/cpu_gc_pauses.py [--passes 4] [--concurrency 16] [--requests 32] [--max-tokens 64] [--out FILE]
+
+Writes results/cpu_gc_pauses.json by default (rename it by what it measured and the date); the
+committed run is results/cpu_gc_pauses_2026-12-02.json.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
+from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
 from flashtree.server.config import ServerConfig  # noqa: E402
 from flashtree.speculative.defaults import shipped_drafter  # noqa: E402
-from tests.test_server_support import ServerThread  # noqa: E402
+from tests.support.server import ServerThread  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_gc_pauses.json"
 
@@ -93,8 +96,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    engine = EngineConfig(model="smollm2", spec=SpecConfig(method="ddtree", draft=str(shipped_drafter("smollm2"))),
-                          device="cpu", max_running=args.concurrency, max_context=1024)
+    spec = SpeculationConfig(method="ddtree", draft=str(shipped_drafter("smollm2")))
+    engine = EngineConfig.of(spec=spec, model="smollm2", device="cpu", max_running=args.concurrency, max_context=1024)
     config = ServerConfig(engine=engine, model_name="smollm2", port=0, log_level="warning")
     log = CollectionLog()
     gc.callbacks.append(log)

@@ -5,8 +5,9 @@ Systems, interleaved over --repeats (the machine is shared: compare within a run
 - plain: the plain engine;
 - deferred: a DDTree engine pinned to plain rounds (the drafter's context projection deferred,
   flashtree's behaviour);
-- every round: the same engine with deferral hidden from the runner, so the drafter projects
-  each committed token at once (the behaviour before deferral).
+- every round: the same engine with deferral off (``project_every_round``: no lag bookkeeping, no
+  feature sink, the round's features observed at once), so the drafter projects each committed
+  token at once (the behaviour before deferral).
 All three must give the same tokens. Also times one ``draft_logits`` call (budget-4 depth).
 
     python benchmarks/cpu_plain_round_upkeep.py [--repeats 3] [--new-tokens 128] [--batch 1] [--out FILE]
@@ -26,47 +27,63 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.bench.environment import cpu_name
+from flashtree.engine.round import DeviceRound, RoundInputs
+from flashtree.policy import FixedNodes
+from flashtree.speculative.drafter import DrafterLag
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_plain_round_upkeep.json"
 CHAT = [[{"role": "user", "content": "Explain how a hash map works and when to use one."}]]
 
 
-class PlainRounds:
-    """The policy interface, always choosing plain rounds."""
-
-    ladder = (4, 0)
-    probing = False  # (never probes)
-
-    def choose(self, rows: int) -> int:
-        return 0
-
-    def record(self, *measurements) -> None:
-        pass
-
-
-class WithoutDefer:
-    """The proposer with ``defer`` hidden: the runner then projects every committed token (with the
-    runner's feature sink off: the sink is where a deferring proposer keeps them)."""
+class ProjectedEveryRound:
+    """The proposer as the round program sees it, with ``defer`` projecting at once: each plain
+    round's committed token goes through the drafter's ``observe`` at its position, as before
+    deferral (``starts``: the round's, set by :class:`ProjectingRound` before each round)."""
 
     def __init__(self, proposer):
-        self.__dict__["proposer"] = proposer
+        self.proposer = proposer
+        self.starts = None
 
     def __getattr__(self, name):
-        if name == "defer":
-            raise AttributeError(name)
         return getattr(self.proposer, name)
+
+    def defer(self, slots, features, lags, counts=None):
+        counts = torch.full_like(slots, features.shape[1]) if counts is None else counts
+        self.proposer.observe(slots, features, counts, self.starts)
+
+
+class ProjectingRound(DeviceRound):
+    """The engine's device round with the drafter projecting every committed token at once (the
+    plain round's features go to ``observe`` instead of the lag buffer)."""
+
+    def __init__(self, round_program: DeviceRound):
+        super().__init__(round_program.model, round_program.cache, ProjectedEveryRound(round_program.proposer),
+                         round_program.kernels, round_program.tracing)
+
+    def __call__(self, shape, *tensors, timer=None):
+        self.proposer.starts = RoundInputs(*tensors).starts
+        return super().__call__(shape, *tensors, timer=timer)
+
+
+def project_every_round(engine) -> None:
+    """Deferral off in ``engine`` (built with ``feature_sink=False``: the sink is where a deferring
+    proposer keeps a plain round's features): its lag bookkeeping has capacity 0, so prompts are
+    projected at prefill, nothing is counted and no catch-up runs, and the round program projects
+    each plain round's token at once."""
+    if engine.config.kernels.feature_sink:
+        raise ValueError("projecting every round needs the engine built with feature_sink=False")
+    engine.lag = engine.overlap.lag = DrafterLag(capacity=0)  # the engine's; the proposer keeps its own
+    engine.runner.round_program = ProjectingRound(engine.runner.round_program)
 
 
 def engines(batch: int) -> dict[str, LLM]:
     running = max(2, batch)
     plain = LLM("smollm2", max_running=running, max_context=512)
     deferred = LLM("smollm2", spec="ddtree", budget=4, max_running=running, max_context=512)
-    deferred.engine.policy = PlainRounds()
-    eager = LLM("smollm2", spec="ddtree", budget=4, max_running=running, max_context=512)
-    eager.engine.policy = PlainRounds()
-    eager.engine.proposer.runner.lag_capacity = None  # no catch-up bookkeeping in the engine (a property of the proposer)
-    eager.engine.runner.proposer = WithoutDefer(eager.engine.proposer)
-    eager.engine.runner.use_feature_sink = False
+    deferred.engine.policy = FixedNodes(0)  # plain rounds only
+    eager = LLM("smollm2", spec="ddtree", budget=4, max_running=running, max_context=512, feature_sink=False)
+    eager.engine.policy = FixedNodes(0)
+    project_every_round(eager.engine)
     return {"plain": plain, "ddtree engine, plain rounds, deferred": deferred,
             "ddtree engine, plain rounds, projected every round": eager}
 
@@ -119,6 +136,7 @@ def main() -> None:
         "tokens_per_s_all": {name: [round(x, 1) for x in v] for name, v in rates.items()},
         "draft_logits_ms_depth4": round(draft_ms(drafter), 2),
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 

@@ -2,7 +2,7 @@
 
 Five systems, all on the SAME fp32 weights: flashtree plain decoding as shipped (decode-sized
 products read the GGUF's Q4_1 / Q8_0 blocks with the AVX-512 / AVX2 block kernel,
-models/cpu_quant_linear.py), transformers loading the Hugging Face directory flashtree's GGUF
+kernels/cpu/quant_linear.py), transformers loading the Hugging Face directory flashtree's GGUF
 loader converted, flashtree with ``quant_kernels=False`` (every product on the dequantized fp32
 weights), and the embedded default's DDTree with the shipped drafter (issue #6's CPU target:
 >= 2x our plain decoding and >= 3x transformers), both as ``flashtree generate`` runs it

@@ -11,6 +11,9 @@ Reports per run the wall time and the rounds per node count (tree rounds beyond 
 are the burst's doing). The tokens are plain decoding's either way (checked).
 
     python benchmarks/cpu_policy_contention.py [--runs 2] [--out FILE]
+
+Writes results/cpu_policy_contention.json by default (rename it by what it measured and the date);
+the committed run is results/cpu_policy_contention_epyc_2026-12-02/cpu_policy_contention_with_pace.json.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_plain_round_cost import policy_figures, time_policy  # noqa: E402
-from tests.dflash_helpers import tiny_pair  # noqa: E402
 
 from flashtree import LLM, SamplingParams  # noqa: E402
+from tests.dflash_helpers import tiny_pair  # noqa: E402
 
 
 def policy_cost(pair, method: str, steps: int, warmup: int, runs_ahead: bool) -> dict:

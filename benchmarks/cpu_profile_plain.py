@@ -42,14 +42,18 @@ def timed(label: str, fn):
 
 
 def wrap(owner, name: str, label: str, static: bool = False) -> None:
-    """Time ``owner.name`` if it exists (the engine's internals move; missing ones are skipped)."""
+    """Time ``owner.name`` (a missing one is an error: the engine's internals move, and a piece
+    left unwrapped would silently land in the glue)."""
     fn = getattr(owner, name, None)
-    if fn is not None:
-        setattr(owner, name, staticmethod(timed(label, fn)) if static else timed(label, fn))
+    if fn is None:
+        raise AttributeError(f"{getattr(owner, '__name__', owner)} has no {name!r} to time: update install_timers")
+    setattr(owner, name, staticmethod(timed(label, fn)) if static else timed(label, fn))
 
 
 def install_timers(model) -> None:
     import flashtree.engine.engine as engine_module
+    import flashtree.engine.prefill as prefill_module
+    import flashtree.engine.round as round_module
     import flashtree.engine.runner as runner_module
     import flashtree.engine.scheduler as scheduler_module
     import flashtree.kv.cache as kv_module
@@ -89,8 +93,9 @@ def install_timers(model) -> None:
     wrap(kv_module.KVCache, "write_at", "kv write (index_put)")
     wrap(kv_module.KVCache, "view", "kv view")
     wrap(kv_module.KVCache, "commit", "kv commit (gather + scatter)")
-    wrap(runner_module, "choose_tokens", "sampling (argmax)")
-    wrap(runner_module, "accept_walk", "accept walk")
+    wrap(round_module, "choose_tokens", "sampling (argmax)")  # the round's
+    wrap(prefill_module, "choose_tokens", "sampling (argmax)")  # the prefill's first token
+    wrap(round_module, "accept_walk", "accept walk")
     wrap(runner_module.ModelRunner, "_to_host", ".tolist() (the one host sync)", static=True)
     wrap(runner_module.ModelRunner, "_round_inputs", "round inputs (host lists -> tensors)")
     wrap(engine_module, "append_tokens", "append_tokens (stop checks, detokenize)")
@@ -150,7 +155,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="decodes; the fastest is reported")
-    parser.add_argument("--no-quant-kernels", action="store_true", help="profile the fp32-only engine")
+    parser.add_argument("--quant-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="the GGUF-block products (--no-quant-kernels: profile the fp32-only engine)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -161,7 +167,7 @@ def main() -> None:
 
     cold = cold_op_cost()
     llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024,
-                        quant_kernels=not args.no_quant_kernels)
+                        quant_kernels=args.quant_kernels)
     install_timers(llm.engine.model)
     prompt_ids = encode_chat(llm.tokenizer, [{"role": "user", "content": PROMPT}])
     wall, leaves, counts = min((decode_once(llm.engine, prompt_ids, args.new_tokens) for _ in range(args.repeats)),

@@ -8,6 +8,9 @@ greedy, held-out ShareGPT prompts, fixed budget (no adaptive policy). The wrappe
 per call.
 
     python benchmarks/cpu_round_stages.py [--method ddtree:4] [--prompts 4] [--draft-vocab N] [--out FILE]
+
+Writes results/cpu_round_stages.json by default (rename it by what it measured and the date); the
+committed run is results/cpu_round_stages_epyc_2026-12-03.json.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from pathlib import Path
 
 import torch
 
-import flashtree.engine.runner as runner_module
-import flashtree.speculative.drafter as proposer_module
+import flashtree.engine.round as round_module
+import flashtree.speculative.ddtree as ddtree_module
 from flashtree.bench.datasets import load_prompts
 from flashtree.bench.environment import environment
 from flashtree.bench.methods import parse_methods
 from flashtree.bench.runner import BenchSetup, generate, load_shared_target
+from flashtree.config import EngineConfig, SpeculationConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.speculative.defaults import default_spec
 
@@ -40,16 +44,16 @@ def install_timers(engine: LLMEngine) -> None:
     drafter = proposer.runner.drafter
     drafter.target = drafter.target._replace(head=timed("draft: lm_head", drafter.target.head))
     drafter.draft_logits = timed("draft: block pass + lm_head", drafter.draft_logits)
-    proposer_module.build_tree = timed("draft: tree build", proposer_module.build_tree)
+    ddtree_module.build_tree = timed("draft: tree build", ddtree_module.build_tree)
     proposer.propose = timed("draft", proposer.propose)
-    runner.model.forward = timed("target forward (rounds + prefills)", runner.model.forward)
-    runner.prefill = timed("prefill", runner.prefill)
-    runner_module.choose_tokens = timed("verify: target choice", runner_module.choose_tokens)
-    runner_module.accept_walk = timed("commit: accept walk", runner_module.accept_walk)
-    runner.cache.commit = timed("commit: KV commit", runner.cache.commit)
+    engine.model.forward = timed("target forward (rounds + prefills)", engine.model.forward)
+    engine.prefill = timed("prefill", engine.prefill)
+    round_module.choose_tokens = timed("verify: target choice", round_module.choose_tokens)
+    round_module.accept_walk = timed("commit: accept walk", round_module.accept_walk)
+    engine.cache.commit = timed("commit: KV commit", engine.cache.commit)
     proposer.observe = timed("commit: drafter observe", proposer.observe)
-    runner._pack = timed("commit: pack", runner._pack)
-    runner._round_device = timed("round (device work)", runner._round_device)
+    round_module.pack = timed("commit: pack", round_module.pack)
+    runner.round_program = timed("round (device work)", runner.round_program)
     engine.step = timed("engine step", engine.step)
 
 
@@ -64,12 +68,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     method = parse_methods(args.method)[-1]  # (parse_methods puts plain decoding first)
-    setup = BenchSetup(model="smollm2", draft=default_spec("smollm2", "ddtree", None)[1], block_size=None,
-                       device="cpu", dtype=None, batch_size=1, max_context=2048,
-                       max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True,
-                       draft_vocab=args.draft_vocab)
+    base = SpeculationConfig(method="ddtree", draft=default_spec("smollm2", "ddtree", None)[1],
+                             draft_vocab=args.draft_vocab, adaptive=False)  # each method as named
+    engine_config = EngineConfig.of(spec=base, model="smollm2", device="cpu", max_running=1, max_context=2048,
+                                    incremental_text=False)
+    setup = BenchSetup(engine=engine_config, max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
     config = setup.engine_config(method)
-    target = load_shared_target(setup, config)
+    target = load_shared_target(config)
     prompts = [p.encode(target.tokenizer) for p in load_prompts("sharegpt-heldout", args.prompts)]
     engine = LLMEngine(config, target=target)
     generate(engine, prompts[:1], [setup.sampling(0, 16)])  # warm-up, untimed

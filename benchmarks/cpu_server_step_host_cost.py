@@ -3,7 +3,7 @@ committed tokens appended (stop checks, incremental text with the SmolLM2 tokeni
 ``AsyncEngine._step``'s work (deltas, metrics, handing the deltas to the event loop).
 
 On the H200 a served round is followed by 0.25 ms (1 row) to 1.4 ms (32 rows) of host time before the
-next one (benchmarks/README.md, "Tenth session"); this is the per-request part of it, measured on
+next one (benchmarks/journal/session-10-2026-12-02.md); this is the per-request part of it, measured on
 this machine's CPU with a stand-in engine whose ``step()`` returns the appended tokens' events.
 
     python benchmarks/cpu_server_step_host_cost.py [--rows 32] [--steps 300] [--repeats 5] [--out FILE]

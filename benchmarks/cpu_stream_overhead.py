@@ -1,7 +1,7 @@
 """What streaming costs the server's Python threads, per streamed token (CPU, no GPU needed).
 
 A served run at many rows on the H200 reached 72% of the engine's own throughput at 32 rows
-(benchmarks/README.md, "Seventeenth session"): the event loop's work per token (an SSE event
+(benchmarks/journal/session-17-2026-12-03.md): the event loop's work per token (an SSE event
 through FastAPI, Starlette and uvicorn) and the engine thread's share one interpreter lock. This
 script measures that work directly: it starts ``flashtree serve`` on a tiny random model (with
 SmolLM2's tokenizer, so detokenizing is real), streams chat requests at one concurrency level,

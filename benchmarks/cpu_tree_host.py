@@ -1,4 +1,4 @@
-"""CPU: ms per DDTree build, the host path (numpy after the top-k, ``spec/tree_host.py``) against
+"""CPU: ms per DDTree build, the host path (numpy after the top-k, ``speculative/tree/host.py``) against
 the torch ops (``build_tree(..., host=False)``), by rows and budget; both give the same tree.
 
 Drafter logits are random float32 at SmolLM2's vocabulary (49,152) and the shipped drafter's depth

@@ -4,7 +4,7 @@ request is replaced at once, prompts of 20-60 tokens, 128 new tokens, end of seq
 interleaved level by level and repeat by repeat in rotating order.
 
 Why: served at one row on the H200, the speculative servers' plain rounds took 0.05-0.2 ms (1-4%)
-longer than the plain server's (benchmarks/README.md, "Eleventh session"), while an engine-level
+longer than the plain server's (benchmarks/journal/session-11-2026-12-02.md), while an engine-level
 run with rows starting together showed no such cost. This run has the server's churn but no HTTP,
 event loop or second thread: a gap here lies in the engine; no gap here puts it in the server.
 
@@ -13,13 +13,14 @@ tokens/s then counts only its own steps' wall time, and a drift of the machine's
 pass falls on all engines alike (whole passes in rotating order, the default, are what the
 paired load test does). Each pass also reports its step time by kind: plain rounds, tree rounds,
 plain rounds with a drafter catch-up, and steps with a prefill. Each step is synchronized, so
-an engine that queues its next plain round before reading the current one (engine.py, "Queued
-plain rounds", on by default on CUDA) gains nothing from it there: ``--interleave block`` runs
+an engine that queues its next plain round before reading the current one (engine/overlap.py,
+on by default on CUDA) gains nothing from it there: ``--interleave block`` runs
 ``--block-steps`` steps of one engine, synchronizes and bills their wall time to it, then the
 next engine's, so queued rounds overlap the host's work within a block while the engines still
 share the machine's drift. ``--unqueued`` adds a plain engine that does not queue its rounds
 (``none-unqueued``), to show what queueing gives; ``--without-sink`` a DDTree engine that keeps the
-drafter's features as before session 15 (``ddtree-no-sink``: concatenation + ``defer``);
+drafter's features as before session 15 (``ddtree-no-sink``, ``feature_sink=False``: concatenation +
+``defer``);
 ``--doubling-probes`` a DDTree engine whose probes back off by doubling alone, as before session 17
 (``ddtree-doubling-probes``: no ``probe_cost_share`` floor); ``--twin`` a second plain engine like the
 first (``none-twin``): the engines share the target's weights, so the twins' spread is what two
@@ -54,11 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # flashtree, wi
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen3_8b_shape import write_served_pair  # noqa: E402
 
-from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
-from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
+from flashtree.config import EngineConfig, PolicyConfig, SpeculationConfig  # noqa: E402
+from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.engine.request import Status  # noqa: E402
-from flashtree.policy.adaptive import SpecPolicyConfig  # noqa: E402
-from flashtree.models.build import resolve_dtype  # noqa: E402
+from flashtree.models.build import load_target, resolve_dtype  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 from flashtree.speculative.defaults import shipped_drafter  # noqa: E402
 
@@ -70,7 +70,7 @@ def make_engines(model: str, draft: str | None, random_weights: bool, device: st
                  trace_dir: Path | None = None, unqueued: bool = False, without_sink: bool = False,
                  doubling_probes: bool = False, twin: bool = False) -> dict:
     dev = torch.device(device)
-    base = EngineConfig(model=model, random_weights=random_weights, device=device)
+    base = EngineConfig.of(model=model, random_weights=random_weights, device=device)
     loaded = load_target(base, dev, resolve_dtype("auto", dev))
     engines = {}
     variants = [(m, m, None) for m in METHODS] + ([("none-unqueued", "none", False)] if unqueued else [])
@@ -78,22 +78,22 @@ def make_engines(model: str, draft: str | None, random_weights: bool, device: st
     variants += [("ddtree-doubling-probes", "ddtree", None)] if doubling_probes else []
     variants += [("none-twin", "none", None)] if twin else []
     for name, method, queue in variants:
-        spec = SpecConfig(method=method, draft=None if method == "none" else draft, budget=METHODS[method])
+        spec = SpeculationConfig(method=method, draft=None if method == "none" else draft, budget=METHODS[method])
         trace = str(trace_dir / f"steps_{name}.jsonl") if trace_dir else None
-        config = EngineConfig(model=model, spec=spec, random_weights=random_weights, device=device,
-                              max_running=max_running, max_context=1024, adaptive_spec=True, trace_steps=trace,
-                              queue_plain_rounds=queue, spec_policy=policy_config(name))
+        # feature_sink off (ddtree-no-sink): plain rounds return the captured features (a
+        # concatenation) and defer them (a scatter), as before session 15
+        config = EngineConfig.of(spec=spec, model=model, random_weights=random_weights, device=device,
+                                 max_running=max_running, max_context=1024, adaptive_spec=True, trace_steps=trace,
+                                 queue_plain_rounds=queue, spec_policy=policy_config(name),
+                                 feature_sink=not name.endswith("no-sink"))
         engines[name] = LLMEngine(config, target=loaded)
-        # plain rounds return the captured features (a concatenation) and defer them (a scatter),
-        # as before session 15
-        engines[name].runner.use_feature_sink = not name.endswith("no-sink")
     return engines
 
 
-def policy_config(name: str) -> SpecPolicyConfig:
+def policy_config(name: str) -> PolicyConfig:
     """The speculation policy's knobs of an engine variant: ``ddtree-doubling-probes`` backs off
     its probes by doubling alone, as before session 17 (no ``probe_cost_share`` floor)."""
-    default = SpecPolicyConfig()
+    default = PolicyConfig()
     return dataclasses.replace(default, probe_cost_share=None) if name.endswith("doubling-probes") else default
 
 

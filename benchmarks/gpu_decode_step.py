@@ -4,7 +4,7 @@
 
 Floor = weight bytes / measured device copy bandwidth (bytes read + written per second).
 Each row: B requests with a ``--context``-token prompt, then ``--steps`` timed engine steps.
-``--kernels fused,torch`` times the fused Triton kernels (models/gpu_kernels.py) and the plain
+``--kernels fused,torch`` times the fused Triton kernels (flashtree/kernels/gpu/) and the plain
 torch ops side by side. ``--shape tiny`` runs a 2-layer toy model with the same vocabulary: its
 step is almost all host time (scheduling, input copies, graph launch, the one sync).
 """
@@ -64,7 +64,7 @@ def time_steps(engine: LLMEngine, batch: int, context: int, steps: int) -> float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu_decode_step.json")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
@@ -79,8 +79,8 @@ def main() -> None:
     rows = []
     variants = [(m == "graphs", k == "fused") for k in args.kernels.split(",") for m in args.modes.split(",")]
     for graphs, fused in variants:
-        config = EngineConfig(model=str(model_dir), random_weights=True, max_running=32, max_context=2048,
-                              cuda_graphs=graphs, device="cuda", gpu_kernels=fused)
+        config = EngineConfig.of(model=str(model_dir), random_weights=True, max_running=32, max_context=2048,
+                                 cuda_graphs=graphs, device="cuda", gpu_kernels=fused)
         engine = LLMEngine(config)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         floor_ms = weight_bytes / bandwidth * 1000

@@ -19,7 +19,7 @@
 # alternation with benchmarks/load_paired.py (REPEATS repeats, PAIRED_REQUESTS and WAVES per pass),
 # so drift of the machine hits all of them alike. WAVES defaults to 8: a 32-row pass of 4 waves lasts
 # about 3 s on the H200, and such passes spread 0.93-0.99 between servers running identical rounds
-# (8 waves: 0.996-1.014; benchmarks/README.md, "Eighteenth session"). TRACE_DIR=dir writes each server's policy trace
+# (8 waves: 0.996-1.014; benchmarks/journal/session-18-2026-12-03.md). TRACE_DIR=dir writes each server's policy trace
 # (--trace-policy; the plain server's has its round times) to dir/policy_METHOD.jsonl.
 # STEP_TRACE_DIR=dir writes each server's step trace (--trace-steps: round, prefill and the gap
 # before each engine step; the same short line on every server) to dir/steps_METHOD.jsonl.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # H200: the checks this code still owes a GPU, in two device calls of up to 10 minutes each (run
 # from the repository root; no wheels needed). PART=1 (exactness):
-#   1. the tree kernels against the torch ops on CUDA (tests/test_gpu_kernels.py compare_tree with
+#   1. the tree kernels against the torch ops on CUDA (tests/support/kernel_checks.py compare_tree with
 #      TREE_CASES random cases, budgets up to 256 so the bisection runs too, and the three threshold
 #      searches against each other; the drafter's top-k; the KV commit kernel), and the
 #      CUDA-graph tree test of test_tree_reference; each case compiles kernels for its shapes, so
 #      40 cases took over 120 s in the seventh session (killed, no result);
-#   2. FULL_TESTS=1: tests/gpu and every CUDA test of tests/test_gpu_kernels.py (over 220 s).
+#   2. FULL_TESTS=1: every CUDA test (tests/gpu; over 220 s).
 # PART=2 (timing):
 #   3. build + walk by budget as shipped (tree_build_speed.py; checks equality with the torch ops);
 #   4. SM cycles per stage inside the kept-list and node-selection kernels (gpu_tree_kernel_stages.py);
@@ -22,11 +22,11 @@ OUT=${1:?usage: gpu_next_checks.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [[ "${PART:-1}" == 1 ]]; then
-  timeout 250 python -c "import json; from tests.test_gpu_kernels import compare_tree, compare_top_tokens, compare_commit; \
+  timeout 250 python -c "import json; from tests.support.kernel_checks import compare_tree, compare_top_tokens, compare_commit; \
 print(json.dumps(compare_tree('cuda', cases=${TREE_CASES:-12}) | compare_top_tokens('cuda') | compare_commit('cuda')))" 2>&1 | tail -2
-  timeout 60 python -m pytest -q tests/test_tree_reference.py -k cuda 2>&1 | tail -1
+  timeout 60 python -m pytest -q tests/unit/test_tree_reference.py -k cuda 2>&1 | tail -1
   if [[ -n "${FULL_TESTS:-}" ]]; then
-    timeout 300 python -m pytest -q tests/gpu tests/test_gpu_kernels.py -k "not interpreter" 2>&1 | tail -4
+    timeout 300 python -m pytest -q tests/gpu 2>&1 | tail -4
   fi
   exit 0
 fi

@@ -1,10 +1,10 @@
 """What a plain round costs a speculative engine, against the plain engine, step by step.
 
 Served at one row on the H200, the speculative servers' plain rounds took 0.04-0.2 ms (1-4%) longer
-than the plain server's (benchmarks/README.md, "Eleventh session"). A speculative engine's plain
+than the plain server's (benchmarks/journal/session-11-2026-12-02.md). A speculative engine's plain
 round differs from the plain engine's in two ways: inside the round it keeps the drafter's context
 features (the captured layers' outputs, written into the drafter's lag buffer: since session 15 by
-the fused norm kernel, ``models/feature_sink.py``; before, a concatenation and ``DrafterRunner.defer``),
+the fused norm kernel, ``kernels/feature_sink.py``; before, a concatenation and ``DrafterRunner.defer``),
 and every ``LAG_CAPACITY`` rounds it runs a drafter catch-up pass. This run separates the two
 (session 12's ``spec-no-defer`` variant, features captured then dropped, is gone with ``defer`` in
 plain rounds; ``gpu_plain_round_kernels.py`` lists the kernels instead). The engines share one target
@@ -40,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # flashtree, wi
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen3_8b_shape import write_served_pair  # noqa: E402
 
-from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
-from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
+from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
+from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.engine.request import Status  # noqa: E402
-from flashtree.policy.adaptive import FixedNodes  # noqa: E402
-from flashtree.models.build import resolve_dtype  # noqa: E402
+from flashtree.models.build import load_target, resolve_dtype  # noqa: E402
+from flashtree.policy import FixedNodes  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 from flashtree.speculative.defaults import shipped_drafter  # noqa: E402
 
@@ -53,21 +53,21 @@ VARIANTS = ("none", "spec", "spec-no-features", "ddtree-adaptive", "dflash-adapt
 
 def make_engines(model: str, draft: str, random_weights: bool, device: str, max_running: int) -> dict:
     dev = torch.device(device)
-    base = EngineConfig(model=model, random_weights=random_weights, device=device)
+    base = EngineConfig.of(model=model, random_weights=random_weights, device=device)
     loaded = load_target(base, dev, resolve_dtype("auto", dev))
     engines = {}
     for name in VARIANTS:
         if name == "none":
-            spec = SpecConfig(method="none")
+            spec = SpeculationConfig(method="none")
         else:
-            spec = SpecConfig(method="dflash", draft=draft) if name.startswith("dflash") else \
-                SpecConfig(method="ddtree", draft=draft, budget=64)
+            spec = SpeculationConfig(method="dflash", draft=draft) if name.startswith("dflash") else \
+                SpeculationConfig(method="ddtree", draft=draft, budget=64)
         # unqueued: the engines take steps in turn without a sync, so one engine's queued round would
-        # run inside the next engine's timed step (engine.py, "Queued plain rounds"; engine_churn.py
-        # --interleave block measures engines that queue)
-        config = EngineConfig(model=model, spec=spec, random_weights=random_weights, device=device,
-                              max_running=max_running, max_context=2048, adaptive_spec=True,
-                              queue_plain_rounds=False)
+        # run inside the next engine's timed step (engine/overlap.py; engine_churn.py --interleave
+        # block measures engines that queue)
+        config = EngineConfig.of(spec=spec, model=model, random_weights=random_weights, device=device,
+                                 max_running=max_running, max_context=2048, adaptive_spec=True,
+                                 queue_plain_rounds=False)
         engine = LLMEngine(config, target=loaded)
         if name.endswith("adaptive"):
             time_policy(engine)

@@ -34,19 +34,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # flashtree, wi
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen3_8b_shape import write_served_pair  # noqa: E402
 
-from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
-from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
-from flashtree.policy.adaptive import FixedNodes  # noqa: E402
-from flashtree.models.build import resolve_dtype  # noqa: E402
+from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
+from flashtree.engine.engine import LLMEngine  # noqa: E402
+from flashtree.models.build import load_target, resolve_dtype  # noqa: E402
+from flashtree.policy import FixedNodes  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 
 ENGINES = ("none", "spec")
 
 
 def make_engine(name: str, model: str, draft: str, loaded, rows: int) -> LLMEngine:
-    spec = SpecConfig(method="none") if name == "none" else SpecConfig(method="ddtree", draft=draft, budget=64)
-    config = EngineConfig(model=model, spec=spec, random_weights=True, device="cuda", max_running=rows,
-                          max_context=2048, adaptive_spec=True)
+    spec = SpeculationConfig(method="none") if name == "none" else \
+        SpeculationConfig(method="ddtree", draft=draft, budget=64)
+    config = EngineConfig.of(spec=spec, model=model, random_weights=True, device="cuda", max_running=rows,
+                             max_context=2048, adaptive_spec=True)
     engine = LLMEngine(config, target=loaded)
     if name != "none":
         engine.policy = FixedNodes(0)  # every round plain
@@ -136,7 +137,8 @@ def main() -> None:
     model, draft = (str(d) for d in write_served_pair("/tmp/flashtree-plain-kernels/qwen3-8b-shape",
                                                       "/tmp/flashtree-plain-kernels/qwen3-8b-dflash-shape"))
     dev = torch.device("cuda")
-    loaded = load_target(EngineConfig(model=model, random_weights=True, device="cuda"), dev, resolve_dtype("auto", dev))
+    loaded = load_target(EngineConfig.of(model=model, random_weights=True, device="cuda"), dev,
+                         resolve_dtype("auto", dev))
     names = ENGINES
     report, lines = {"command": " ".join(sys.argv), "device_name": torch.cuda.get_device_name(),
                      "torch": torch.__version__, "levels": {}}, []

@@ -3,7 +3,7 @@ an execution plan per new shape) and with the planless path prefill now takes
 (``flashtree.models.attention.planless_attention``: the memory-efficient kernel on folded
 query groups).
 
-Why: served step traces (benchmarks/README.md, "Eleventh session") show one-row prefills of short
+Why: served step traces (benchmarks/journal/session-11-2026-12-02.md) show one-row prefills of short
 chat prompts at 13-43 ms, and some at 40-200 ms, against about 6 ms for a graphed decode step;
 ``gpu_sdpa_first_call.py`` measured 40-65 ms for cuDNN's first call at each new shape.
 
@@ -16,7 +16,8 @@ chat prompts at 13-43 ms, and some at 40-200 ms, against about 6 ms for a graphe
 2. ``engine``: Qwen3-8B shape, random bf16 weights, plain decoding, eager prefill: the wall time
    of a request with one output token (its prefill), for prompts of ``--lengths`` one at a time,
    then the same lengths again (shapes seen), then ``--batch`` prompts together; per path
-   (``ModelRunner.planless_prefill``), the planless one first.
+   (``KernelConfig.planless_prefill``: one engine per path over one loaded target), the planless
+   one first.
 
     PYTHONPATH=. python benchmarks/gpu_prefill_shapes.py [--out FILE]
 """
@@ -24,6 +25,7 @@ chat prompts at 13-43 ms, and some at 40-200 ms, against about 6 ms for a graphe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -40,6 +42,7 @@ from qwen3_8b_shape import QWEN3_8B, write_config  # noqa: E402
 from flashtree.config import EngineConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.models.attention import masked_attention, planless_attention  # noqa: E402
+from flashtree.models.build import load_target, resolve_dtype  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
 
 
@@ -107,12 +110,14 @@ def prefill_ms(engine: LLMEngine, lengths: list[int], gen: torch.Generator) -> f
 
 def engine_part(lengths, batch_lengths) -> dict:
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
-    engine = LLMEngine(EngineConfig(model=str(target), random_weights=True, device="cuda", max_running=32,
-                                    max_context=2048))
+    base = EngineConfig.of(model=str(target), random_weights=True, device="cuda", max_running=32, max_context=2048)
+    device = torch.device("cuda")
+    loaded = load_target(base, device, resolve_dtype(base.target.dtype, device))
     gen = torch.Generator().manual_seed(0)
     out = {}
     for planless in (True, False):
-        engine.runner.planless_prefill = planless
+        kernels = dataclasses.replace(base.kernels, planless_prefill=planless)
+        engine = LLMEngine(dataclasses.replace(base, kernels=kernels), target=loaded)
         name = "planless" if planless else "cudnn"
         prefill_ms(engine, [7], gen)  # a length outside the lists: library and kernel loading
         first = {n: prefill_ms(engine, [n], gen) for n in lengths}
@@ -122,6 +127,8 @@ def engine_part(lengths, batch_lengths) -> dict:
         out[name] = {"one_prompt_first_ms": first, "one_prompt_again_ms": again,
                      "batch_first_ms": batched_first, "batch_again_ms": batched_again}
         print(name, json.dumps(out[name]), flush=True)
+        del engine  # (its KV cache) before the next path's engine
+        torch.cuda.empty_cache()
     return out
 
 

@@ -4,6 +4,7 @@ work (build + walk + commit) at Qwen3-8B shape. Guides optimization; prints two 
     python benchmarks/gpu_profile_round.py
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -26,9 +27,10 @@ def table(prof, n=25):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
-    engine = LLMEngine(EngineConfig(model=str(target), random_weights=True, device="cuda", max_running=1,
-                                    max_context=2048, cuda_graphs=False))
+    engine = LLMEngine(EngineConfig.of(model=str(target), random_weights=True, device="cuda", max_running=1,
+                                       max_context=2048, cuda_graphs=False))
     start_requests(engine, 1, 1024)
     for _ in range(3):
         engine.step()

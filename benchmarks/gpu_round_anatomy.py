@@ -1,6 +1,9 @@
 """H200: where a DDTree round's time goes at Qwen3-8B shape, against the floors of its parts.
 
-    PYTHONPATH=. python benchmarks/gpu_round_anatomy.py --out benchmarks/results/gpu_round_anatomy_h200.json
+    PYTHONPATH=. python benchmarks/gpu_round_anatomy.py [--out FILE]
+
+Writes benchmarks/results/gpu_round_anatomy.json (and .txt) by default (rename them by the device
+and the date); the committed run is results/gpu_round_anatomy_h200_2026-12-01.json (and .txt).
 
 Four measurements, each a CUDA-graph replay unless it is a profile:
 1. matmul floor: the target's 36 layers of projections (fused qkv, o, fused gate/up, down) and the
@@ -35,11 +38,11 @@ from gpu_rounds import start_requests, time_steps  # noqa: E402
 from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
 from tree_build_speed import graphed_ms  # noqa: E402
 
-from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
-from flashtree.engine.engine import LLMEngine, load_target  # noqa: E402
-from flashtree.models.build import resolve_dtype  # noqa: E402
+from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
+from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
 from flashtree.models.attention import attention_bias  # noqa: E402
+from flashtree.models.build import load_target, resolve_dtype  # noqa: E402
 from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
 
@@ -118,13 +121,13 @@ def plain_round_upkeep(target, drafter, batches, repeats=1, context=1024, steps=
     probes). Pinned minus plain is the device and host upkeep of a loaded drafter; adaptive minus
     pinned is the policy's (host work, probes). The adaptive engine explores each batch's bucket
     first, in ``warmup_steps`` unmeasured steps."""
-    loaded = load_target(EngineConfig(model=str(target), random_weights=True, device=device),
+    loaded = load_target(EngineConfig.of(model=str(target), random_weights=True, device=device),
                          torch.device(device), resolve_dtype("auto", torch.device(device)))
     engines = {}
     for name, (method, budget, adaptive) in UPKEEP_ENGINES.items():
-        spec = SpecConfig(method=method, draft=None if method == "none" else str(drafter), budget=budget)
-        config = EngineConfig(model=str(target), spec=spec, random_weights=True, device=device,
-                              max_running=max(batches), max_context=context + 1024, adaptive_spec=adaptive)
+        spec = SpeculationConfig(method=method, draft=None if method == "none" else str(drafter), budget=budget)
+        config = EngineConfig.of(spec=spec, model=str(target), random_weights=True, device=device,
+                                 max_running=max(batches), max_context=context + 1024, adaptive_spec=adaptive)
         engines[name] = LLMEngine(config, target=loaded)
     for batch in batches:
         time_steps(engines["ddtree-64 adaptive"], batch, context, warmup_steps)
@@ -157,14 +160,14 @@ def profiled_steps(engine, batch, context, steps=128, warmup_steps=70):
 
 def upkeep_profile(target, drafter, batches, context=1024, device="cuda"):
     """Part 5: profiled plain engine against the pinned DDTree engine; lists what differs."""
-    loaded = load_target(EngineConfig(model=str(target), random_weights=True, device=device),
+    loaded = load_target(EngineConfig.of(model=str(target), random_weights=True, device=device),
                          torch.device(device), resolve_dtype("auto", torch.device(device)))
     rows, text = [], []
     for name in ("plain", "ddtree pinned to plain rounds"):
         method, budget, adaptive = UPKEEP_ENGINES[name]
-        spec = SpecConfig(method=method, draft=None if method == "none" else str(drafter), budget=budget)
-        config = EngineConfig(model=str(target), spec=spec, random_weights=True, device=device,
-                              max_running=max(batches), max_context=context + 1024, adaptive_spec=adaptive)
+        spec = SpeculationConfig(method=method, draft=None if method == "none" else str(drafter), budget=budget)
+        config = EngineConfig.of(spec=spec, model=str(target), random_weights=True, device=device,
+                                 max_running=max(batches), max_context=context + 1024, adaptive_spec=adaptive)
         engine = LLMEngine(config, target=loaded)
         for batch in batches:
             rows.append({"engine": name, "batch": batch} | profiled_steps(engine, batch, context))
@@ -185,9 +188,9 @@ def kernel_table(prof, n):
 
 
 def profile_round(target, drafter, budget, context=1024):
-    spec = SpecConfig(method="ddtree", draft=str(drafter), budget=budget)
-    engine = LLMEngine(EngineConfig(model=str(target), spec=spec, random_weights=True, device="cuda",
-                                    max_running=1, max_context=2048, adaptive_spec=False, cuda_graphs=False))
+    spec = SpeculationConfig(method="ddtree", draft=str(drafter), budget=budget)
+    engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device="cuda",
+                                       max_running=1, max_context=2048, adaptive_spec=False, cuda_graphs=False))
     start_requests(engine, 1, context)
     for _ in range(3):
         engine.step()
@@ -225,8 +228,8 @@ def profile_tree_work(budget, batch=1):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/gpu_round_anatomy_h200.json")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/gpu_round_anatomy.json")
     parser.add_argument("--tokens", default="1,17,65,257")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: matmul,attention,upkeep,profile")
     parser.add_argument("--upkeep-batches", default="1,8", help="batches of the plain-round upkeep part")

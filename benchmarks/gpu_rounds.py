@@ -25,9 +25,9 @@ from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
 from tree_build_speed import graphed_ms  # noqa: E402
 
 from flashtree import SamplingParams  # noqa: E402
-from flashtree.config import EngineConfig, SpecConfig  # noqa: E402
-from flashtree.engine.graphs import GraphCache  # noqa: E402
+from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
+from flashtree.engine.graphs import GraphCache  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
 from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
@@ -129,7 +129,7 @@ def count_syncs(engine, batch, context, steps=5):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu_rounds.json")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
@@ -146,13 +146,13 @@ def main():
     rows, batches = [], [int(b) for b in args.batches.split(",")]
     for method in filter(None, args.methods.split(",")):
         name, _, budget = method.partition(":")
-        spec = SpecConfig(method=name, draft=None if name == "none" else str(drafter),
-                          budget=int(budget) if budget else None)
+        spec = SpeculationConfig(method=name, draft=None if name == "none" else str(drafter),
+                                 budget=int(budget) if budget else None)
         for profile in (False, True):
-            engine = LLMEngine(EngineConfig(model=str(target), spec=spec, random_weights=True, device="cuda",
-                                            max_running=max(batches), max_context=2048, profile_stages=profile,
-                                            adaptive_spec=False,  # every round at the method's size
-                                            triton_tree=args.triton_tree, triton_attention=args.triton_attention))
+            engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device="cuda",
+                                               max_running=max(batches), max_context=2048, profile_stages=profile,
+                                               adaptive_spec=False,  # every round at the method's size
+                                               triton_tree=args.triton_tree, triton_attention=args.triton_attention))
             for batch in batches:
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
                 row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages}

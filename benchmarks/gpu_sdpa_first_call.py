@@ -2,7 +2,7 @@
 tree-verify rounds (Qwen3-8B heads, bf16, an additive mask).
 
 Why: on the H200 a round that meets a new shape costs 85-250 ms eagerly and 0.1-0.3 s when it
-captures a CUDA graph (benchmarks/README.md, "Tenth session"), against 6-8 ms when replayed. PyTorch
+captures a CUDA graph (benchmarks/journal/session-10-2026-12-02.md), against 6-8 ms when replayed. PyTorch
 picks cuDNN attention for these masked shapes, and cuDNN builds an execution plan per new shape;
 36 layers share one plan per shape, so a plan that takes tens of ms would explain it. This times,
 per shape, the first call and the median of the next ``--calls`` for each backend (each backend on

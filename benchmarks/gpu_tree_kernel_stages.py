@@ -1,11 +1,14 @@
 """H200: where the time goes inside the two big DDTree tree kernels, stage by stage.
 
-    PYTHONPATH=. python benchmarks/gpu_tree_kernel_stages.py --out benchmarks/results/gpu_tree_kernel_stages_h200.json
+    PYTHONPATH=. python benchmarks/gpu_tree_kernel_stages.py [--budgets 64,256,1024] [--out FILE]
+
+Writes benchmarks/results/gpu_tree_kernel_stages.json by default (rename it by the device and the
+date); the README's run went to results/tree_commit_lengths_five_topk_h200_2026-12-02/c2/stages.json.
 
 Vocab 151,936, 15 draft positions, bf16 logits (randn x 2), batch 1, budgets 64 / 256 / 1024.
 ``tree_kernels.expand_levels`` and ``select_nodes`` run with ``stage_clocks``: each program reads
 the SM cycle counter between stages (the kernels' CLOCKS option; the stages are named in
-``triton_kernels``) and writes the cycles per stage. Each kernel is also timed alone as one
+``flashtree/kernels/gpu/triton_tree.py``) and writes the cycles per stage. Each kernel is also timed alone as one
 replayed CUDA graph without clocks (``kernel_ms``); a stage's ``us`` is its share of the clocked
 cycles times that time (the clocks themselves cost a little; their total is ``clocked_cycles``).
 """
@@ -19,9 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tree_build_speed import graphed_ms  # noqa: E402
-from flashtree.models import gpu_kernels  # noqa: E402
 
-from flashtree.kernels.gpu import tree as tree_kernels2
+from flashtree.kernels.gpu import tree as tree_kernels  # noqa: E402
 from flashtree.speculative.tree import build as tree_module  # noqa: E402
 
 STAGES = {
@@ -66,8 +68,8 @@ def case(budget, reps, vocab=151_936, depth=15):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/gpu_tree_kernel_stages_h200.json")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/gpu_tree_kernel_stages.json")
     parser.add_argument("--budgets", default="64,256,1024")
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()

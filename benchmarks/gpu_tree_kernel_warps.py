@@ -1,6 +1,9 @@
 """H200: the DDTree tree kernels one by one, by warps per program.
 
-    PYTHONPATH=. python benchmarks/gpu_tree_kernel_warps.py --out benchmarks/results/gpu_tree_kernel_warps_h200.json
+    PYTHONPATH=. python benchmarks/gpu_tree_kernel_warps.py [--budgets 16,64,256] [--batches 1,8] [--out FILE]
+
+Writes benchmarks/results/gpu_tree_kernel_warps.json by default (rename it by the device and the
+date); the README's run went to results/tree_six_topk_and_served_paired_h200_2026-12-02/t/warps.json.
 
 Vocab 151,936, 15 draft positions, bf16 logits, budgets 16 / 64 / 256, batch 1 and 8. Each part is
 timed alone as one replayed CUDA graph (ms): the drafter's top-K tokens and log-probs
@@ -22,12 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_build_speed import graphed_ms  # noqa: 
-from flashtree.models import gpu_kernels  # noqa: E402
+from tree_build_speed import graphed_ms  # noqa: E402
 
-from flashtree.kernels.gpu import topk as topk_kernels
-
-from flashtree.kernels.gpu import tree as tree_kernels E402
+from flashtree.kernels.gpu import topk as topk_kernels  # noqa: E402
+from flashtree.kernels.gpu import tree as tree_kernels  # noqa: E402
 from flashtree.speculative.tree import build as tree_module  # noqa: E402
 
 WARPS = (1, 2, 4, 8)
@@ -87,8 +88,8 @@ def case(budget, batch, vocab, depth, reps, warps_list=WARPS):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/gpu_tree_kernel_warps_h200.json")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/gpu_tree_kernel_warps.json")
     parser.add_argument("--budgets", default="16,64,256")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--reps", type=int, default=50)

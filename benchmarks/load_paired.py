@@ -2,8 +2,8 @@
 alternation, so slow drift of the machine hits every server alike.
 
 Two servers measured one after the other differ by the drift between their runs as well as by
-what they do: on the H200 one server's passes spread by 4-15% (benchmarks/README.md, "Serving under
-load, median of three passes") and the servers' ranges overlapped at every level. Here every
+what they do: on the H200 one server's passes spread by 4-15% (benchmarks/journal/session-06-2026-12-01.md,
+"Serving under load, median of three passes") and the servers' ranges overlapped at every level. Here every
 server stays up the whole time (idle ones sleep), and each repeat runs every level on every
 server back to back, the server order rotating from repeat to repeat. Each method's pass is then
 compared with the baseline's pass of the same repeat and level (a paired ratio); the report gives

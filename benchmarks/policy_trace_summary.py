@@ -23,7 +23,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-EXPLORE_ROUNDS = 2  # SpecPolicyConfig.explore_rounds (the default every server here runs)
+EXPLORE_ROUNDS = 2  # flashtree.config.PolicyConfig.explore_rounds (the default every server here runs)
 
 
 def rows_bucket(rows: int) -> int:

@@ -4,8 +4,8 @@
     python benchmarks/tree_build_speed.py --device cuda --out benchmarks/results/tree_build_speed_h200.json
 
 Vocab 151,936, 15 draft positions, budgets 16/64/256/1024, batch 1 and 8. "before" is the frozen
-copy in tests/test_tree_reference.py; "after" is flashtree.spec. Reported per call: median
-wall time (CPU: eager; CUDA: eager and one replayed CUDA graph of the whole build + walk) and
+copy in tests/support/tree_reference.py; "after" is flashtree.speculative.tree. Reported per call:
+median wall time (CPU: eager; CUDA: eager and one replayed CUDA graph of the whole build + walk) and
 the number of ATen ops dispatched (a TorchDispatchMode counter; views included, so it bounds
 the GPU kernel launches from above). The Triton kernels must give the torch ops' outputs exactly;
 whether "after" equals the frozen "before" is recorded per row (``after_matches_before``): on CUDA
@@ -30,16 +30,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree.kernels import gpu as gpu_kernels  # noqa: E402
-from flashtree.kernels.gpu import topk as topk_kernels  # noqa: E402
 from flashtree.kernels.gpu import tree as tree_kernels  # noqa: E402
 from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
-from tests.test_tree_reference import _reference_accept_walk, _reference_build_tree  # noqa: E402
+from tests.support.tree_reference import _reference_accept_walk, _reference_build_tree  # noqa: E402
 
 IMPLEMENTATIONS = {
     "before": (_reference_build_tree, _reference_accept_walk),
     "after": (build_tree, accept_walk),
-    # the Triton tree kernels (models/gpu_kernels: expand_levels, select_nodes, accept_walk); CUDA with Triton only
+    # the Triton tree kernels (kernels/gpu/tree.py: expand_levels, select_nodes, accept_walk); CUDA with Triton only
     "kernel": (functools.partial(build_tree, kernel=True), functools.partial(accept_walk, kernel=True)),
 }
 

@@ -2,6 +2,6 @@
 
 from flashtree.llm import LLM, RequestOutput
 from flashtree.sampling import SamplingParams
+from flashtree.version import __version__
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]

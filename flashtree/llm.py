@@ -16,9 +16,9 @@ from typing import Sequence
 from flashtree.config import EngineConfig, SpeculationConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.engine.request import Request
-from flashtree.speculative.defaults import default_spec
-from flashtree.sampling import SamplingParams
 from flashtree.models.tokenizer import encode_chat, encode_prompt
+from flashtree.sampling import SamplingParams
+from flashtree.speculative.defaults import default_spec
 
 
 @dataclasses.dataclass(frozen=True)

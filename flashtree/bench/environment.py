@@ -34,7 +34,7 @@ def usable_cpus() -> int:
 def environment(device: torch.device) -> dict:
     import transformers
 
-    import flashtree
+    from flashtree.version import __version__
 
     info = {
         "device": str(device),
@@ -46,7 +46,7 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "flashtree": flashtree.__version__,
+        "flashtree": __version__,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

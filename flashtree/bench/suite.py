@@ -1,11 +1,10 @@
-"""One benchmark session: load the prompts and the target once, run every method, compare.
+"""One benchmark run: load the prompts and the target once, run every method, compare.
 
 The result is the report dict (see report.py); writing files is the command line's job.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 from flashtree.bench.datasets import load_prompts

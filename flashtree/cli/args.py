@@ -11,8 +11,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from flashtree.config import (SPEC_METHODS, CacheConfig, EngineConfig, KernelConfig, SchedulerConfig,
-                              SpeculationConfig, TargetConfig, TraceConfig)
+from flashtree.config import (
+    SPEC_METHODS,
+    CacheConfig,
+    EngineConfig,
+    KernelConfig,
+    SchedulerConfig,
+    SpeculationConfig,
+    TargetConfig,
+    TraceConfig,
+)
 
 DEFAULT_MODEL = TargetConfig.model
 HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand shows its defaults

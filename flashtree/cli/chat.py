@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from flashtree.llm import LLM
-from flashtree.sampling import SamplingParams
 from flashtree.models.tokenizer import encode_chat
+from flashtree.sampling import SamplingParams
 
 
 def stream_reply(llm: LLM, messages: list[dict], params: SamplingParams, out=sys.stdout) -> str:

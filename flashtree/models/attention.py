@@ -6,11 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# Backend note (H200, Qwen3-8B shape, benchmarks/README.md): PyTorch's default choice (cuDNN
-# attention for these masked shapes) is the fast one under CUDA graphs. Forcing the
-# memory-efficient kernel made a graphed decode step 1.6x slower at batch 1 and 8.7x at batch 32.
-# But cuDNN builds an execution plan for every new shape, 40-65 ms each on the H200
-# (benchmarks/gpu_sdpa_first_call.py). Rounds have few shapes (padded rows, 256-key buckets) and
+# Backend note (H200, Qwen3-8B shape): PyTorch's default choice (cuDNN attention for these masked
+# shapes) is the fast one under CUDA graphs; the memory-efficient kernel makes a graphed decode step
+# 1.6x slower at batch 1 and 8.7x at batch 32. But cuDNN builds an execution plan for every new
+# shape, 40-65 ms each on the H200. Rounds have few shapes (padded rows, 256-key buckets) and
 # are captured once; a prefill's (rows, width, keys) seldom recurs, so it would pay that on most
 # prefills. Shapes marked one-off therefore go to kernels that build no plan.
 PLANLESS_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -1,6 +1,6 @@
 """DFlashDrafter: the z-lab DFlash block-diffusion drafter, and :func:`load_drafter`.
 
-Semantics (DESIGN.md section 2):
+Semantics (the z-lab DFlash format):
 1. context features of a committed token (target hidden states after ``target_layer_ids``,
    concatenated) -> ``fc`` -> ``hidden_norm``;
 2. per drafter layer, the normed features go through ``k_proj`` / ``v_proj``, ``k_norm`` and RoPE
@@ -28,17 +28,23 @@ import torch
 from torch import nn
 
 from flashtree.errors import CheckpointError, ConfigError
-from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.kernels.cpu import fused as cpu_kernels
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear, quantize_q8_0
+from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.build import copy_weights, init_random_weights
-from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear, quantize_q8_0
 from flashtree.models.dflash_config import DFlashConfig, parse_dflash_config
 from flashtree.models.loader import hub_snapshot_dir, read_json, read_weights
 from flashtree.models.rope import RotaryTable, apply_rotary
-from flashtree.models.transformer import (MLP, CausalLM, FusedKernelSwitch, RMSNorm, fuse_attention_projections,
-                                          prenorm_layer)
+from flashtree.models.transformer import (
+    MLP,
+    CausalLM,
+    FusedKernelSwitch,
+    RMSNorm,
+    fuse_attention_projections,
+    prenorm_layer,
+)
 
 DRAFT_FORMS = ("a DFlash drafter directory (config.json + model.safetensors) or a Hugging Face hub id "
                "such as z-lab/Qwen3-8B-DFlash-b16")

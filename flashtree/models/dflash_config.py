@@ -70,7 +70,7 @@ class DFlashConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """The spread used when ``target_layer_ids`` is absent (DESIGN.md section 2)."""
+    """The spread used when ``target_layer_ids`` is absent (the z-lab format's rule)."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4

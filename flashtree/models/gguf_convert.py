@@ -8,7 +8,7 @@ rest of flashtree only reads Hugging Face directories, so :func:`convert_gguf` w
         config.json         Hugging Face config built from the GGUF metadata
         model.safetensors   every tensor dequantized to float32, Hugging Face names
         gguf_blocks.safetensors  the Q4_0/Q4_1/Q8_0 matrices' raw blocks, GGUF names, q/k rows
-                            un-permuted (for the CPU block kernel, cpu_quant_linear.py)
+                            un-permuted (for the CPU block kernel, gguf_blocks.py)
         tokenizer.json ...  the GGUF tokenizer, saved with ``save_pretrained``
 
 ``key`` hashes the file's absolute path, size and mtime, so an edited or replaced file is
@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import tempfile
@@ -130,7 +129,7 @@ def write_converted(gguf_path: Path, out_dir: Path) -> None:
 
 
 def _save_quantized_blocks(reader: gguf.GGUFReader, config: dict[str, Any], out_dir: Path) -> None:
-    """Keep the Q4_0 / Q4_1 / Q8_0 blocks too, for the CPU block kernel (cpu_quant_linear.py)."""
+    """Keep the Q4_0 / Q4_1 / Q8_0 blocks too, for the CPU block kernel (gguf_blocks.py)."""
     blocks = gguf_blocks(reader, config["model_type"], config["num_attention_heads"], config["num_key_value_heads"])
     if blocks:
         save_blocks(blocks, out_dir, config["flashtree_source_gguf"])

@@ -14,15 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree.kv.cache import KVCache
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kernels.cpu import fused as cpu_fused
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear
+from flashtree.kernels.feature_sink import FeatureSink, SinkSegment
 from flashtree.kernels.gpu import fused as gpu_fused
+from flashtree.kv.cache import KVCache
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
-from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear
-from flashtree.kernels.feature_sink import FeatureSink, SinkSegment
 from flashtree.models.rope import RotaryTable, apply_rotary
 
 
@@ -44,9 +44,9 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor, kernels,
                     copy_to: SinkSegment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); one kernel of ``kernels`` (a fused-kernel backend
-        module, or None for torch ops). ``copy_to``: the sum also goes there (models/feature_sink.py),
+        module, or None for torch ops). ``copy_to``: the sum also goes there (kernels/feature_sink.py),
         inside that kernel where the backend can."""
-        if kernels is not None and copy_to is not None and getattr(kernels, "ADD_RMS_NORM_COPIES", False):
+        if kernels is not None and copy_to is not None and kernels.ADD_RMS_NORM_COPIES:
             return kernels.add_rms_norm(x, residual, self.weight, self.eps, copy_to=copy_to)
         if kernels is not None:
             normed, total = kernels.add_rms_norm(x, residual, self.weight, self.eps)
@@ -89,7 +89,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden] after fuse()
-        # GGUF blocks for products with few rows (cpu_quant_linear.attach_quantized), else None
+        # GGUF blocks for products with few rows (gguf_blocks.attach_quantized), else None
         self.gate_up_quant: QuantizedLinear | None = None
         self.down_quant: QuantizedLinear | None = None
         self.kernels = None  # fused-kernel backend (gpu_kernels / cpu_kernels) for silu * up, or None
@@ -247,7 +247,7 @@ class FusedKernelSwitch:
     def use_gpu_kernels(self, enabled: bool = True, attention: bool = False) -> bool:
         """Switch the Triton kernels on where they can run (CUDA with Triton, a power-of-two
         head_dim); returns whether they are on. ``attention`` also swaps SDPA for the Triton tree
-        attention (slower on the H200 so far: benchmarks/README.md)."""
+        attention (slower than cuDNN for trees and small contiguous batches on the H200)."""
         head_dim = self.config.head_dim
         on = (enabled and gpu_kernels.usable_on(self._kernel_weight()) and head_dim & (head_dim - 1) == 0
               and self._ready_for_kernels())

@@ -12,10 +12,10 @@ from typing import Any
 
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import RequestError
+from flashtree.models.tokenizer import encode_chat, encode_prompt
 from flashtree.sampling import SamplingParams
 from flashtree.server.errors import APIError, param_named_in
 from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from flashtree.models.tokenizer import encode_chat, encode_prompt
 
 
 @dataclasses.dataclass(frozen=True)

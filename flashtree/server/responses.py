@@ -17,8 +17,16 @@ from pydantic import BaseModel
 
 from flashtree.server.async_engine import EngineFailure, GenerationDelta, RequestStream, RequestUsage
 from flashtree.server.errors import APIError
-from flashtree.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                       ChatCompletionResponse, CompletionChoice, CompletionResponse, Usage)
+from flashtree.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

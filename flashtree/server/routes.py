@@ -14,8 +14,15 @@ from flashtree.server.errors import APIError, from_engine_error
 from flashtree.server.generation import GenerationInput, ServedModel, chat_input, completion_input
 from flashtree.server.metrics import CONTENT_TYPE
 from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from flashtree.server.responses import (SSE_HEADERS, chat_events, chat_response, completion_events,
-                                        completion_response, last_delta, new_id)
+from flashtree.server.responses import (
+    SSE_HEADERS,
+    chat_events,
+    chat_response,
+    completion_events,
+    completion_response,
+    last_delta,
+    new_id,
+)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 

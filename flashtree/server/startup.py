@@ -20,8 +20,8 @@ from flashtree.kv.cache import KVCacheSpec
 from flashtree.models.build import resolve_device, resolve_dtype
 from flashtree.models.config import ModelConfig
 from flashtree.models.loader import resolve_model_dir
-from flashtree.sampling import SamplingParams
 from flashtree.models.tokenizer import encode_chat
+from flashtree.sampling import SamplingParams
 
 log = logging.getLogger("flashtree.server")
 
@@ -47,8 +47,8 @@ def freeze_startup_objects() -> int:
 
     The collector runs a full collection whenever enough objects have outlived its young
     generations, and a full collection walks every tracked object: 170-180 ms for a loaded
-    SmolLM2 server on a 2-core CPU, against 1.5 ms once they are frozen
-    (benchmarks/cpu_gc_pauses.py). On the engine thread that is a stalled step. Startup objects
+    SmolLM2 server on a 2-core CPU, against 1.5 ms once they are frozen. On the engine thread that is
+    a stalled step. Startup objects
     live as long as the process, so nothing is lost by never scanning them; later garbage is
     still collected. It acts on the whole process, so only the ``flashtree serve`` process calls it
     (``ServerConfig.freeze_gc``), not a library user's."""

@@ -7,7 +7,7 @@ Glossary
 - accept length: nodes on the path, root included = tokens committed this round.
 - next bonus: the target's choice at the last path node; the root of the next round.
 
-Rule (DESIGN.md sections 3 and 4): from the root, with y the target's choice at the current
+Rule: from the root, with y the target's choice at the current
 node, move to the valid child whose token is y (siblings carry distinct tokens, so there is
 at most one) and repeat; stop when there is none. Every committed token is the target's own
 choice given the true prefix, so decoding stays lossless.
@@ -20,7 +20,6 @@ from typing import NamedTuple
 import torch
 
 from flashtree.kernels import gpu as gpu_kernels
-
 from flashtree.kernels.gpu import tree as tree_kernels
 from flashtree.speculative.tree import ROOT, DraftTree
 

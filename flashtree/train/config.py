@@ -33,7 +33,7 @@ class TrainConfig:
     # drafter shape
     layers: int = 3
     block_size: int = 16
-    target_layer_ids: tuple[int, ...] | None = None  # None: spread over the target (DESIGN.md)
+    target_layer_ids: tuple[int, ...] | None = None  # None: spread over the target (the z-lab format's rule)
     mask_token_id: int | None = None  # None: <|MASK|> when the tokenizer has it, else an unused special
     output_norm_init: float = 1.0  # initial weight of a new drafter's final norm (feeds the target's lm_head)
     # data

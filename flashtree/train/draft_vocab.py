@@ -1,4 +1,4 @@
-"""Write a drafter's token ranking (``spec/draft_vocab.py``): every token id of the training
+"""Write a drafter's token ranking (``speculative/draft_vocab.py``): every token id of the training
 split's assistant turns, most frequent first (ties by id), as ``draft_vocab.safetensors``.
 
     python -m flashtree.train.draft_vocab --model smollm2 --out DRAFTER_DIR [--data sharegpt]

@@ -10,7 +10,7 @@ exactly what training optimized. Only the key layout and mask differ:
 - training: per sequence, keys ``[context 0..N-1 ; block of anchor 0 ; block of anchor 1 ...]``
   with the block-sparse mask of :mod:`flashtree.train.masks` (a block sees the context before
   its anchor and its own slots), which gives every block the same keys it sees at inference.
-tests/test_train_drafter.py checks the logits against the inference path.
+A test checks the logits against the inference path.
 
 Shapes: B sequences, N tokens, A anchors, b block size, Q = A*b queries, H heads, KVH kv heads,
 D head dim, C = len(target_layer_ids) * hidden.

@@ -1,12 +1,12 @@
 """A fresh drafter for a target: its z-lab ``config.json`` dict, its mask token, its modules.
 
-Defaults (DESIGN.md section 2): drafter hidden size = the target's; heads, kv heads, head dim,
+Defaults: drafter hidden size = the target's; heads, kv heads, head dim,
 intermediate size, rms eps and RoPE copied from the target; ``target_layer_ids`` spread over the
 target's layers with the format's own rule; every layer full attention.
 
 Mask token: the tokenizer's ``<|MASK|>`` when it has one inside the target's vocabulary; else
 a special token that never occurs in chat (``<issue_start>``, id 8 in SmolLM2, whose 49,152
-embedding rows are all real tokens, DESIGN.md section 6); else another added special token the
+embedding rows are all real tokens); else another added special token the
 chat template does not use; else a spare embedding row past the tokenizer (recorded as
 ``<|MASK|>``). The choice is written to ``dflash_config`` so the checkpoint is self-describing.
 """
@@ -20,8 +20,13 @@ import torch
 from flashtree.errors import ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashDrafter, build_drafter
-from flashtree.models.dflash_config import (DEFAULT_MASK_TOKEN, DRAFTER_ARCHITECTURE, FULL_ATTENTION,
-                                            default_target_layer_ids, parse_dflash_config)
+from flashtree.models.dflash_config import (
+    DEFAULT_MASK_TOKEN,
+    DRAFTER_ARCHITECTURE,
+    FULL_ATTENTION,
+    default_target_layer_ids,
+    parse_dflash_config,
+)
 from flashtree.models.transformer import CausalLM
 
 UNUSED_SPECIAL_TOKENS = ("<issue_start>",)  # never in chat: SmolLM2's code-metadata specials

@@ -22,10 +22,16 @@ from pathlib import Path
 from typing import Sequence
 
 from flashtree.errors import ConfigError
-from flashtree.sampling import SamplingParams
 from flashtree.models.tokenizer import encode_chat
-from flashtree.train.data import (DEFAULT_HELDOUT_PERCENT, TURN_CHOICES, Conversation, chat_prompts,
-                                  load_conversations, split_conversations)
+from flashtree.sampling import SamplingParams
+from flashtree.train.data import (
+    DEFAULT_HELDOUT_PERCENT,
+    TURN_CHOICES,
+    Conversation,
+    chat_prompts,
+    load_conversations,
+    split_conversations,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,8 @@ from flashtree.errors import ConfigError
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.loader import load_checkpoint
-from flashtree.models.transformer import CausalLM
 from flashtree.models.tokenizer import stop_token_ids_for
+from flashtree.models.transformer import CausalLM
 from flashtree.train import checkpoint
 from flashtree.train.batching import BatchStream
 from flashtree.train.config import TrainConfig

@@ -1,17 +1,14 @@
-"""Fused C++ kernels for the decoder's small per-layer ops and short attention on the CPU (fp32).
+"""The fused small ops of a decoder layer and short attention on the CPU (fp32): the CPU backend of
+:mod:`flashtree.kernels.fused_ops`.
 
-On a 2-core CPU a SmolLM2 decode step spent about a fifth of its time in small torch ops between
-the matmuls (RMSNorm, rotary, KV-cache writes, silu; benchmarks/results/cpu_profile_plain.json):
-each costs 15-30 us of dispatch and cache misses for a few hundred floats of work. These
-functions have the signatures of their Triton twins in :mod:`gpu_kernels` (the model calls
-whichever backend it was given), :func:`tree_attention` included, used for forwards of at most
-:data:`MAX_ATTENTION_NEW_TOKENS` new tokens per row (longer ones keep SDPA). They are C++ loops
-in the library :mod:`cpu_quant_linear` builds (same compiler, same cache; so they need what it
-needs: AVX-512 or AVX2, and a C++ compiler). Arithmetic is float32 and each token's sums run in
-the same order whatever else is in the call, so a token's result does not depend on its batch;
-sums run in a different order than torch's, so results differ from the torch ops by float
-rounding (tests/test_cpu_kernels.py bounds it).
+On a 2-core CPU each small torch op between the matmuls costs 15-30 us of dispatch and cache misses
+for a few hundred floats of work; these are C++ loops in the kernel library (``library.py``: it
+needs AVX-512 or AVX2 and a C++ compiler). :func:`tree_attention` serves forwards of at most
+:data:`MAX_ATTENTION_NEW_TOKENS` new tokens per row (longer ones keep SDPA). Each token's sums run in
+the same order whatever else is in the call, so a token's result does not depend on its batch; the
+order differs from torch's, so results differ from the torch ops by float rounding.
 """
+
 
 from __future__ import annotations
 
@@ -41,6 +38,9 @@ def _ptr(tensor: torch.Tensor | None):
     return None if tensor is None else tensor.data_ptr()
 
 
+ADD_RMS_NORM_COPIES = False  # add_rms_norm takes no ``copy_to``: the caller writes the copy
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual ``[..., width]`` -> (rms_norm(x + residual) * weight, x + residual)."""
@@ -65,7 +65,7 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
                         cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,
                         write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """As :func:`gpu_kernels.qkv_norm_rope_write`: q/k norm + rotary, K/V into the cache; returns
+    """As :func:`flashtree.kernels.gpu.fused.qkv_norm_rope_write`: q/k norm + rotary, K/V into the cache; returns
     q ``[B, H, N, D]``."""
     qkv, q, slots, entries = qkv_write_operands(qkv, heads, kv_heads, k_cache, v_cache, write_index)
     b, n, _ = qkv.shape
@@ -92,7 +92,7 @@ def handles_attention(new_tokens: int) -> bool:
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """As :func:`gpu_kernels.tree_attention` (in C++, one task per row and head on torch's threads):
+    """As :func:`flashtree.kernels.gpu.attention.tree_attention` (in C++, one task per row and head on torch's threads):
     q ``[B, H, N, D]`` over each row's committed cache entries and the new tokens its ``new_mask``
     allows. A query's result is bit-identical whatever shares the call: a tree node gets exactly
     what plain decoding computes once its ancestors are committed."""

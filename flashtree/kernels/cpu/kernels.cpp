@@ -227,7 +227,7 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
     }
 }
 
-// ---- fused small ops of a decoder layer (fp32, rows = tokens); see cpu_kernels.py
+// ---- fused small ops of a decoder layer (fp32, rows = tokens); see fused.py
 inline float dot_product(const float* a, const float* b, int64_t n) {
   int64_t d = 0;
   V16 acc = v_zero();

@@ -82,7 +82,7 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_block_dequantize.restype = ctypes.c_int
     lib.flashtree_block_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                ctypes.c_int64, ctypes.c_int]
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64  # the fused small ops (cpu_kernels.py)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64  # the fused small ops (fused.py)
     lib.flashtree_add_rms_norm.restype = lib.flashtree_silu_mul.restype = None
     lib.flashtree_add_rms_norm.argtypes = [ptr] * 5 + [i64, i64, ctypes.c_float]
     lib.flashtree_silu_mul.argtypes = [ptr, ptr, i64, i64]

@@ -1,11 +1,11 @@
 """CPU products with few rows straight from a GGUF's quantized blocks (Q4_0, Q4_1, Q8_0).
 
-A GGUF model is dequantized once to float32 (gguf_convert.py). On a CPU, a decode step then
-streams every fp32 weight once per token and is bound by memory bandwidth. For products with
-at most :data:`MAX_ROWS` rows (decode: one row per sequence; verification trees; drafter blocks;
-batches of a few dozen sequences) this module multiplies from the GGUF blocks instead: 0.625 bytes per Q4_1 weight (0.56 for Q4_0,
-1.06 for Q8_0) instead of 4. A small SIMD kernel rebuilds each weight in registers exactly
-as the converter stored it and accumulates in float32:
+A GGUF model is dequantized once to float32 (``models/gguf_convert.py``); a CPU decode step then
+streams every fp32 weight per token and is bound by memory bandwidth. Products of at most
+:data:`MAX_ROWS` rows (decode steps, verification trees, drafter blocks, batches of a few dozen
+requests) read the GGUF blocks instead, 0.56-1.06 bytes per weight instead of 4. The kernel
+(``kernels.cpp``) rebuilds each weight in registers exactly as the converter stored it and
+accumulates in float32:
 
 - Q4_1: ``fma(d, q, m)``. ``d`` is an fp16 value and ``q`` a 4-bit integer, so ``d * q`` is
   exact in fp32 and the fma rounds once, like numpy's ``d * q + m``.
@@ -14,25 +14,14 @@ as the converter stored it and accumulates in float32:
 - Q8_0: ``d * q``, exact.
 
 so the weights are bit-identical to the fp32 ones (checked at load on a spread of rows of every
-weight, in full by the tests); only the summation order differs from MKL's.
-Each weight block is decoded once for up to 8 rows of a product (from L1 again for each further
-group of 8), and a row's result does not depend on how many rows share the call. The kernel prefetches 4 KB ahead in the weight stream: the
-separate per-layer products are too short for the hardware prefetcher alone (3x slower without).
-Larger products (prefill, big trees) keep the fp32 weights (kept too: 538 MB for SmolLM2-135M).
-
-The same library also holds the fused small ops of :mod:`cpu_kernels` (RMSNorm, rotary + KV
-write, silu, short attention), and :func:`quantize_q8_0` rounds a drafter's weights to Q8_0 blocks.
-
-The blocks come from ``gguf_blocks.safetensors``, which the GGUF conversion writes beside the
-fp32 weights (and the first load of an older cache entry adds). The kernel is plain C++ (no
-torch headers, so it compiles in about two seconds) built once with
-the system compiler into ``$FLASHTREE_CACHE/kernels`` and called through ``ctypes``; its OpenMP
-loop runs on the OpenMP runtime torch already loaded, with torch's thread count. It is built for
-AVX-512 (avx512f, avx512bw, f16c, fma in /proc/cpuinfo) or else AVX2 (avx2, f16c, fma: the same
-code on pairs of 8-float registers, :data:`ISA_BUILDS`) and used when a compiler works;
-otherwise the fp32 path stays and one log line says why. ``EngineConfig(quant_kernels=False)``
-/ ``--no-quant-kernels`` turns it off.
+weight); only the summation order differs from MKL's. Each weight block is decoded once for up to
+8 rows of a product, and a row's result does not depend on how many rows share the call. The
+kernel prefetches 4 KB ahead in the weight stream: the per-layer products are too short for the
+hardware prefetcher alone. Larger products (prefill, big trees) use the fp32 weights, kept too.
+:func:`quantize_q8_0` rounds a drafter's weights to Q8_0 blocks. ``--no-quant-kernels`` (``KernelConfig``)
+turns the block products off.
 """
+
 
 from __future__ import annotations
 
@@ -42,13 +31,12 @@ import torch
 
 from flashtree.kernels.cpu.library import load_kernels
 
-MAX_ROWS = 32  # products with at most this many rows use the block kernel; more rows keep the fp32 weights
-# (SmolLM2 forwards on a 2-core Xeon, benchmarks/README.md: 9 rows 30.5 vs 58.4 ms, 16 rows 36.9 vs 60.5,
-# 24 rows 52.8 vs 66.2, 32 rows 72.8 vs 73.1 ms; the kernel's arithmetic per row is the same for every count)
+# products with at most this many rows use the block kernel; more rows keep the fp32 weights (at 32 rows
+# the two cost the same on a 2-core Xeon; the kernel's arithmetic per row is the same for every count)
+MAX_ROWS = 32
 
 # type name -> (bytes per 32-weight block, kernel type code)
 BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
-
 
 
 class QuantizedLinear:

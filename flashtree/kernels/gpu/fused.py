@@ -6,9 +6,9 @@ import functools
 
 import torch
 
-from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 from flashtree.kernels.feature_sink import SinkSegment
 from flashtree.kernels.fused_ops import qkv_write_operands
+from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 from flashtree.kernels.gpu.attention import tree_attention  # noqa: F401 (part of the backend)
 
 
@@ -25,7 +25,7 @@ ADD_RMS_NORM_COPIES = True  # add_rms_norm takes ``copy_to`` (the unfused path w
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  copy_to: SinkSegment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual ``[..., width]`` -> (rms_norm(x + residual) * weight, x + residual); with
-    ``copy_to`` (models/feature_sink.py) the sum of token t also goes to row ``copy_to.rows[t]``
+    ``copy_to`` (kernels/feature_sink.py) the sum of token t also goes to row ``copy_to.rows[t]``
     of ``copy_to.columns``, in the same kernel."""
     width = x.shape[-1]
     x, residual = x.contiguous(), residual.contiguous()

@@ -38,7 +38,7 @@ def log_normalize_top(logits: torch.Tensor, top_values: torch.Tensor) -> torch.T
 def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest of each row of bf16 / fp16 ``logits [..., V]`` as float32 log-probabilities
     (``x - logsumexp(row)``) and token ids, ``[..., k]`` each, best first; equal values in index
-    order. An exact radix select over the 16-bit order keys (``triton_kernels``, "exact top-k of
+    order. An exact radix select over the 16-bit order keys (``triton_topk``, "exact top-k of
     16-bit logits"): every kernel but the last reads the logits in their own dtype, chunked over
     the vocabulary, and the log-normalizer comes from the same pass as the first histogram."""
     if logits.dtype not in (torch.bfloat16, torch.float16):

@@ -16,21 +16,14 @@ def _kernels():
     return triton_tree
 
 
-# warps per program of the tree kernels (one program per row; H200 timings by warps:
-# benchmarks/gpu_tree_kernel_warps.py)
+# warps per program of the tree kernels (one program per row)
 TREE_WARPS = 4
 # the kept-list kernel's, by threshold search: its sorts run faster on 8 warps (budget 256, narrow:
-# 0.081 against 0.097 ms; budget 64, sort: 0.049 against 0.053 ms), its bisection does not (0.113
-# against 0.112 ms at 256); benchmarks/results/session9/call3/t/warps.json, session8/call3
+# 0.081 against 0.097 ms on the H200), its bisection does not
 EXPAND_WARPS = {"sort": 8, "bisect": 4, "narrow": 8}
 # prefilter lists (padded to a power of two) up to this length find each depth's threshold by a
-# sort, longer ones by a search (_kth_largest). H200, batch 1, build + walk: sorting was faster at
-# budgets 16 and 64 (0.16 / 0.21 ms against 0.21 / 0.25 ms), bisection at 256 and 1024 (0.45 /
-# 0.88 ms against 0.54 / 2.70 ms); benchmarks/results/session6/tree_build_speed_h200_session6{,_v3}.json
-# (a radix select by 8-bit histograms was slower still: 0.215 against 0.145 ms for the kept lists
-# at budget 256; benchmarks/results/session7/gpu_next_checks_output.txt; and a search counting 16
-# keys per step, 10 steps instead of 32, doubled build + walk at budget 256: 0.71 against 0.35 ms,
-# benchmarks/results/session8/call1/tree_build_speed_ways16.json)
+# sort, longer ones by a search (_kth_largest): on the H200 at batch 1 sorting is faster at budgets
+# 16 and 64, the search at 256 and 1024 (0.45 against 0.54 ms for build + walk at 256)
 SORT_LIST_MAX = 512
 # longer lists narrow the bisection and then sort what is left ("narrow") when the sort is at most
 # this long (twice the padded budget: budgets 65-256), else they bisect to the end ("bisect")
@@ -48,16 +41,16 @@ def threshold_search(pairs: int, max_budget: int) -> str:
 def expand_levels(top_logp: torch.Tensor, top_tokens: torch.Tensor, max_budget: int, pair_row: torch.Tensor,
                   pair_rank: torch.Tensor, num_warps: int | None = None, search: str | None = None,
                   stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``spec/tree.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
+    """``speculative/tree/build.py _expand_levels`` for float32 log-probs, exactly: per depth the ``max_budget``
     best prefixes, ties to the lower (parent place, rank). top_logp / top_tokens: ``[R, L, K]``
     (K best per depth, descending); pair_row / pair_rank: ``[M]`` the prefilter pairs of
     ``tree._prefilter_pairs``. Returns weights, parent places and tokens, ``[R, L, B]`` each.
     ``num_warps``: per program (default :data:`EXPAND_WARPS` of the search; benchmarks compare others).
     ``search``: how each depth's threshold is found, one of :data:`THRESHOLD_SEARCHES` (default
-    :func:`threshold_search`; ``triton_kernels._expand_levels_kernel`` describes them); all give
+    :func:`threshold_search`; ``triton_tree._expand_levels_kernel`` describes them); all give
     the same lists.
     ``stage_clocks``: an int64 ``[R, 8]`` tensor that receives SM cycles per stage of the kernel
-    (CUDA only; ``triton_kernels._expand_levels_kernel`` names the stages)."""
+    (CUDA only; ``triton_tree._expand_levels_kernel`` names the stages)."""
     if top_logp.dtype != torch.float32:
         raise ValueError(f"expand_levels needs float32 log-probs, got {top_logp.dtype}")
     search = threshold_search(pair_row.numel(), max_budget) if search is None else search
@@ -94,7 +87,7 @@ def _clocks_or_dummy(stage_clocks: torch.Tensor | None, like: torch.Tensor) -> t
 def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, budgets: torch.Tensor,
                  max_budget: int, num_warps: int | None = None,
                  stage_clocks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """``spec/tree.py _select_nodes`` and ``_assemble`` in one kernel per row, exactly: from the
+    """``speculative/tree/build.py _select_nodes`` and ``_assemble`` in one kernel per row, exactly: from the
     kept lists (weights / parent places / tokens ``[R, L, B]``, as :func:`expand_levels` returns
     them) and budgets ``[R]``, the tree's tokens, parents, depths, valid ``[R, B+1]``, ancestor mask
     ``[R, B+1, B+1]`` and log weights ``[R, B+1]`` (DraftTree's field order). ``stage_clocks``: as
@@ -123,7 +116,7 @@ def select_nodes(weights: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
 
 def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, choice: torch.Tensor,
                 max_depth: int) -> tuple[torch.Tensor, ...]:
-    """``spec/verify.py accept_walk`` in one kernel per row: tree tokens / parents / valid and the
+    """``speculative/verify.py accept_walk`` in one kernel per row: tree tokens / parents / valid and the
     target's choices ``[R, N]`` -> path and committed tokens ``[R, max_depth + 1]``, accept
     lengths and next bonus tokens ``[R]``."""
     rows, size = tokens.shape
@@ -139,7 +132,7 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor
 
 def commit_entries(storage: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor,
                    counts: torch.Tensor, lengths: torch.Tensor) -> None:
-    """``kv_cache.KVCache.commit`` in one kernel (one program per row and layer x k/v): storage
+    """``kv.cache.KVCache.commit`` in one kernel (one program per row and layer x k/v): storage
     ``[layers, 2, slots, kv_heads, capacity, head_dim]``; entry ``starts[b] + keep[b, j]`` of slot
     ``slots[b]`` moves to ``starts[b] + j`` for j < P (keep: ``[B, P]``), and the slot's committed
     length becomes ``lengths[slots[b]] = starts[b] + counts[b]`` (lengths: ``[slots]`` int64)."""

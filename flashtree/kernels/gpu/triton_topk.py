@@ -50,13 +50,12 @@ def _normalize_top_kernel(part_ptr, top_ptr, out_ptr, k, chunks, BLOCK_C: tl.con
 
 # ---------------------------------------------------------------------------- exact top-k of 16-bit logits
 # A radix select over each row's 16-bit order keys (high byte, then low byte), in six kernels
-# (gpu_kernels.top_log_probs): per vocabulary chunk the max, the sum of exponentials and a histogram
+# (topk.top_log_probs): per vocabulary chunk the max, the sum of exponentials and a histogram
 # of high bytes; per row the high byte of the k-th largest key; per chunk a histogram of low bytes
 # inside that high byte; per row the k-th largest key and each chunk's output places; per chunk the
 # selected entries (all keys above it, then the first ties at it by index); per row their sort.
-# (Each chunk program finding the high byte itself, five kernels, was slower on the H200: 0.0535
-# against 0.0513 ms at budget 256; so were chunks of 2,048, 8,192 and 16,384 entries: 0.142, 0.056
-# and 0.081 ms; benchmarks/README.md, "Ninth session".)
+# (Five kernels, each chunk program finding the high byte itself, and other chunk sizes than 4,096
+# were slower on the H200.)
 
 
 @triton.jit

@@ -51,7 +51,7 @@ CLOCK_STAGES = tl.constexpr(8)  # stage clock slots per program (the tree kernel
 
 @triton.jit
 def _clock():
-    """The SM's cycle counter (CUDA only; read for benchmarks/gpu_tree_kernel_stages.py)."""
+    """The SM's cycle counter (CUDA only; the tree kernels' CLOCKS option times their stages with it)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [tl.zeros([], tl.int32)],
                                      dtype=tl.int64, is_pure=False, pack=1)
 
@@ -92,9 +92,7 @@ def _narrow_to(values, count, lower, MOST: tl.constexpr):
     key that ``count`` values reach, and ``lo`` stays at or below it. A tight ``lower`` saves steps
     (32 for the whole float32 range). With MOST > 0 it stops as soon as at most MOST values reach
     ``lo``. Returns ``lo`` as a float32 and the number of values reaching it (MOST = 0: ``count``,
-    not counted, and ``lo`` is the answer; so it is also when the number is still above MOST).
-    (Counting three cuts per step in one int64 sum, two bits per step, was no faster on the H200:
-    benchmarks/README.md, "Eighth session".)"""
+    not counted, and ``lo`` is the answer; so it is also when the number is still above MOST)."""
     lo = _key_of_float(lower)
     hi = _key_of_float(tl.max(values, axis=0))
     if MOST > 0:
@@ -376,7 +374,7 @@ def _select_nodes_kernel(w_ptr, parent_ptr, token_ptr, budgets_ptr, tokens_out_p
 @triton.jit
 def _accept_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, choice_ptr, path_ptr, committed_ptr, lengths_ptr,
                         bonus_ptr, size, STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One row's accept walk (spec/verify.py ``accept_walk``, exactly): from the root, move to the
+    """One row's accept walk (speculative/verify.py ``accept_walk``, exactly): from the root, move to the
     lowest-index valid child whose token is the target's choice at the current node, at most
     STEPS times; write the path, its tokens, its length and the next bonus token."""
     row = tl.program_id(0).to(tl.int64)
@@ -410,7 +408,7 @@ def _commit_kernel(storage_ptr, slots_ptr, starts_ptr, keep_ptr, counts_ptr, len
                    plane_stride, capacity, heads, head_dim, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     """One (row, layer x k/v plane): moves the row's scratch entries ``keep[row, j]`` (j < n_keep)
-    to ``starts[row] + j`` for every kv head (kv_cache.KVCache.commit, exactly). Every entry is
+    to ``starts[row] + j`` for every kv head (kv.cache.KVCache.commit, exactly). Every entry is
     read before any is written: a kept entry may land where another one is read. Plane 0 also
     sets the slot's committed length, ``lengths[slots[row]] = starts[row] + counts[row]``."""
     row = tl.program_id(0).to(tl.int64)

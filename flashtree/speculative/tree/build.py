@@ -13,11 +13,11 @@ Glossary
 - valid: a node that is part of the tree; padded / non-existent nodes are invalid.
 - kept list: the best B prefixes of one depth, stored in lexicographic rank order.
 
-Algorithm (DESIGN.md section 4): depth by depth, expand the kept prefixes of depth d-1 by the
+Algorithm: depth by depth, expand the kept prefixes of depth d-1 by the
 top-K tokens of depth d, keep the best B of depth d, then take each row's best ``budget`` over
 all depths. Order among equal weights: shallower first, then lexicographically smaller ranks.
 Nodes are laid out by (depth, weight descending, ranks), so parents come before children.
-Small trees of CPU tensors take the same steps in numpy after the top-k (``tree_host.py``: the
+Small trees of CPU tensors take the same steps in numpy after the top-k (``host.py``: the
 same tree, fewer small ops).
 """
 
@@ -30,12 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.kernels import gpu as gpu_kernels
+from flashtree.kernels.gpu import topk as topk_kernels
+from flashtree.kernels.gpu import tree as tree_kernels
 from flashtree.speculative.tree import host as tree_host
 from flashtree.speculative.tree.draft_tree import NO_PARENT, PAD_TOKEN, ROOT, ROOT_TOKEN, DraftTree
 
-from flashtree.kernels.gpu import topk as topk_kernels
-
-from flashtree.kernels.gpu import tree as tree_kernels
 
 class _Level(NamedTuple):
     """The kept list of one depth: B prefixes in lexicographic rank order."""
@@ -58,7 +57,7 @@ def build_tree(
     (``models/tree_kernels.expand_levels`` and ``select_nodes``; same result) where they can run:
     float32 log-probs on CUDA with Triton (or the interpreter). The engine turns it on with its
     ``triton_tree`` option.
-    host: after the top-k, build the tree with numpy on the host (``tree_host.py``; same tree), for
+    host: after the top-k, build the tree with numpy on the host (``host.py``; same tree), for
     CPU tensors only. None: for CPU tensors with max_budget <= ``HOST_MAX_BUDGET`` and rows x max_budget
     <= ``HOST_MAX_ROW_NODES``.
     """
@@ -89,9 +88,9 @@ def build_tree(
     return _select_nodes(levels, budgets, max_budget)
 
 
-# CPU trees are built on the host by default (tree_host.py) up to this budget and rows x budget:
-# the crossover measured on a 2-core EPYC (benchmarks/results/session18/cpu_tree_host.json: the host
-# path 1.5-1.6x faster at 1 row and budget 2-32, 1.0-1.1x at 32 rows and budget 4-8, slower at budget 64)
+# CPU trees are built on the host by default (host.py) up to this budget and rows x budget, the
+# crossover on a 2-core EPYC: the host path is 1.5-1.6x faster at 1 row and budget 2-32, 1.0-1.1x at
+# 32 rows and budget 4-8, and slower at budget 64
 HOST_MAX_BUDGET = 32
 HOST_MAX_ROW_NODES = 256
 
@@ -164,8 +163,8 @@ def _expand_levels(
 
 
 # rows x budget above which one top-k over every candidate (int64 keys) beats the prefilter plus
-# the full-matrix threshold pass: measured on an H200, benchmarks/results/tree_build_speed_h200.json
-# (prefilter faster at 1 x 16..1024 and 8 x 16..64, slower at 8 x 256 and 8 x 1024).
+# the full-matrix threshold pass (on an H200 the prefilter is faster at 1 x 16..1024 and 8 x 16..64,
+# slower at 8 x 256 and 8 x 1024)
 PREFILTER_MAX_ROW_NODES = 1024
 
 

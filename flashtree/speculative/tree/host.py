@@ -2,12 +2,11 @@
 
 On a CPU, small trees (the CPU default budget is 4) cost little arithmetic but many small torch
 ops: about 60 of them for a DDTree-4 round of SmolLM2. On a 2-core EPYC a 1-row budget-4 build
-takes 1.29 ms that way and 0.80 ms here, 0.65 ms of either being the shared top-k
-(benchmarks/cpu_tree_host.py; benchmarks/README.md, "Eighteenth session"). The per-depth top-k
+takes 1.29 ms that way and 0.80 ms here, 0.65 ms of either being the shared top-k. The per-depth top-k
 and log-normalizer stay torch ops on the logits (the very same calls, so the same inputs), and
 the rest runs as a few numpy ops on arrays of at most ``rows x budget x K`` entries.
 
-Same tree, bit for bit (tests/test_tree_host.py): the rules of ``tree.py`` restated on arrays,
+Same tree, bit for bit: the rules of ``build.py`` restated on arrays,
 - a kept list keeps the best B candidates ordered by (weight as float32 descending, flat index
   ascending), then lists them by flat index (= lexicographic rank order): that is what
   ``_best_flat``'s float32 threshold with ties to the lower index keeps;
