@@ -3,7 +3,8 @@ drafter pairs, a copying test-double proposer, a scripted speculation policy, an
 sampled tokens with a chi-square check.
 
 Stable names (other test files import them): ``save_tiny_drafter``, ``tiny_pair``, ``TinyPair``,
-``save_tiny_tokenizer``, ``CopyingProposer``, ``use_copying_proposer``, ``ScriptedNodes``.
+``save_tiny_tokenizer``, ``drafter_with_ranking``, ``CopyingProposer``, ``use_copying_proposer``,
+``ScriptedNodes``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -20,8 +22,8 @@ import torch
 
 from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.batch import ForwardBatch, causal_mask
-from flashtree.sampling import filter_logits
 from flashtree.policy import FixedNodes
+from flashtree.sampling import filter_logits
 from flashtree.speculative.plain import PlainProposer
 from flashtree.speculative.tree import build_tree
 from flashtree.speculative.tree.draft_tree import chain_tree
@@ -184,6 +186,16 @@ def tiny_pair(tmp_path: str | Path, family: str = "qwen3_qknorm", vocab: int = 3
     drafter_dir = save_tiny_drafter(target_dir, root / f"drafter-{family}-v{vocab}-b{block_size}", block_size,
                                     drafter_layers, seed=seed + 1, **drafter_kwargs)
     return TinyPair(target_dir, drafter_dir, hf)
+
+
+def drafter_with_ranking(pair: TinyPair, tmp_path: Path, ranking: list[int]) -> str:
+    """A copy of the pair's drafter that ships a draft-vocabulary ranking (spec/draft_vocab.py)."""
+    from flashtree.train.draft_vocab import write_ranking
+
+    directory = Path(tmp_path) / "drafter"
+    shutil.copytree(pair.drafter, directory)
+    write_ranking(ranking, directory)
+    return str(directory)
 
 
 # ---------------------------------------------------------------------------- copying drafter

@@ -64,10 +64,13 @@ class TreeTracer:
 
     def write(self, rows: Sequence[Request], trace: Sequence[torch.Tensor]) -> None:
         """One line per row of a round whose results the host has read: ``trace`` = (tokens, parents,
-        valid ``[B, N]``, path ``[B, P]``) on the host, pad rows after the real ones."""
+        valid ``[B, N]``, path ``[B, P]``) on the host, pad rows after the real ones. A row that
+        finished after the round was queued gets none: its result is dropped."""
         tokens, parents, valid, path = (t.tolist() for t in trace)
         lines = []
         for b, req in enumerate(rows):
+            if req.finished:
+                continue
             count = sum(valid[b])  # valid nodes are a leading run: root, then drafted nodes
             lines.append({"request_id": req.request_id, "round": req.stats.rounds, "tokens": tokens[b][:count],
                           "parents": parents[b][:count], "accepted_path": [n for n in path[b] if n >= 0]})

@@ -43,8 +43,7 @@ def test_speculative_graph_rounds_equal_plain(tmp_path, spec, budget):
 def test_graphed_plain_stretches_and_catch_ups_equal_eager(tmp_path, spec):
     """Plain rounds (the short path) and the full-width drafter catch-ups they lead to, graphed,
     give the eager engine's tokens and drafted rounds' acceptance."""
-    from tests.dflash_helpers import tiny_pair
-    from tests.dflash_helpers import ScriptedNodes
+    from tests.dflash_helpers import ScriptedNodes, tiny_pair
 
     pair = tiny_pair(tmp_path, vocab=24, block_size=6)
     prompts = [[1, 2, 3], list(range(2, 20)), [7] * 9]
@@ -54,7 +53,7 @@ def test_graphed_plain_stretches_and_catch_ups_equal_eager(tmp_path, spec):
     for graphs in (False, True):
         llm = LLM(str(pair.target), spec=spec, draft=str(pair.drafter), budget=8, device="cuda", dtype="float32",
                   cuda_graphs=graphs, max_running=4, max_context=256, adaptive_spec=False)
-        capacity = llm.engine.proposer.lag_capacity
+        capacity = llm.engine.proposer.lag.capacity
         llm.engine.policy = ScriptedNodes([0] * (capacity + 7) + [4, 0, 4])
         outs[graphs] = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(prompts, params)]
         if graphs:
@@ -81,7 +80,7 @@ def test_queued_plain_rounds_equal_unqueued_on_cuda(tmp_path, spec):
         llm = LLM(str(pair.target), device="cuda", dtype="float32", max_running=3, max_context=256,
                   queue_plain_rounds=queue, **kwargs)
         if spec != "none":
-            capacity = llm.engine.proposer.lag_capacity
+            capacity = llm.engine.proposer.lag.capacity
             llm.engine.policy = ScriptedNodes([0] * (capacity + 7) + [4, 0, 4])
         outs[queue] = [(o.token_ids, o.acceptance_lengths, o.finish_reason) for o in llm.generate(prompts, params)]
         queued[queue] = llm.engine.queued_rounds

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashtree.models.attention import masked_attention, planless_attention
-from tests.test_attention import prefill_like
+from tests.support.attention import prefill_like
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

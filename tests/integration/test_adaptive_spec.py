@@ -6,21 +6,20 @@ rounds and one that always matches keeps it on drafted rounds."""
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter
 
 import pytest
 import torch
 
 import flashtree.engine.engine as engine_module
-import flashtree.engine.stage_timer as stage_timer_module
 from flashtree import LLM, SamplingParams
 from flashtree.config import PolicyConfig
 from flashtree.policy import FixedNodes
 from flashtree.speculative.plain import PlainProposer
 from flashtree.speculative.tree import build_tree, chain_tree
 from tests.dflash_helpers import PassThroughGraphs, one_thread, tiny_pair
-from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
+from tests.support.clocks import use_read_count_clock
+from tests.support.workload import BLOCK, PROMPTS, VOCAB, mixed_params
 
 BUDGET = 16  # DDTree ladder (16, 8, 4, 0)
 # The oracle drafts this deep (DFlash ladder (7, 0)): an always-matching draft then commits 8 tokens a
@@ -88,10 +87,13 @@ def switches_to_plain_and_back(tree_sizes: list[int]) -> bool:
 
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_greedy_equals_plain_while_node_counts_switch(pair, plain, method, rows):
+def test_greedy_equals_plain_while_node_counts_switch(pair, plain, method, rows, monkeypatch):
     """Rows of different lengths and stop conditions, then 40 tokens each (enough rounds in one
     rows bucket for the policy to try every option and switch back and forth). A fresh engine:
-    once a weak drafter's acceptance is known, later buckets skip trees that cannot beat plain."""
+    once a weak drafter's acceptance is known, later buckets skip trees that cannot beat plain.
+    The engine's clock counts its reads (tests/support/clocks.py), so the choices the policy makes
+    from round times are the same on every machine."""
+    use_read_count_clock(monkeypatch)
     prompts = PROMPTS[:rows] if rows > 1 else PROMPTS[1:2]
     runs = [[SamplingParams(max_tokens=40, ignore_eos=True)] * rows]
     if rows > 1:
@@ -230,15 +232,18 @@ class TimesKeepingPolicy(ScriptedPolicy):
         self.seconds.append(seconds)
 
 
-def test_the_first_round_after_an_idle_pause_is_not_timed(pair):
+def test_the_first_round_after_an_idle_pause_is_not_timed(pair, monkeypatch):
     """The engine feeds the policy every round's wall time except the first round after a pause of
     more than IDLE_GAP_S between engine steps (the first round of a server after a pause); rounds
-    after a long prefill step are timed."""
+    after a long prefill step are timed, and no timed round holds the pause. The engine's clock
+    counts its reads (tests/support/clocks.py) and the pauses are on that clock: what is timed does
+    not depend on how fast this machine runs a round."""
+    clock = use_read_count_clock(monkeypatch)
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, **ENGINE)
     policy = llm.engine.policy = TimesKeepingPolicy(llm.engine.policy.ladder, [0])
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     llm.generate([PROMPTS[0]], [params])
-    time.sleep(2 * engine_module.IDLE_GAP_S)
+    clock.sleep(2 * engine_module.IDLE_GAP_S)
     llm.generate([PROMPTS[1]], [params])
     first, second = policy.seconds[:5], policy.seconds[5:]
     assert len(first) == len(second) == 5  # 6 tokens: the first from the prefill, 5 rounds
@@ -247,7 +252,7 @@ def test_the_first_round_after_an_idle_pause_is_not_timed(pair):
     slow_prefill = llm.engine.prefill
 
     def prefill_taking_a_while(*args, **kwargs):
-        time.sleep(2 * engine_module.IDLE_GAP_S)
+        clock.sleep(2 * engine_module.IDLE_GAP_S)
         return slow_prefill(*args, **kwargs)
 
     llm.engine.prefill = prefill_taking_a_while  # a busy server: a long prefill between rounds
@@ -270,19 +275,21 @@ def rstrip_zeros(sizes: list[int]) -> list[int]:
 class OracleProposer(PlainProposer):
     """A test double that drafts from the plain greedy continuation of each prompt: exactly
     (``match``), or always wrong (every drafted token differs from the target's, and a tree
-    never holds the right one). Mismatching drafts pay ``delay`` seconds, like a drafter pass."""
+    never holds the right one). Each draft pays ``delay`` seconds of the engine's clock
+    (``pause``), like a drafter pass."""
 
     name = "oracle"
 
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], chain: bool, match: bool, delay: float):
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], chain: bool, match: bool, delay: float,
+                 pause):
         super().__init__()
-        self.continuations, self.chain, self.match, self.delay = continuations, chain, match, delay
+        self.continuations, self.chain, self.match, self.delay, self.pause = continuations, chain, match, delay, pause
         self.max_depth = ORACLE_DEPTH
         self.max_nodes = self.max_depth if chain else BUDGET
         self.engine = None
 
     def propose(self, rows, nodes: int):
-        time.sleep(self.delay)
+        self.pause(self.delay)
         by_slot = {r.slot: r for r in self.engine.scheduler.active}
         drafts = []
         for slot in rows.slots.tolist():
@@ -315,29 +322,13 @@ class RecordingPolicy:
         return getattr(self.policy, name)
 
 
-class ReadCountClock:
-    """``time`` for the engine and runner modules whose ``perf_counter`` advances 1 ms per read: a
-    round's measured time is then a count of the engine's clock reads, the same on every machine
-    and run (a drafter that always matches must not depend on a host hiccup during one timed round
-    of exploration, which once made the policy skip an option in a full CI-like run)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        self.now += 1e-3
-        return self.now
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
 def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool, runs_ahead: bool = False) -> Counter:
     """Rounds per node count after exploration, for 4 rows of 80 tokens decoded together
     (prompts within one prefill chunk) under the policy. ``runs_ahead``: the engine acts as on a
     device that runs ahead of the host (CUDA): the policy folds its held rounds during each round.
-    A drafter that matches runs on a read-count clock (its rounds cost what plain ones do); one
-    that never matches on the real clock, where its 5 ms delay makes its rounds dearer."""
+    The engine runs on a read-count clock (tests/support/clocks.py): a drafter that matches costs
+    nothing more (its rounds cost what plain ones do); one that never matches pays 5 ms of that
+    clock per draft, which makes its rounds dearer. The same round times on every machine."""
     prompts = [p for p in PROMPTS if len(p) <= ENGINE["prefill_chunk"]][:4]
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     long = plain.generate(prompts, SamplingParams(max_tokens=80 + ORACLE_DEPTH + 1, ignore_eos=True))
@@ -346,14 +337,11 @@ def run_with_oracle(pair, plain, monkeypatch, method: str, match: bool, runs_ahe
 
     def factory(config, target, tokenizer):
         made.append(OracleProposer(continuations, chain=method == "dflash", match=match,
-                                   delay=0.0 if match else 0.005))
+                                   delay=0.0 if match else 0.005, pause=clock.sleep))
         return made[-1]
 
     monkeypatch.setattr(engine_module, "make_proposer", factory)
-    if match:
-        clock = ReadCountClock()
-        monkeypatch.setattr(engine_module, "time", clock)
-        monkeypatch.setattr(stage_timer_module, "time", clock)
+    clock = use_read_count_clock(monkeypatch)
     config = PolicyConfig(explore_rounds=1, probe_interval=10)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, spec_policy=config, **ENGINE)
     made[-1].engine = llm.engine
@@ -386,25 +374,7 @@ def test_always_matching_drafter_stays_on_drafted_rounds(pair, plain, monkeypatc
     assert drafted >= 0.8 * sum(rounds.values()), rounds
 
 
-# ---------------------------------------------------------------------------- request budgets
-
-def test_request_budgets_cap_the_round_and_the_measurement():
-    from flashtree.engine.engine import fit_to_budgets, mean_acceptance
-    from flashtree.engine.request import Request
-    from flashtree.engine.runner import RoundResult
-
-    ladder = (16, 8, 4, 0)
-
-    def rows(*budgets):
-        return [Request(prompt_ids=[1], params=SamplingParams(), budget=b) for b in budgets]
-
-    assert fit_to_budgets(16, rows(None, 2), ladder) == 16  # a row without its own budget
-    assert fit_to_budgets(16, rows(5, 2), ladder) == 8  # smallest option holding every budget
-    assert fit_to_budgets(16, rows(0, 0), ladder) == 0 and fit_to_budgets(4, rows(9), ladder) == 4
-    result = RoundResult(emitted=[[1, 2, 3], [4]], tree_sizes=[8, 2])
-    assert mean_acceptance(rows(None, 2), result, 8) == 3.0  # the capped row does not count
-    assert mean_acceptance(rows(1, 2), result, 8) is None
-
+# ---------------------------------------------------------------------------- request budgets (engine)
 
 def test_requests_asking_for_no_draft_run_plain_rounds(adaptive):
     llm = adaptive("ddtree")

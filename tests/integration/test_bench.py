@@ -1,4 +1,5 @@
-"""``flashtree bench`` on a tiny model: report files and keys, and the flag on inexact methods."""
+"""``flashtree bench`` on a tiny model: report files and keys, and the flag on inexact methods.
+(The method list and prompt sources: tests/unit/test_bench.py.)"""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ import json
 import pytest
 
 from flashtree.bench import runner as bench_runner
-from flashtree.bench.datasets import humaneval_prompts, jsonl_prompts
-from flashtree.bench.methods import parse_methods
 from flashtree.cli import main
-from flashtree.errors import ConfigError
 from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401 (fixture)
 
 METHOD_KEYS = {"method", "budget", "tau", "tokens_per_s", "speedup", "exact", "stage_seconds",
@@ -111,21 +109,3 @@ def test_bench_flags_a_method_whose_tokens_differ(bench_inputs, tmp_path, monkey
     assert f"| {BROKEN} | 16 |" in table and "**NO (differs from ar)**" in table
 
     assert main(bench_argv(bench_inputs, tmp_path) + ["--allow-inexact"]) == 0
-
-
-def test_parse_methods_puts_plain_first_and_validates():
-    parsed = parse_methods("ddtree:64,dflash")
-    assert [m.label for m in parsed] == ["ar", "ddtree:64", "dflash"]
-    assert parsed[1].budget == 64 and parsed[2].spec_method == "dflash"
-    for bad in ("ddtree:0", "ddtree:x", "medusa", "ar,ar", ""):
-        with pytest.raises(ConfigError):
-            parse_methods(bad)
-
-
-def test_prompt_sources(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
-    with pytest.raises(ConfigError, match="bad.jsonl:2"):
-        jsonl_prompts(bad)
-    problems = humaneval_prompts(2)
-    assert len(problems) == 2 and "def " in problems[0].messages[0]["content"]

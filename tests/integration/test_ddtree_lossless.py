@@ -15,10 +15,17 @@ from flashtree import LLM, SamplingParams
 from flashtree.cli import main as cli_main
 from flashtree.speculative.ddtree import DDTreeProposer
 from flashtree.speculative.tree import ROOT
-from tests.dflash_helpers import (assert_first_tokens_match_target, chi_square, chi_square_critical,
-                                  first_tokens_distribution, one_thread, sample_first_tokens, tiny_pair,
-                                  use_copying_proposer)
-from tests.test_dflash_lossless import BLOCK, ENGINE, PROMPTS, SAMPLE_ENGINE, SAMPLE_PROMPT, VOCAB, mixed_params
+from tests.dflash_helpers import (
+    assert_first_tokens_match_target,
+    chi_square,
+    chi_square_critical,
+    first_tokens_distribution,
+    one_thread,
+    sample_first_tokens,
+    tiny_pair,
+    use_copying_proposer,
+)
+from tests.support.workload import BLOCK, ENGINE, PROMPTS, SAMPLE_ENGINE, SAMPLE_PROMPT, VOCAB, mixed_params
 
 BUDGETS = [1, 4, 16, 64, 256]
 
@@ -205,3 +212,40 @@ def test_trace_trees_records_each_round(tmp_path):
     # (max_tokens may cut the last round short; otherwise its next bonus is the one extra token)
     shared = min(len(rebuilt), len(out.token_ids))
     assert out.token_ids[:shared] == rebuilt[:shared] and shared >= len(out.token_ids) - 1
+
+
+def test_trace_trees_observe_and_change_nothing(tmp_path):
+    """A tree trace leaves the engine's paths as they are (graphed rounds, queued plain rounds, the
+    plain fast path): the same tokens and acceptance as without the trace, and the same trace lines
+    with rounds graphed (a pass-through graph cache: keys, padded rows, a capture's warm-up run) and
+    queued as with rounds run one by one; plain rounds trace their root-only tree."""
+    from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, tiny_pair
+    from tests.support.traces import by_request_order
+
+    pair = tiny_pair(tmp_path, vocab=24, block_size=4)
+    prompts = [[1, 2, 3], list(range(2, 14)), [7] * 5]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i)
+              for i in range(3)]
+
+    def run(trace: str | None, graphed: bool, queued: bool):
+        llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, max_context=128, max_running=4,
+                  trace_trees=trace, adaptive_spec=False, queue_plain_rounds=queued)
+        if graphed:
+            llm.engine.runner.graphs = PassThroughGraphs()
+        llm.engine.policy = ScriptedNodes([0, 0, 8, 0, 4, 0, 0])  # plain stretches: some of them queued
+        outs = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(prompts, params)]
+        return outs, llm.engine.queued_rounds
+
+    untraced, _ = run(None, graphed=False, queued=False)
+    traces = {}
+    for graphed, queued in ((False, False), (True, False), (True, True)):
+        path = tmp_path / f"trees_{graphed}_{queued}.jsonl"
+        outs, queued_rounds = run(str(path), graphed, queued)
+        assert outs == untraced
+        assert (queued_rounds > 0) == queued
+        traces[graphed, queued] = by_request_order([json.loads(line) for line in path.read_text().splitlines()])
+    assert traces[True, False] == traces[False, False] == traces[True, True]
+    lines = traces[False, False]
+    assert len(lines) == sum(len(lengths) for _, lengths in untraced)
+    plain = [line for line in lines if len(line["tokens"]) == 1]
+    assert plain and all(line["parents"] == [-1] and line["accepted_path"] == [0] for line in plain)

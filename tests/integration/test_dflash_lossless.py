@@ -7,14 +7,23 @@ from __future__ import annotations
 import pytest
 
 from flashtree import LLM, SamplingParams
-from tests.dflash_helpers import (assert_first_tokens_match_target, one_thread, sample_first_tokens, tiny_pair,
-                                  use_copying_proposer)
-
-VOCAB = 24
-BLOCK = 4
-PROMPTS = [[1, 5, 7], list(range(3, 20)), [9], [4, 4, 8, 8, 2, 2], list(range(20, 4, -1)) * 2,
-           [11, 3], [6, 7, 8, 9, 10, 11, 12, 13, 14], [23, 0, 23, 0, 5]]
-ENGINE = dict(max_running=8, max_context=96, prefill_chunk=8, adaptive_spec=False)  # fixed method (tau checks)
+from tests.dflash_helpers import (
+    assert_first_tokens_match_target,
+    one_thread,
+    sample_first_tokens,
+    tiny_pair,
+    use_copying_proposer,
+)
+from tests.support.workload import (
+    BLOCK,
+    ENGINE,
+    PROMPTS,
+    SAMPLE_ENGINE,
+    SAMPLE_PROMPT,
+    SAMPLE_VOCAB,
+    VOCAB,
+    mixed_params,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,21 +44,6 @@ def plain(pair):
 @pytest.fixture(scope="module")
 def dflash(pair):
     return LLM(str(pair.target), spec="dflash", draft=str(pair.drafter), **ENGINE)
-
-
-def mixed_params(plain, prompts) -> list[SamplingParams]:
-    """Per row: a max_tokens limit, a stop token id seen in the free-running output, or the
-    tokenizer's default stop tokens (eos, end of turn)."""
-    free = plain.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
-    params = []
-    for i, out in enumerate(free):
-        if i % 3 == 0:
-            params.append(SamplingParams(max_tokens=7 + 2 * i, ignore_eos=True))
-        elif i % 3 == 1:
-            params.append(SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(out.token_ids[5 + i % 4],)))
-        else:
-            params.append(SamplingParams(max_tokens=20))
-    return params
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -87,11 +81,6 @@ def test_copying_drafter_reaches_full_blocks(pair, plain, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- sampling
-
-SAMPLE_VOCAB = 8
-SAMPLE_PROMPT = [1, 2, 3, 4]
-SAMPLE_ENGINE = dict(max_running=64, max_context=16, prefill_chunk=8, adaptive_spec=False)
-
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):

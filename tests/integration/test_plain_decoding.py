@@ -5,6 +5,7 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from tests.helpers import tiny_hf_model
+from tests.support.clocks import use_read_count_clock
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 9, 9, 9], list(range(20, 45))]
 
@@ -50,15 +51,17 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
     assert other_seed != alone
 
 
-def test_step_trace_accounts_for_every_step(tiny, tmp_path):
+def test_step_trace_accounts_for_every_step(tiny, tmp_path, monkeypatch):
     """``trace_steps``: one line per engine step; its parts add up, rounds and prefills are where
-    the engine ran them, and benchmarks/step_trace_summary.py reads the file."""
+    the engine ran them, and benchmarks/step_trace_summary.py reads the file. The engine's clock
+    counts its reads (tests/support/clocks.py): the traced times are the same on every machine."""
     import json
     import sys
     from pathlib import Path
 
     hf, _ = tiny
     hf.save_pretrained(tmp_path / "model")
+    use_read_count_clock(monkeypatch)
     trace = tmp_path / "steps.jsonl"
     llm = LLM(str(tmp_path / "model"), max_running=4, max_context=128, prefill_chunk=8, trace_steps=str(trace))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -84,7 +87,7 @@ def test_step_trace_accounts_for_every_step(tiny, tmp_path):
         assert (line["prefill_ms"] is None) == (line["prefill_rows"] == 0)
         assert line["step_ms"] >= (line["round_ms"] or 0) + (line["prefill_ms"] or 0)
     assert lines[0]["gap_ms"] is None and all(line["gap_ms"] >= 0 for line in lines[1:])
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from step_trace_summary import summarize
 
     passes = summarize(trace, gap_s=60.0, min_rounds=1)

@@ -11,7 +11,7 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from tests.dflash_helpers import ScriptedNodes, one_thread, tiny_pair  # noqa: F401  (fixture)
-from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
+from tests.support.workload import BLOCK, PROMPTS, VOCAB
 
 ENGINE = dict(max_running=8, max_context=96, prefill_chunk=8, adaptive_spec=False)
 

@@ -12,7 +12,8 @@ import torch
 from flashtree import LLM, SamplingParams
 from flashtree.config import PolicyConfig
 from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, one_thread, tiny_pair
-from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB, mixed_params
+from tests.support.clocks import modelled_round_times, use_read_count_clock
+from tests.support.workload import BLOCK, PROMPTS, VOCAB, mixed_params
 
 ENGINE = dict(max_running=3, max_context=96, prefill_chunk=8)  # few slots: finished rows' slots are reused
 SETTLES = PolicyConfig(explore_rounds=1, probe_interval=20)  # a drafter that never matches: plain soon
@@ -61,13 +62,17 @@ def run_staggered(llm: LLM, prompts, params, abort_at: dict[int, int]) -> list:
 
 @pytest.mark.parametrize("graphed", [False, True])
 @pytest.mark.parametrize("method", ["none", "dflash", "ddtree"])
-def test_queued_rounds_give_plain_decodings_tokens(pair, plain, method, graphed):
+def test_queued_rounds_give_plain_decodings_tokens(pair, plain, method, graphed, monkeypatch):
+    """(The policy gets modelled round times on a read-count clock, tests/support/clocks.py: it
+    settles on plain rounds for the random drafter on every machine.)"""
+    use_read_count_clock(monkeypatch)
     prompts = PROMPTS * 2
     params = mixed_params(plain, prompts)
     params[4] = SamplingParams(max_tokens=30, temperature=0.9, top_k=5, seed=7, ignore_eos=True)
     params[9] = SamplingParams(max_tokens=30, temperature=1.2, top_p=0.8, seed=3, ignore_eos=True)
     params[2] = SamplingParams(max_tokens=60, ignore_eos=True)  # aborted mid-way
     llm = queued_llm(pair, method, graphed)
+    modelled_round_times(llm.engine.policy, monkeypatch)
     got = run_staggered(llm, prompts, params, abort_at={2: 25})
     expected = run_staggered(plain, prompts, params, abort_at={2: 25})
     assert llm.engine.queued_rounds > 20  # most rounds once the policy settled
@@ -132,15 +137,6 @@ def test_queued_rounds_catch_the_drafter_up_when_a_lag_fills(pair, plain, monkey
     assert sum(catch_ups) >= 8 and engine.queued_rounds >= 30  # (39 rounds after the first token)
 
 
-def test_queue_setting_is_validated():
-    from flashtree.config import SchedulerConfig
-    from flashtree.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="queue_plain_rounds"):
-        SchedulerConfig(queue_plain_rounds="yes")
-    assert SchedulerConfig().queue_plain_rounds is None  # auto: where the device runs ahead (CUDA)
-
-
 def test_queue_is_off_by_default_on_a_cpu(plain, pair):
     llm = LLM(str(pair.target), **ENGINE)
     assert not llm.engine.overlap.enabled
@@ -152,9 +148,12 @@ def test_queue_is_off_by_default_on_a_cpu(plain, pair):
 def test_a_declined_probe_keeps_the_rounds_queued(pair, plain, monkeypatch):
     """A neighbour probe falls due while the policy is settled on plain rounds: the next round's
     choice is made before the current round is read; a probe the engine declines (no captured
-    graph, cannot win) becomes a plain round, queued like the others."""
+    graph, cannot win) becomes a plain round, queued like the others. (Modelled round times on a
+    read-count clock, tests/support/clocks.py: the policy settles on plain rounds on every machine.)"""
+    use_read_count_clock(monkeypatch)
     llm = queued_llm(pair, "ddtree", graphed=False)
     engine = llm.engine
+    modelled_round_times(engine.policy, monkeypatch)
     monkeypatch.setattr(engine.runner, "has_graph", lambda rows, nodes: nodes == 0)  # as if trees had no graph
     monkeypatch.setattr(engine.policy, "worth_a_graph", lambda rows, nodes: False)
     declined = []

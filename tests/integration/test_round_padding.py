@@ -13,7 +13,8 @@ import pytest
 from flashtree import LLM, SamplingParams
 from flashtree.policy.adaptive import PolicyConfig
 from tests.dflash_helpers import PassThroughGraphs, ScriptedNodes, one_thread, tiny_pair  # noqa: F401  (fixture)
-from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
+from tests.support.clocks import modelled_round_times, use_read_count_clock
+from tests.support.workload import BLOCK, PROMPTS, VOCAB
 
 ENGINE = dict(max_running=8, max_context=96, prefill_chunk=8, adaptive_spec=False)
 
@@ -68,24 +69,13 @@ def test_pad_rows_write_only_the_pad_slot(pair):
     assert int(engine.cache.lengths[engine.runner.pad_slot]) <= 9  # reset every round, never grows
 
 
-def modelled_round_times(policy, monkeypatch) -> None:
-    """Feed ``policy`` modelled round times instead of wall times: 1 ms plus 0.25 ms per drafted
-    node. A loaded machine (CI runs other jobs) makes wall times scatter enough that a tree could
-    look best for a while, and rechecks (not neighbour probes) then take the probe rounds; what a
-    test of the probe schedule checks must not depend on that."""
-    real_record = policy.record
-
-    def record(rows, nodes, seconds, acceptance):
-        real_record(rows, nodes, None if seconds is None else 1e-3 * (1.0 + nodes / 4), acceptance)
-
-    monkeypatch.setattr(policy, "record", record)
-
-
 @pytest.mark.parametrize("worth", [False, True])
 def test_neighbour_probes_without_a_graph_are_declined_unless_worth_one(pair, monkeypatch, worth):
     """Every probe meets a shape without a graph here: it is declined (the round runs the best
     option) when the policy says its option cannot win, and runs (capturing) when it can; the
-    tokens are plain decoding's either way."""
+    tokens are plain decoding's either way. The policy gets modelled round times, and the engine's
+    clock counts its reads (which rounds go untimed: tests/support/clocks.py)."""
+    use_read_count_clock(monkeypatch)
     plain = LLM(str(pair.target), **ENGINE)
     knobs = dict(ENGINE, adaptive_spec=True, spec_policy=PolicyConfig(
         explore_rounds=1, probe_interval=3, max_probe_interval=3, plain_recheck_interval=1000))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import threading
 import time
 
 import httpx
@@ -13,7 +14,15 @@ import pytest
 
 from flashtree.cli import main as flashtree_main
 from flashtree.errors import FlashtreeError
-from tests.test_server_support import ServerThread, metric_value, save_tiny_chat_model, server_config
+from tests.support.server import (
+    ServerThread,
+    after_cancel,
+    after_submissions,
+    hold_rounds,
+    metric_value,
+    save_tiny_chat_model,
+    server_config,
+)
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -267,12 +276,17 @@ def test_api_key_is_required_on_the_api_only(plain_server):
 
 
 # ---------------------------------------------------------------------------- load and failures
-def test_overload_answers_429_and_admitted_requests_finish(tmp_path):
+def test_overload_answers_429_and_admitted_requests_finish(tmp_path, monkeypatch):
     target = save_tiny_chat_model(tmp_path / "target")
     config = server_config(target, max_running=1, max_waiting=2, max_context=256)
     request = dict(model="tiny", prompt="the big red house", max_tokens=200, **GREEDY)
     with ServerThread(config) as busy:
         expected = client(busy).completions.create(**request).choices[0].text
+        # the running request's rounds wait until all ten requests reached the engine thread: the
+        # queue is full when they arrive, however fast the engine decodes
+        all_sent = threading.Event()
+        after_submissions(busy, monkeypatch, 10, all_sent.set)
+        hold_rounds(busy.engine, monkeypatch, all_sent)
 
         async def flood():
             async with async_client(busy) as aclient:
@@ -291,7 +305,12 @@ def test_overload_answers_429_and_admitted_requests_finish(tmp_path):
         assert client(busy).completions.create(**request).choices[0].text == expected
 
 
-def test_disconnect_mid_stream_frees_the_slot(plain_server):
+def test_disconnect_mid_stream_frees_the_slot(plain_server, monkeypatch):
+    # the request cannot finish before its client leaves, however fast the engine decodes: its
+    # rounds wait at 200 of its 240 tokens until the server has sent the engine the abort
+    left = threading.Event()
+    hold_rounds(plain_server.engine, monkeypatch, left, when=lambda rows: any(len(r.output_ids) >= 200 for r in rows))
+    after_cancel(plain_server, monkeypatch, left.set)
     aborted_before = metric_value(metrics_text(plain_server), "flashtree_requests_finished_total",
                                   'finish_reason="abort"')
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 240, "stream": True, "ignore_eos": True}
@@ -305,7 +324,12 @@ def test_disconnect_mid_stream_frees_the_slot(plain_server):
                            'finish_reason="abort"') == aborted_before + 1
 
 
-def test_client_timeout_on_a_whole_response_frees_the_slot(plain_server):
+def test_client_timeout_on_a_whole_response_frees_the_slot(plain_server, monkeypatch):
+    # no response can come within the client's 0.2 s, however fast the engine decodes: its rounds
+    # wait until the server has sent the engine the abort of the request whose client left
+    left = threading.Event()
+    hold_rounds(plain_server.engine, monkeypatch, left)
+    after_cancel(plain_server, monkeypatch, left.set)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 240, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{plain_server.url}/v1/completions", json=body, headers=AUTH, timeout=0.2)
@@ -335,8 +359,6 @@ def test_engine_failure_is_a_500_for_that_request_only(plain_server):
 
 # ---------------------------------------------------------------------------- startup
 def test_health_is_503_while_loading(tmp_path, monkeypatch):
-    import threading
-
     import flashtree.server.app as app_module
 
     target = save_tiny_chat_model(tmp_path / "target")
@@ -365,9 +387,8 @@ def test_the_serve_process_freezes_startup_objects_once_loaded(tmp_path, monkeyp
     import dataclasses
 
     import flashtree.server.app as app_module
-
-    from flashtree.cli.serve import config_from_args
     from flashtree.cli import build_parser
+    from flashtree.cli.serve import config_from_args
 
     assert config_from_args(build_parser().parse_args(["serve"])).freeze_gc is True
     target = save_tiny_chat_model(tmp_path / "target")
@@ -442,33 +463,6 @@ def test_serve_stops_when_the_model_fails_to_load(tmp_path):
     (target / "model.safetensors").unlink()  # config.json is fine (the memory check passes), weights are gone
     with pytest.raises(FlashtreeError, match="safetensors"):
         serve(server_config(target))
-
-
-# ---------------------------------------------------------------------------- pure mappings
-def test_engine_refusals_map_to_openai_statuses():
-    from flashtree.engine.scheduler import PromptTooLongError, QueueFullError
-    from flashtree.errors import RequestError
-    from flashtree.server.async_engine import EngineUnavailable
-    from flashtree.server.errors import from_engine_error
-
-    busy = from_engine_error(QueueFullError("3 requests are waiting"), "prompt")
-    assert (busy.status, busy.code, busy.headers["Retry-After"]) == (429, "queue_full", "1")
-    assert from_engine_error(PromptTooLongError("the prompt has 9 tokens"), "messages").status == 413
-    empty = from_engine_error(RequestError("the prompt is empty; give at least one token"), "messages")
-    assert (empty.status, empty.param) == (400, "messages")
-    sampling = from_engine_error(RequestError("top_k must be an integer >= 0"), "prompt")
-    assert (sampling.status, sampling.param) == (400, "top_k")
-    assert from_engine_error(EngineUnavailable("the engine is stopping"), "prompt").status == 503
-    assert from_engine_error(KeyError("bug"), "prompt").status == 500
-
-
-def test_validation_errors_name_the_nested_field():
-    from flashtree.server.errors import validation_error
-
-    err = validation_error([{"type": "literal_error", "loc": ("body", "messages", 0, "content", "list[TextPart]", 1,
-                                                              "type"), "msg": "Input should be 'text'"}])
-    assert (err.status, err.param) == (400, "messages[0].content[1].type")
-    assert err.message == "messages[0].content[1].type: Input should be 'text'"
 
 
 def test_metrics_count_exactly_what_a_request_used(server):

@@ -1,6 +1,6 @@
-"""Support for the server tests (no tests here): a tiny word-level tokenizer with a chat template
-for the tiny random models, tiny model directories that carry it, and a real uvicorn server
-running a flashtree app on a free port of 127.0.0.1 in a background thread.
+"""Support for the server tests: a tiny word-level tokenizer with a chat template for the tiny
+random models, tiny model directories that carry it, and a real uvicorn server running a
+flashtree app on a free port of 127.0.0.1 in a background thread.
 """
 
 from __future__ import annotations
@@ -127,3 +127,52 @@ def metric_value(metrics_text: str, name: str, labels: str = "") -> float:
         if key == name or (labels and key == f"{name}{{{labels}}}"):
             return float(value)
     return 0.0
+
+
+# ---------------------------------------------------------------------------- holding the engine
+# Tests of what happens while a request is still running (a client that leaves, times out, or
+# finds the queue full) hold the engine's rounds on an event instead of counting on a long
+# request taking longer than the client: the outcome does not depend on how fast the engine runs.
+
+def hold_rounds(engine, monkeypatch, release: threading.Event, when=lambda rows: True, timeout: float = 60.0) -> None:
+    """The engine's rounds wait for ``release`` (at most ``timeout`` seconds, so a broken test ends)
+    whenever ``when(rows)`` holds for the round's requests."""
+    real_launch = engine.runner.launch
+
+    def launch(rows, *args, **kwargs):
+        if when(rows):
+            release.wait(timeout)
+        return real_launch(rows, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "launch", launch)
+
+
+def after_cancel(server: ServerThread, monkeypatch, callback) -> None:
+    """Call ``callback`` once the server has sent the engine thread the abort of a request whose
+    client left (the engine thread applies it before its next step)."""
+    async_engine = server.app.state.flashtree.engine
+    real_cancel = async_engine.cancel
+
+    def cancel(stream):
+        real_cancel(stream)
+        callback()
+
+    monkeypatch.setattr(async_engine, "cancel", cancel)
+
+
+def after_submissions(server: ServerThread, monkeypatch, count: int, callback) -> None:
+    """Call ``callback`` once ``count`` requests have been sent to the engine thread (from now on)."""
+    from flashtree.server.async_engine import _Submit
+
+    async_engine = server.app.state.flashtree.engine
+    real_send = async_engine._send
+    sent = []
+
+    def send(command):
+        real_send(command)
+        if isinstance(command, _Submit):
+            sent.append(command)
+            if len(sent) == count:
+                callback()
+
+    monkeypatch.setattr(async_engine, "_send", send)

@@ -1,5 +1,5 @@
 """Fixtures for the training tests: a tiny deterministic "successor" target, chats in JSONL,
-and a truncated ShareGPT-like JSON file. (No tests here; the test_train_* files import it.)"""
+and a truncated ShareGPT-like JSON file."""
 
 from __future__ import annotations
 

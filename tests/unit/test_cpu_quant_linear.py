@@ -1,7 +1,8 @@
-"""CPU block kernel (flashtree/models/cpu_quant_linear.py): products from GGUF Q4_0 / Q4_1 / Q8_0
-blocks equal ``x @ W.T`` with the converter's fp32 weights, the rebuilt weights are bit-identical,
-and the engine with the kernel returns the same greedy tokens as without it (plain and
-speculative decoding). Needs a C++ compiler and an AVX-512 or AVX2 CPU; skipped with the reason otherwise."""
+"""CPU block kernel (flashtree/kernels/cpu/quant_linear.py): products from GGUF Q4_0 / Q4_1 / Q8_0
+blocks equal ``x @ W.T`` with the converter's fp32 weights, and the rebuilt weights are
+bit-identical. (The engine with the kernel returns the same greedy tokens as without it:
+tests/integration/test_cpu_quant_linear.py.) Needs a C++ compiler and an AVX-512 or AVX2 CPU;
+skipped with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -12,30 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from flashtree import LLM, SamplingParams
+from flashtree import LLM
 from flashtree.config import EngineConfig
 from flashtree.kernels.cpu import library as cpu_library
 from flashtree.kernels.cpu import quant_linear
-from flashtree.models import gguf_blocks as gguf_block_store
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.kernels.cpu.quant_linear import MAX_ROWS, QuantizedLinear
+from flashtree.models import gguf_blocks as gguf_block_store
 from flashtree.models.loader import resolve_model_dir
-from tests.dflash_helpers import save_tiny_drafter, use_copying_proposer
-from tests.test_loader import QT, tiny_model, write_tiny_gguf
+from tests.support.checkpoints import holders, isolated_cache, tiny_gguf  # noqa: F401 (autouse fixture)
 
 AVAILABLE, WHY = kernels_available()
 needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU block kernel unavailable: {WHY}")
-# a fixed node count per round where the engine has an adaptive policy (so every round speculates)
-FIXED_NODES = {"adaptive_spec": False}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def isolated_cache(tmp_path_factory):
-    """Conversions of the tiny GGUFs (and the kernel build) go to a private cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FLASHTREE_CACHE", str(tmp_path_factory.mktemp("flashtree-cache")))
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield
 
 
 def quantized(rows: int, cols: int, type_name: str, seed: int) -> tuple[QuantizedLinear, torch.Tensor]:
@@ -86,30 +75,6 @@ def test_fused_rows_concatenate_blocks():
 
 
 # ----------------------------------------------------------------------------- tiny GGUF models
-
-def tiny_gguf(path, model_type="llama", tied=True, seed=0):
-    """A tiny model as llama.cpp writes it: Q4_1 layers, the (tied) embedding Q8_0."""
-    model = tiny_model(model_type, seed=seed, tie_word_embeddings=tied, num_hidden_layers=3)
-    with torch.no_grad():  # less flat than N(0, 1) everywhere: meaningful argmax decisions
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-            elif "norm" not in name:
-                p.normal_(0, 0.1)
-            else:
-                p.fill_(1.0)
-    embedding = model.model.embed_tokens.weight.detach().float().numpy()
-    overrides = {"token_embd.weight": (gguf.quants.quantize(embedding, QT.Q8_0), QT.Q8_0)}
-    write_tiny_gguf(path, model, QT.Q4_1, raw_overrides=overrides)
-    return path
-
-
-def holders(model) -> list:
-    found = [model.lm_head_quant]
-    for layer in model.model.layers:
-        found += [layer.self_attn.qkv_quant, layer.self_attn.o_quant, layer.mlp.gate_up_quant, layer.mlp.down_quant]
-    return found
-
 
 @needs_kernel
 @pytest.mark.parametrize("model_type,tied", [("llama", True), ("qwen2", False)])
@@ -186,8 +151,8 @@ def test_avx2_build_matches_dequantized_matmul(monkeypatch):
 
 
 def test_switch_reaches_the_engine_config():
-    from flashtree.cli.bench import setup_from_args
     from flashtree.cli import build_parser
+    from flashtree.cli.bench import setup_from_args
     from flashtree.cli.serve import config_from_args
 
     assert EngineConfig.of().kernels.quant_kernels is True
@@ -198,57 +163,3 @@ def test_switch_reaches_the_engine_config():
         assert config_from_args(parser.parse_args(["serve", *flags])).engine.kernels.quant_kernels is expected
         bench = parser.parse_args(["bench", "--methods", "ar", "--dataset", "humaneval", *flags])
         assert setup_from_args(bench, needs_draft=False).engine.kernels.quant_kernels is expected
-
-
-PROMPTS = [[1, 5, 7], list(range(3, 20)), [9, 9, 9, 4], [30, 2, 60, 61, 62]]
-
-
-@needs_kernel
-def test_kernel_keeps_greedy_tokens_and_speculation_stays_exact(tmp_path, monkeypatch):
-    """Plain decoding with the kernel equals plain decoding without it; DFlash and DDTree (random
-    drafter; trees of up to 8 and of more nodes) and a copying drafter (deep acceptance) with the
-    kernel equal plain decoding with the kernel."""
-    path = str(tiny_gguf(tmp_path / "tiny.gguf"))
-    engine = dict(device="cpu", max_running=4, max_context=96, prefill_chunk=8, **FIXED_NODES)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = LLM(path, **engine)
-    assert plain.engine.model.lm_head_quant is not None
-    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    off = LLM(path, quant_kernels=False, **engine)
-    assert [o.token_ids for o in off.generate(PROMPTS, params)] == expected
-    drafter = save_tiny_drafter(resolve_model_dir(path), tmp_path / "drafter", block_size=4)
-    for spec, budget in (("dflash", None), ("ddtree", 6), ("ddtree", 20)):
-        llm = LLM(path, spec=spec, draft=str(drafter), budget=budget, **engine)
-        assert llm.engine.model.lm_head_quant is not None
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, (spec, budget)
-    made = use_copying_proposer(monkeypatch, depth=3)
-    llm = LLM(path, spec="dflash", draft=str(drafter), **engine)
-    made[-1].attach(llm.engine)
-    outs = llm.generate(PROMPTS, params)
-    assert [o.token_ids for o in outs] == expected
-    assert max(n for o in outs for n in o.acceptance_lengths) == 4  # whole blocks accepted: 4-row products
-
-
-# ----------------------------------------------------------------------------- the embedded model
-
-@pytest.fixture(scope="module")
-def smollm2_pair():
-    torch.set_num_threads(2)
-    base = dict(device="cpu", dtype="float32", max_running=2, max_context=256)
-    return LLM("smollm2", **base), LLM("smollm2", quant_kernels=False, **base)
-
-
-@needs_kernel
-@pytest.mark.slow
-def test_smollm2_kernel_same_greedy_tokens(smollm2_pair):
-    on, off = smollm2_pair
-    found = holders(on.engine.model)
-    assert all(h is not None for h in found) and len(found) == 1 + 4 * on.engine.model.config.num_hidden_layers
-    assert on.engine.model.lm_head_quant.type_name == "Q8_0"
-    assert {h.type_name for h in found[1:]} == {"Q4_1"}
-    chats = [[{"role": "user", "content": "What is the capital of France?"}],
-             [{"role": "user", "content": "Write a Python function that reverses a string."}]]
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    for chat in chats:  # one at a time (1-row products) and both together (2-row products)
-        assert on.chat(chat, params)[0].token_ids == off.chat(chat, params)[0].token_ids
-    assert [o.token_ids for o in on.chat(chats, params)] == [o.token_ids for o in off.chat(chats, params)]

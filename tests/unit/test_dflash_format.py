@@ -1,31 +1,37 @@
 """The z-lab DFlash drafter format: both config layouts, the forward semantics against an
-independent reference written from DESIGN.md section 2, the engine's feeding of the drafter,
-and one test per validation rule (each error names the file, the key and the value)."""
+independent reference written from DESIGN.md section 2 (tests/support/dflash_reference.py), and
+one test per validation rule (each error names the file, the key and the value). The engine's
+feeding of the drafter: tests/integration/test_dflash_format.py."""
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
-import torch.nn.functional as F
 
-from flashtree import LLM, SamplingParams
-from flashtree.cli import main as cli_main
+from flashtree import LLM
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashDrafter, load_drafter
 from flashtree.models.dflash_config import default_target_layer_ids, parse_dflash_config
 from flashtree.models.transformer import CausalLM
 from flashtree.speculative.ddtree import DDTreeProposer, default_budget
-from flashtree.speculative.dflash import DFlashProposer
-from tests.dflash_helpers import (drafter_weight_shapes, one_thread, random_drafter_weights, save_tiny_drafter,
-                                  save_tiny_tokenizer, tiny_drafter_config, tiny_pair, write_drafter)
+from tests.dflash_helpers import (
+    drafter_weight_shapes,
+    one_thread,
+    random_drafter_weights,
+    save_tiny_drafter,
+    save_tiny_tokenizer,
+    tiny_drafter_config,
+    tiny_pair,
+    write_drafter,
+)
 from tests.helpers import ours_from_hf
+from tests.support.dflash_reference import reference_draft_logits
 
 VOCAB = 32
 
@@ -72,58 +78,6 @@ def load_error(pair, target, tmp_path, edit=None, tokenizer=None, error=ConfigEr
 
 
 # ---------------------------------------------------------------------------- reference forward
-
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Hugging Face rotate-half RoPE; x [n, heads, d], positions [n]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    angles = positions.float()[:, None] * inv[None]  # [n, d/2]
-    cos, sin = torch.cat([angles, angles], -1).cos()[:, None], torch.cat([angles, angles], -1).sin()[:, None]
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
-
-
-@torch.no_grad()
-def reference_draft_logits(hf, drafter_dir: Path, context: list[int], bonus: int,
-                           block_size: int | None = None) -> torch.Tensor:
-    """DESIGN.md section 2 for one row, recomputing everything (no cache): ``[b-1, V]``."""
-    cfg = json.loads((drafter_dir / "config.json").read_text())
-    w = safetensors.torch.load_file(str(drafter_dir / "model.safetensors"))
-    ids, mask = cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["mask_token_id"]
-    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    b, n = block_size or cfg["block_size"], len(context)
-
-    def linear(x, name):  # a bias is there when config.json says attention_bias
-        return x @ w[name + ".weight"].T + w.get(name + ".bias", 0.0)
-
-    states = hf(torch.tensor([context]), output_hidden_states=True).hidden_states
-    ctx = rms(torch.cat([states[i + 1][0] for i in ids], -1) @ w["fc.weight"].T, w["hidden_norm.weight"])
-    x = hf.get_input_embeddings()(torch.tensor([bonus] + [mask] * (b - 1)))  # [b, H]
-    positions = torch.arange(n + b)
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"layers.{layer}."
-        window = cfg["sliding_window"] if cfg["layer_types"][layer] == "sliding_attention" else None
-        h = rms(x, w[p + "input_layernorm.weight"])
-        both = torch.cat([ctx, h])  # [n+b, H]: context K/V skip the input norm
-        q = rms(linear(h, p + "self_attn.q_proj").view(b, heads, hd), w[p + "self_attn.q_norm.weight"])
-        k = rms(linear(both, p + "self_attn.k_proj").view(n + b, kv, hd), w[p + "self_attn.k_norm.weight"])
-        v = linear(both, p + "self_attn.v_proj").view(n + b, kv, hd)
-        q, k = rotate(q, positions[n:]), rotate(k, positions)
-        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)  # [heads, b, n+b]
-        if window is not None:
-            hidden_ctx = torch.arange(n + b) < n - window  # context older than the window
-            scores = scores.masked_fill(hidden_ctx, float("-inf"))
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(b, heads * hd)
-        x = x + linear(attn, p + "self_attn.o_proj")
-        h = rms(x, w[p + "post_attention_layernorm.weight"])
-        x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[
-            p + "mlp.down_proj.weight"].T
-    return hf.lm_head(rms(x, w["norm.weight"])[1:])
-
 
 @torch.no_grad()
 def hf_features(hf, drafter, tokens: list[int]) -> torch.Tensor:
@@ -211,56 +165,6 @@ def test_shallow_drafts_are_the_first_positions_of_the_full_draft(pair, target):
         drafter.draft_logits(*args, kv_len=6 + drafter.config.block_size, depth=drafter.config.block_size)
 
 
-def test_engine_feeds_drafter_the_committed_context(pair, monkeypatch):
-    """Through the engine (chunked prefill, DDTree rounds, several rows), every draft equals the
-    reference computed from the request's committed tokens and bonus (with the checkpoint's
-    weights: the CPU's Q8_0 drafter copy is off, see test_quantized_drafter_stays_close)."""
-    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=16, max_running=4,
-              max_context=64, prefill_chunk=4, quant_kernels=False)
-    runner = llm.engine.proposer.runner
-    seen = []
-    real = runner.draft_logits
-
-    def recording(rows, depth=None):
-        logits = real(rows, depth)
-        by_slot = {r.slot: r for r in llm.engine.scheduler.active}
-        for row, slot in enumerate(rows.slots.tolist()):
-            req = by_slot[slot]
-            committed = req.prompt_ids + req.output_ids[:-1]
-            assert len(committed) == int(rows.starts[row])
-            seen.append((committed, req.output_ids[-1], logits[row]))
-        return logits
-
-    monkeypatch.setattr(runner, "draft_logits", recording)
-    llm.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [4], [7, 7, 7, 7, 7, 7]],
-                 SamplingParams(max_tokens=8, ignore_eos=True))
-    assert len(seen) >= 6
-    for committed, bonus, logits in seen:
-        reference = reference_draft_logits(pair.hf, pair.drafter, committed, bonus)
-        assert (logits - reference[:len(logits)]).abs().max() < 1e-4
-
-
-def test_quantized_drafter_stays_close(pair):
-    """CPU: the drafter rounded to Q8_0 (the default with the C++ kernels) drafts within Q8_0's
-    rounding of the checkpoint drafter, and its block products equal its fp32 products (the fp32
-    weights are the blocks' values), so the drafter's state does not depend on how many tokens a
-    pass carries."""
-    from flashtree.kernels.cpu import fused as cpu_kernels
-
-    if not cpu_kernels.available():
-        pytest.skip("the CPU kernel library does not build here")
-    exact = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=4, quant_kernels=False)
-    rounded = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=4)
-    drafter = rounded.engine.proposer.runner.drafter
-    assert drafter.fc_quant is not None and exact.engine.proposer.runner.drafter.fc_quant is None
-    layer = drafter.layers[0].mlp
-    x = torch.randn(5, layer.gate_up.shape[1])
-    assert (layer.gate_up_quant(x) - x @ layer.gate_up.T).abs().max() < 1e-4
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [4]]
-    assert [o.token_ids for o in rounded.generate(prompts, params)] == [o.token_ids for o in exact.generate(prompts, params)]
-
-
 # ---------------------------------------------------------------------------- real checkpoints
 
 ZLAB_QWEN3_8B = {  # config.json of z-lab/Qwen3-8B-DFlash-b16 (as published; unused keys trimmed)
@@ -295,18 +199,6 @@ def test_default_target_layer_ids():
 
 
 # ---------------------------------------------------------------------------- layouts and loading
-
-@pytest.mark.parametrize("layout", ["rope_theta", "rope_parameters"])
-def test_both_layouts_generate(pair, tmp_path, layout):
-    directory = save_tiny_drafter(pair.target, tmp_path / layout, layout=layout, block_size=3)
-    raw = json.loads((directory / "config.json").read_text())
-    assert ("rope_parameters" in raw) == (layout == "rope_parameters")
-    llm = LLM(str(pair.target), spec="dflash", draft=str(directory), max_context=64)
-    assert isinstance(llm.engine.proposer, DFlashProposer)
-    assert llm.engine.proposer.max_depth == 2 and llm.engine.proposer.capture_layers == (0, 1)
-    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
-    assert len(out.token_ids) == 6
-
 
 def test_hub_id_resolves_through_the_hub_cache(pair, target, tmp_path, monkeypatch):
     cache = tmp_path / "hub"
@@ -505,16 +397,3 @@ def test_missing_and_unexpected_tensors(pair, target, tmp_path):
                                 str(directory / "model.safetensors"))
     with pytest.raises(CheckpointError, match="embed_tokens"):
         load_drafter(str(directory), target)
-
-
-def test_mismatched_pair_refused_before_generation(pair, tmp_path, capsys):
-    other = tiny_pair(tmp_path, family="llama_gqa", vocab=VOCAB, target_layers=2)
-    with pytest.raises(ConfigError) as info:
-        LLM(str(pair.target), spec="ddtree", draft=str(other.drafter))
-    msg = str(info.value)
-    assert str(other.drafter) in msg and "'num_target_layers' = 2" in msg and "3 layers" in msg
-    argv = ["generate", "--model", str(pair.target), "--spec", "dflash", "--draft", str(other.drafter),
-            "--prompt-ids", "1,2,3", "--json"]
-    assert cli_main(argv) == 2
-    captured = capsys.readouterr()
-    assert "num_target_layers" in captured.err and captured.out == ""

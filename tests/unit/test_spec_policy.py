@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from flashtree.config import PolicyConfig
-from flashtree.policy import AdaptivePolicy, FixedNodes, node_ladder, rows_bucket
 from flashtree.errors import ConfigError
+from flashtree.policy import AdaptivePolicy, FixedNodes, node_ladder, rows_bucket
 
 LADDER = node_ladder(256, chain=False)  # (256, 128, 64, 32, 16, 8, 4, 0)
 

@@ -11,7 +11,7 @@ from flashtree.train.anchors import anchor_candidates, make_blocks
 from flashtree.train.batching import BatchStream, collate, epoch_batches
 from flashtree.train.encode import encode_all, encode_conversation
 from tests.dflash_helpers import save_tiny_tokenizer
-from tests.test_train_utils import truncated_sharegpt
+from tests.support.train import truncated_sharegpt
 
 END_OF_TURN = "<|im_end|>"
 

@@ -1,0 +1,71 @@
+"""The CPU block kernel in the engine: with it, the engine returns the same greedy tokens as without
+it, in plain and speculative decoding (tiny GGUF models), and on the embedded SmolLM2. The kernel's
+numerics and the blocks the loader keeps: tests/unit/test_cpu_quant_linear.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+from flashtree.kernels.cpu.library import kernels_available
+from flashtree.models.loader import resolve_model_dir
+from tests.dflash_helpers import save_tiny_drafter, use_copying_proposer
+from tests.support.checkpoints import holders, isolated_cache, tiny_gguf  # noqa: F401 (autouse fixture)
+
+AVAILABLE, WHY = kernels_available()
+needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU block kernel unavailable: {WHY}")
+# a fixed node count per round where the engine has an adaptive policy (so every round speculates)
+FIXED_NODES = {"adaptive_spec": False}
+
+
+PROMPTS = [[1, 5, 7], list(range(3, 20)), [9, 9, 9, 4], [30, 2, 60, 61, 62]]
+
+
+@needs_kernel
+def test_kernel_keeps_greedy_tokens_and_speculation_stays_exact(tmp_path, monkeypatch):
+    """Plain decoding with the kernel equals plain decoding without it; DFlash and DDTree (random
+    drafter; trees of up to 8 and of more nodes) and a copying drafter (deep acceptance) with the
+    kernel equal plain decoding with the kernel."""
+    path = str(tiny_gguf(tmp_path / "tiny.gguf"))
+    engine = dict(device="cpu", max_running=4, max_context=96, prefill_chunk=8, **FIXED_NODES)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLM(path, **engine)
+    assert plain.engine.model.lm_head_quant is not None
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    off = LLM(path, quant_kernels=False, **engine)
+    assert [o.token_ids for o in off.generate(PROMPTS, params)] == expected
+    drafter = save_tiny_drafter(resolve_model_dir(path), tmp_path / "drafter", block_size=4)
+    for spec, budget in (("dflash", None), ("ddtree", 6), ("ddtree", 20)):
+        llm = LLM(path, spec=spec, draft=str(drafter), budget=budget, **engine)
+        assert llm.engine.model.lm_head_quant is not None
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, (spec, budget)
+    made = use_copying_proposer(monkeypatch, depth=3)
+    llm = LLM(path, spec="dflash", draft=str(drafter), **engine)
+    made[-1].attach(llm.engine)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == expected
+    assert max(n for o in outs for n in o.acceptance_lengths) == 4  # whole blocks accepted: 4-row products
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    torch.set_num_threads(2)
+    base = dict(device="cpu", dtype="float32", max_running=2, max_context=256)
+    return LLM("smollm2", **base), LLM("smollm2", quant_kernels=False, **base)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_smollm2_kernel_same_greedy_tokens(smollm2_pair):
+    on, off = smollm2_pair
+    found = holders(on.engine.model)
+    assert all(h is not None for h in found) and len(found) == 1 + 4 * on.engine.model.config.num_hidden_layers
+    assert on.engine.model.lm_head_quant.type_name == "Q8_0"
+    assert {h.type_name for h in found[1:]} == {"Q4_1"}
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Write a Python function that reverses a string."}]]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for chat in chats:  # one at a time (1-row products) and both together (2-row products)
+        assert on.chat(chat, params)[0].token_ids == off.chat(chat, params)[0].token_ids
+    assert [o.token_ids for o in on.chat(chats, params)] == [o.token_ids for o in off.chat(chats, params)]
