@@ -18,23 +18,19 @@ from flashtree.train.config import TrainConfig
 from flashtree.train.regenerate import RegenerateConfig, regenerate, select_prompts
 from flashtree.train.setup import prepare
 from flashtree.train.trainer import train, train_step
-from tests.dflash_helpers import tiny_pair
+from tests.dflash_helpers import one_thread  # noqa: F401 (fixture)
 from tests.support.clocks import ReadCountClock
-from tests.support.train import save_successor_target, successor_chats
+from tests.support.train import save_successor_target, successor_chats, training_pair
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls run fastest on one thread (and do not fight other test processes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):  # noqa: F811
+    pass
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return tiny_pair(tmp_path_factory.mktemp("pair"), vocab=32, target_layers=3, block_size=4)
+    return training_pair(tmp_path_factory.mktemp("pair"))
 
 
 def random_chats(path, count, seed=0):

@@ -66,3 +66,10 @@ def truncated_sharegpt(path: Path, records: list[dict], cut_chars: int = 40) -> 
     text = json.dumps(records, indent=2)
     path.write_text(text[:-cut_chars])
     return path
+
+
+def training_pair(path):
+    """The tiny target and drafter the training tests use (vocabulary 32, 3 target layers, block 4)."""
+    from tests.dflash_helpers import tiny_pair
+
+    return tiny_pair(path, vocab=32, target_layers=3, block_size=4)

@@ -16,21 +16,18 @@ from flashtree.train.loss import block_loss, correctness_stats
 from flashtree.train.masks import block_mask_mod, dense_block_mask
 from flashtree.train.new_drafter import choose_mask_token, spread_layer_ids
 from flashtree.train.target_features import TargetFeatures
-from tests.dflash_helpers import tiny_pair
+from tests.dflash_helpers import one_thread  # noqa: F401 (fixture)
+from tests.support.train import training_pair
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls run fastest on one thread (and do not fight other test processes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):  # noqa: F811
+    pass
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return tiny_pair(tmp_path_factory.mktemp("pair"), vocab=32, target_layers=3, block_size=4)
+    return training_pair(tmp_path_factory.mktemp("pair"))
 
 
 def test_training_forward_equals_inference_drafting(pair):
