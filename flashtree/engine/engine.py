@@ -166,8 +166,8 @@ class LLMEngine:
         self.lag.after_round(launched.rows, launched.nodes)
         if catches_up:  # the queued round's catch-up projects them all
             self.lag.caught_up(launched.rows)
-        self._record(launched, result, None if result.captured_graph or untimed else self._last_round_end - started,
-                     self._last_round_end - started)
+        wall = self._last_round_end - started
+        self._record(launched, result, None if result.captured_graph or untimed else wall, wall)
         return launched, result
 
     def _append_round(self, launched: LaunchedRound, result: RoundResult) -> list[StepEvent]:
