@@ -20,17 +20,12 @@ from flashtree.train.setup import prepare
 from flashtree.train.trainer import train, train_step
 from tests.dflash_helpers import one_thread  # noqa: F401 (fixture)
 from tests.support.clocks import ReadCountClock
-from tests.support.train import save_successor_target, successor_chats, training_pair
+from tests.support.train import pair, save_successor_target, successor_chats  # noqa: F401 (pair: a fixture)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):  # noqa: F811
     pass
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return training_pair(tmp_path_factory.mktemp("pair"))
 
 
 def random_chats(path, count, seed=0):

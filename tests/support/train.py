@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.dflash_helpers import save_tiny_tokenizer
@@ -68,8 +69,9 @@ def truncated_sharegpt(path: Path, records: list[dict], cut_chars: int = 40) -> 
     return path
 
 
-def training_pair(path):
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
     """The tiny target and drafter the training tests use (vocabulary 32, 3 target layers, block 4)."""
     from tests.dflash_helpers import tiny_pair
 
-    return tiny_pair(path, vocab=32, target_layers=3, block_size=4)
+    return tiny_pair(tmp_path_factory.mktemp("pair"), vocab=32, target_layers=3, block_size=4)

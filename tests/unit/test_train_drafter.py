@@ -17,17 +17,12 @@ from flashtree.train.masks import block_mask_mod, dense_block_mask
 from flashtree.train.new_drafter import choose_mask_token, spread_layer_ids
 from flashtree.train.target_features import TargetFeatures
 from tests.dflash_helpers import one_thread  # noqa: F401 (fixture)
-from tests.support.train import training_pair
+from tests.support.train import pair  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):  # noqa: F811
     pass
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return training_pair(tmp_path_factory.mktemp("pair"))
 
 
 def test_training_forward_equals_inference_drafting(pair):
