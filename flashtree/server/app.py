@@ -18,7 +18,7 @@ from flashtree.server.config import ServerConfig
 from flashtree.server.errors import install_error_handlers
 from flashtree.server.generation import ServedModel
 from flashtree.server.metrics import ServerMetrics
-from flashtree.server.middleware import Gate, ResponseCounter
+from flashtree.server.middleware import BodyLimit, Gate, ResponseCounter
 from flashtree.server.routes import ServerContext, build_router
 from flashtree.server.startup import freeze_startup_objects, load_engine
 
@@ -48,11 +48,13 @@ def create_app(config: ServerConfig, *,
             yield
         finally:
             async_engine.stop()
+            ctx.tokenizing.shutdown(wait=False)
 
     app = FastAPI(title="flashtree", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.flashtree = ctx
     install_error_handlers(app)
     app.include_router(build_router(ctx))
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(Gate, api_key=config.api_key, not_ready_reason=ctx.not_ready_reason)
-    app.add_middleware(ResponseCounter, metrics=metrics)  # outermost: counts 401/503 too
+    app.add_middleware(ResponseCounter, metrics=metrics)  # outermost: counts 401/503/413 too
     return app

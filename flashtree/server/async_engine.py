@@ -21,6 +21,7 @@ import enum
 import logging
 import threading
 import time
+import uuid
 from collections import defaultdict, deque
 from typing import AsyncIterator, Callable
 
@@ -197,8 +198,7 @@ class AsyncEngine:
             try:
                 self._iterate(commands)
             except Exception as err:  # noqa: BLE001 - a bug here must not stop the thread
-                log.exception("engine loop failed; failing the requests in the batch")
-                self._fail_active(f"the engine failed: {type(err).__name__}: {err}")
+                self._fail_active(_incident("engine loop failed; failing the requests in the batch", err))
         self._fail_all("the server is shutting down")
         self.engine.close_traces()
         self.state = EngineState.STOPPED
@@ -264,8 +264,7 @@ class AsyncEngine:
         try:
             events = self.engine.step()
         except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
-            log.exception("engine step failed; failing the requests in the batch")
-            self._fail_active(f"the engine failed: {type(err).__name__}: {err}")
+            self._fail_active(_incident("engine step failed; failing the requests in the batch", err))
             return
         self.metrics.observe_round_nodes(self.engine.last_round_nodes)
         now = time.monotonic()
@@ -345,6 +344,13 @@ class _StepRounds:
         self.lengths += stats.acceptance_lengths[tracked.rounds_seen:]
         self.sizes += stats.tree_sizes[tracked.rounds_seen:]
         tracked.rounds_seen = len(stats.acceptance_lengths)
+
+
+def _incident(what: str, err: Exception) -> str:
+    """Log ``err`` with its trace under a new incident id; returns what the clients are told."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("%s (incident %s)", what, incident, exc_info=err)
+    return f"internal error (id {incident}); the server log has the details"
 
 
 def _kv_tokens(req: Request) -> int:

@@ -26,6 +26,7 @@ class ServerConfig:
     # the interpreter's thread switch interval while serving (sys.setswitchinterval), in ms: how long
     # the event loop may keep the interpreter lock from the engine thread that waits for it (None: Python's 5 ms)
     switch_interval_ms: float | None = None
+    max_request_bytes: int = 8 * 1024 * 1024  # a larger request body is refused (413) before it is read
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -40,5 +41,8 @@ class ServerConfig:
                 isinstance(self.switch_interval_ms, (int, float))
                 and 0 < self.switch_interval_ms <= 1000)):
             raise ConfigError(f"--switch-interval-ms must be in (0, 1000], got {self.switch_interval_ms!r}")
+        if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) \
+                or self.max_request_bytes < 1024:
+            raise ConfigError(f"--max-request-bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")

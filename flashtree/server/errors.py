@@ -5,15 +5,17 @@
 | 400 | invalid parameter, malformed JSON, bad prompt | invalid_request_error |
 | 401 | missing or wrong API key | invalid_request_error / invalid_api_key |
 | 404 | unknown model or path | invalid_request_error / model_not_found |
-| 413 | prompt longer than the context | invalid_request_error / context_length_exceeded |
+| 400 | prompt longer than the context (the numbers in the message) | invalid_request_error / context_length_exceeded |
+| 413 | request body over ``--max-request-bytes`` | invalid_request_error / request_too_large |
 | 429 | waiting queue full (with Retry-After) | rate_limit_error / queue_full |
-| 500 | the engine failed on this request | server_error |
+| 500 | the engine or the server failed on this request: "internal error" and an id the log has | server_error |
 | 503 | the model is loading (or failed to load) | service_unavailable |
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, Iterable
 
 from fastapi import FastAPI, Request
@@ -60,12 +62,19 @@ def from_engine_error(err: Exception, prompt_field: str) -> APIError:
         return APIError(429, f"the server is busy: {err}; retry later", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(err, PromptTooLongError):
-        return APIError(413, str(err), param=prompt_field, code="context_length_exceeded")
+        return APIError(400, str(err), param=prompt_field, code="context_length_exceeded")
     if isinstance(err, RequestError):
         return APIError(400, str(err), param=param_named_in(str(err), prompt_field))
     if isinstance(err, EngineUnavailable):
         return APIError(503, str(err), code="model_not_ready")
-    return APIError(500, f"the engine failed: {type(err).__name__}: {err}")
+    return internal_error(err)
+
+
+def internal_error(err: BaseException) -> APIError:
+    """A 500 that shows the client an id and keeps the details in the log (under that id)."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("internal error %s: %s: %s", incident, type(err).__name__, err, exc_info=err)
+    return APIError(500, f"internal error (id {incident}); the server log has the details")
 
 
 def param_named_in(message: str, prompt_field: str) -> str | None:
@@ -87,11 +96,17 @@ def validation_error(errors: Iterable[dict[str, Any]]) -> APIError:
         return APIError(400, "the request body must be a JSON object (send it with Content-Type: application/json)")
     messages, params = [], []
     for e in errors:
-        param = _field_path(e.get("loc", ()))
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-        params.append(param)
+        param = _field_path(e.get("loc", ()))
+        params.append(param or _leading_field(msg))
         messages.append(f"{param}: {msg}" if param else msg)
     return APIError(400, "; ".join(dict.fromkeys(messages)), param=params[0] if params else None)
+
+
+def _leading_field(message: str) -> str | None:
+    """The field a whole-request check names first (``"n: only one choice ..."`` -> ``"n"``)."""
+    head, colon, _ = message.partition(": ")
+    return head if colon and head.isidentifier() else None
 
 
 def _field_path(loc: Iterable[Any]) -> str | None:
@@ -131,5 +146,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, err: Exception) -> JSONResponse:
-        log.exception("unexpected error while serving a request")
-        return APIError(500, f"internal error: {type(err).__name__}: {err}").response()
+        return internal_error(err).response()

@@ -1,7 +1,8 @@
 """An OpenAI request -> what the engine takes: prompt token ids, SamplingParams, DDTree budget.
 
-Tokenization runs on the event loop with the HTTP side's own tokenizer copy (the engine
-thread decodes with the original; a Rust tokenizer must not be shared across threads).
+Tokenization runs off the event loop, on the server's one tokenizing thread (``ServerContext``), with
+the HTTP side's own tokenizer copy (the engine thread decodes with the original; a Rust tokenizer must not be
+shared across threads): a huge prompt then delays only other requests' tokenization, never a stream.
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ from typing import Any
 
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import RequestError
-from flashtree.models.tokenizer import encode_chat, encode_prompt
+from flashtree.models.tokenizer import ChatTemplateOptions, encode_chat, encode_prompt
 from flashtree.sampling import SamplingParams
 from flashtree.server.errors import APIError, param_named_in
-from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from flashtree.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,38 +39,85 @@ class ServedModel:
         tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         return cls(name, engine.config.cache.max_context, engine.model.config.vocab_size, tokenizer)
 
+    def check_token_ids(self, ids: list[int], field: str) -> None:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"{field}: token id {bad[0]} is out of range; the vocabulary has "
+                                f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})", param=field)
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationInput:
     prompt_ids: list[int]
     params: SamplingParams
     budget: int | None
+    echo: str = ""  # text the answer starts with (completions' echo: the prompt)
 
 
 def chat_input(body: ChatCompletionRequest, model: ServedModel) -> GenerationInput:
     messages = [m.as_template_dict() for m in body.messages]
-    prompt_ids = _tokenize(lambda: encode_chat(model.tokenizer, messages), "messages")
+    options = ChatTemplateOptions(add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message,
+                                  chat_template=body.chat_template, variables=body.chat_template_kwargs or {})
+    prompt_ids = truncated(_tokenize(lambda: encode_chat(model.tokenizer, messages, options), "messages"), body)
     max_tokens = body.max_new_tokens or max(1, model.max_context - len(prompt_ids))
-    return GenerationInput(prompt_ids, sampling_params(body, max_tokens, "messages"), body.budget)
+    return GenerationInput(prompt_ids, sampling_params(body, max_tokens, "messages", model), body.budget)
 
 
 def completion_input(body: CompletionRequest, model: ServedModel) -> GenerationInput:
     if isinstance(body.prompt, str):
-        prompt_ids = _tokenize(lambda: encode_prompt(model.tokenizer, body.prompt), "prompt")
+        prompt_ids = _tokenize(lambda: encode_prompt(model.tokenizer, body.prompt, body.add_special_tokens), "prompt")
     else:
         prompt_ids = list(body.prompt)
-        bad = [t for t in prompt_ids if t >= model.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt: token id {bad[0]} is out of range; the vocabulary has "
-                                f"{model.vocab_size} tokens (ids 0..{model.vocab_size - 1})", param="prompt")
-    return GenerationInput(prompt_ids, sampling_params(body, body.max_tokens, "prompt"), body.budget)
+        model.check_token_ids(prompt_ids, "prompt")
+    prompt_ids = truncated(prompt_ids, body)
+    echo = prompt_text(prompt_ids, body, model) if body.echo else ""
+    return GenerationInput(prompt_ids, sampling_params(body, body.max_tokens, "prompt", model), body.budget, echo)
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str) -> SamplingParams:
+def tokenize_input(body: TokenizeRequest, model: ServedModel) -> list[int]:
+    """``POST /tokenize``: the ids a completion (``prompt``) or a chat (``messages``) would send."""
+    if body.prompt is not None:
+        return _tokenize(lambda: encode_prompt(model.tokenizer, body.prompt, body.add_special_tokens), "prompt")
+    options = ChatTemplateOptions(add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message)
+    messages = [m.as_template_dict() for m in body.messages]
+    return _tokenize(lambda: encode_chat(model.tokenizer, messages, options), "messages")
+
+
+def detokenize_input(body: DetokenizeRequest, model: ServedModel) -> str:
+    """``POST /detokenize``: the text of the ids (special tokens kept, as vLLM does)."""
+    if model.tokenizer is None:
+        raise APIError(400, "tokens: this model has no tokenizer", param="tokens")
+    model.check_token_ids(body.tokens, "tokens")
+    return model.tokenizer.decode(body.tokens)
+
+
+def truncated(prompt_ids: list[int], body: SamplingRequest) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` tokens, when the request asks for it."""
+    keep = body.truncate_prompt_tokens
+    return prompt_ids[-keep:] if keep is not None else prompt_ids
+
+
+def prompt_text(prompt_ids: list[int], body: CompletionRequest, model: ServedModel) -> str:
+    """The text ``echo`` repeats: the prompt as sent, or the decoded ids (a truncated or token-id prompt)."""
+    if isinstance(body.prompt, str) and body.truncate_prompt_tokens is None:
+        return body.prompt
+    if model.tokenizer is None:
+        raise APIError(400, "echo: this model has no tokenizer to turn the prompt's ids into text", param="echo")
+    return model.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+
+
+def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str, model: ServedModel) -> SamplingParams:
+    if body.top_k > model.vocab_size:
+        raise APIError(400, f"top_k: must be -1, 0 (off) or at most the vocabulary's {model.vocab_size} tokens, "
+                            f"got {body.top_k}", param="top_k")
+    stop_token_ids = tuple(body.stop_token_ids or ())
+    model.check_token_ids(list(stop_token_ids), "stop_token_ids")
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                              max_tokens=max_tokens, stop=body.stop_strings, seed=body.seed,
-                              ignore_eos=body.ignore_eos)
+                              max_tokens=max_tokens, stop=body.stop_strings, stop_token_ids=stop_token_ids,
+                              seed=body.seed, ignore_eos=body.ignore_eos)
     except RequestError as err:
         raise APIError(400, str(err), param=param_named_in(str(err), prompt_field)) from None
 

@@ -2,6 +2,8 @@
 
 - :class:`Gate`: on ``/v1/*``, a missing or wrong API key is 401 and a loading engine is 503,
   before the body is read (so a bad key never learns whether its JSON was valid).
+- :class:`BodyLimit`: a request body over the limit is 413, refused from its Content-Length before
+  a byte of it is read, or as soon as a body sent in chunks passes the limit.
 - :class:`ResponseCounter`: counts generation responses by endpoint and HTTP status.
 """
 
@@ -10,12 +12,14 @@ from __future__ import annotations
 import secrets
 from typing import Callable
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashtree.server.errors import APIError
 from flashtree.server.metrics import ServerMetrics
 
 API_PREFIX = "/v1/"
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # gated like /v1/*
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -26,7 +30,7 @@ class Gate:
         self.not_ready_reason = not_ready_reason  # None when ready
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(API_PREFIX):
+        if scope["type"] == "http" and (scope["path"].startswith(API_PREFIX) or scope["path"] in TOKENIZER_PATHS):
             error = self._refusal(scope)
             if error is not None:
                 await error.response()(scope, receive, send)
@@ -47,6 +51,37 @@ class Gate:
         value = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = value.partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(int(declared)).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # (the endpoint's body parsing passes HTTP errors on)
+                    raise HTTPException(413, self._too_large(seen).message)
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    def _too_large(self, size: int) -> APIError:
+        return APIError(413, f"the request body has {size} bytes (at least), over the server's limit of "
+                             f"{self.max_bytes} (--max-request-bytes)", code="request_too_large")
 
 
 class ResponseCounter:

@@ -1,30 +1,79 @@
 """Request and response bodies of the OpenAI chat and completions APIs (the subset we serve).
 
-Requests ignore unknown fields (clients send many), validate the ones we read strictly
-(``"5"`` is not an integer), and reject the ones we cannot honour (``n != 1``, logprobs,
-tools, penalties) with the field's name, so a client learns what is wrong.
+Requests ignore fields nobody serves (clients send many), validate the ones we read strictly
+(``"5"`` is not an integer), and answer every field vLLM serves that we do not honour yet with a
+400 that names it (:data:`NOT_HONOURED`), unless it holds its "off" value: nothing a client asks
+for is silently dropped.
 
-Defaults follow OpenAI: temperature 1, top_p 1, max_tokens 16 for completions and the rest
-of the context for chat; a max_tokens that runs past the context ends there ("length").
-Extensions beyond OpenAI: ``top_k``, ``ignore_eos`` and ``budget`` (lowers the request's
-DDTree budget; 0 = no drafted tokens). ``usage`` carries ``rounds`` and
-``mean_acceptance_length`` besides the token counts.
+Defaults follow OpenAI: temperature 1 (in [0, 2]), top_p 1, max_tokens 16 for completions and the
+rest of the context for chat; a max_tokens that runs past the context ends there ("length").
+Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``truncate_prompt_tokens``; for chat ``add_generation_prompt``, ``continue_final_message``,
+``chat_template`` and ``chat_template_kwargs``; for completions ``add_special_tokens``. Ours:
+``budget`` (lowers the request's DDTree budget; 0 = no drafted tokens). ``usage`` carries
+``rounds`` and ``mean_acceptance_length`` besides the token counts.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-NonNegativeFloat = Annotated[float, Field(strict=True, ge=0)]
-UnitInterval = Annotated[float, Field(strict=True, gt=0, le=1)]
+Temperature = Annotated[float, Field(strict=True, ge=0, le=2, allow_inf_nan=False)]
+UnitInterval = Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+# field -> (the values that mean "off" and are accepted, why any other value is refused)
+NOT_HONOURED_COMMON: dict[str, tuple[tuple, str]] = {
+    "n": ((None, 1), "only one choice per request (n = 1) is served"),
+    "best_of": ((None, 1), "only best_of = 1 is served"),
+    "presence_penalty": ((None, 0), "penalties are not served yet; leave it unset or 0"),
+    "frequency_penalty": ((None, 0), "penalties are not served yet; leave it unset or 0"),
+    "repetition_penalty": ((None, 1), "penalties are not served yet; leave it unset or 1"),
+    "logit_bias": ((None, {}), "logit_bias is not served"),
+    "min_p": ((None, 0), "min_p is not served; use top_p or top_k"),
+    "min_tokens": ((None, 0), "min_tokens is not served yet"),
+    "use_beam_search": ((None, False), "beam search is not served"),
+    "length_penalty": ((None, 1), "length_penalty (beam search) is not served"),
+    "include_stop_str_in_output": ((None, False), "stop strings are always cut from the output"),
+    "skip_special_tokens": ((None, True), "the output text always skips special tokens"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always skipped"),
+    "prompt_logprobs": ((None,), "logprobs are not served yet"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not served"),
+    "bad_words": ((None, []), "bad_words is not served"),
+    "logits_processors": ((None, []), "logits processors are not served"),
+    "return_tokens_as_token_ids": ((None, False), "tokens are returned as text"),
+    "priority": ((None, 0), "requests have no priorities here"),
+    "response_format": ((None, {"type": "text"}), "structured output (response_format) is not served yet"),
+    "guided_json": ((None,), "structured output (guided_json) is not served yet"),
+    "guided_regex": ((None,), "structured output (guided_regex) is not served yet"),
+    "guided_choice": ((None,), "structured output (guided_choice) is not served yet"),
+    "guided_grammar": ((None,), "structured output (guided_grammar) is not served yet"),
+    "structural_tag": ((None,), "structured output (structural_tag) is not served yet"),
+}
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
+    not_honoured: ClassVar[dict[str, tuple[tuple, str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_honoured(cls, data: Any) -> Any:
+        """A field of :data:`NOT_HONOURED` set to anything but its "off" value is refused, named."""
+        if isinstance(data, dict):
+            for name, (off, why) in cls.not_honoured.items():
+                if name in data and not any(_same(data[name], value) for value in off):
+                    raise ValueError(f"{name}: {why} (got {data[name]!r})")
+        return data
+
+
+def _same(value: Any, off: Any) -> bool:
+    """``value`` is the "off" value ``off`` (``0`` is ``0.0``, but ``False`` is not ``0``)."""
+    return isinstance(value, bool) == isinstance(off, bool) and value == off
 
 
 class StreamOptions(_Request):
@@ -34,42 +83,21 @@ class StreamOptions(_Request):
 class SamplingRequest(_Request):
     """Fields shared by chat and completions requests."""
 
+    not_honoured = NOT_HONOURED_COMMON
     model: StrictStr
     max_tokens: PositiveInt | None = None
-    temperature: NonNegativeFloat = 1.0
+    temperature: Temperature = 1.0
     top_p: UnitInterval = 1.0
     top_k: Annotated[StrictInt, Field(ge=-1)] = 0  # 0 or -1: off
     stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     ignore_eos: StrictBool = False
+    truncate_prompt_tokens: PositiveInt | None = None  # keep only the prompt's last N tokens
+    user: StrictStr | None = None  # the caller's end-user id (recorded nowhere)
     budget: Annotated[StrictInt, Field(ge=0)] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only n=1 is supported, got {value}")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported; leave it unset or 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -101,23 +129,41 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    not_honoured = {
+        **NOT_HONOURED_COMMON,
+        "logprobs": ((None, False), "logprobs are not served yet"),
+        "top_logprobs": ((None, 0), "logprobs are not served yet"),
+        "tools": ((None, []), "tool calls are not served yet"),
+        "tool_choice": ((None, "none"), "tool calls are not served yet"),
+        "functions": ((None, []), "function calls are not served yet"),
+        "function_call": ((None, "none"), "function calls are not served yet"),
+        "echo": ((None, False), "echo is served for completions only"),
+        "documents": ((None, []), "documents are not served"),
+    }
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
-    logprobs: StrictBool | None = None
-    tools: list[Any] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    @model_validator(mode="after")
+    def _final_message_options(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: set add_generation_prompt to false to continue the final "
+                             "message (they cannot both be true)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError(f"continue_final_message: the final message must be the assistant's, "
+                             f"got {self.messages[-1].role!r}")
+        return self
 
-    @field_validator("tools")
+    @field_validator("chat_template_kwargs")
     @classmethod
-    def _no_tools(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError("tool calls are not supported")
+    def _template_variables(cls, value: dict | None) -> dict | None:
+        reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KEYS)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here; allowed: template variables other than "
+                             f"{', '.join(sorted(RESERVED_TEMPLATE_KEYS))}")
         return value
 
     @property
@@ -125,41 +171,45 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# apply_chat_template's own arguments: a request names them as fields, not as template variables
+RESERVED_TEMPLATE_KEYS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                    "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                    "truncation", "max_length", "return_tensors", "return_dict",
+                                    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: StrictStr | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+    not_honoured = {
+        **NOT_HONOURED_COMMON,
+        "logprobs": ((None,), "logprobs are not served yet"),
+        "suffix": ((None, ""), "suffix (insertion) is not served"),
+    }
+    prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
-    logprobs: StrictInt | None = None
-    echo: StrictBool = False
-    suffix: StrictStr | None = None
-    best_of: StrictInt | None = None
+    echo: StrictBool = False  # the answer starts with the prompt's text
+    add_special_tokens: StrictBool = False  # a text prompt's tokens get the tokenizer's special tokens
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("logprobs are not supported")
-        return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+class TokenizeRequest(_Request):
+    """``POST /tokenize``: a text prompt, or a conversation through the chat template (vLLM's shape)."""
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
-    @field_validator("best_of")
-    @classmethod
-    def _one_candidate(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported, got {value}")
-        return value
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt (text) or messages (a conversation), not both or neither")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------- responses
@@ -245,6 +295,16 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 class ErrorInfo(_Response):

@@ -55,13 +55,14 @@ async def last_delta(stream: RequestStream) -> GenerationDelta:
     return final
 
 
-def chat_response(response_id: str, model: str, final: GenerationDelta) -> ChatCompletionResponse:
+def chat_response(response_id: str, model: str, final: GenerationDelta, echo: str = "") -> ChatCompletionResponse:
     choice = ChatChoice(message=AssistantMessage(content=final.full_text or ""), finish_reason=final.finish_reason)
     return ChatCompletionResponse(id=response_id, model=model, choices=[choice], usage=usage_of(final.usage))
 
 
-def completion_response(response_id: str, model: str, final: GenerationDelta) -> CompletionResponse:
-    choice = CompletionChoice(text=final.full_text or "", finish_reason=final.finish_reason)
+def completion_response(response_id: str, model: str, final: GenerationDelta, echo: str = "") -> CompletionResponse:
+    """The whole answer (``echo``: the text it starts with, the prompt when the request asked)."""
+    choice = CompletionChoice(text=echo + (final.full_text or ""), finish_reason=final.finish_reason)
     return CompletionResponse(id=response_id, model=model, choices=[choice], usage=usage_of(final.usage))
 
 
@@ -86,7 +87,7 @@ class TextEvents:
 
 
 async def chat_events(stream: RequestStream, response_id: str, model: str, include_usage: bool,
-                      cancel: Callable[[RequestStream], None]) -> AsyncIterator[str]:
+                      cancel: Callable[[RequestStream], None], echo: str = "") -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(delta: dict, finish_reason: str | None = None) -> str:
@@ -108,7 +109,7 @@ async def chat_events(stream: RequestStream, response_id: str, model: str, inclu
 
 
 async def completion_events(stream: RequestStream, response_id: str, model: str, include_usage: bool,
-                            cancel: Callable[[RequestStream], None]) -> AsyncIterator[str]:
+                            cancel: Callable[[RequestStream], None], echo: str = "") -> AsyncIterator[str]:
     created = int(time.time())
 
     def completion_chunk(text: str, finish_reason: str | None = None) -> CompletionResponse:
@@ -120,6 +121,8 @@ async def completion_events(stream: RequestStream, response_id: str, model: str,
                                       usage=usage_of(usage)))
 
     text_event = TextEvents(completion_chunk(TextEvents.TEXT_SLOT))
+    if echo:
+        yield text_event(echo)
     async for event in _guarded(stream, cancel, text_event, lambda d: sse(completion_chunk("", d.finish_reason)),
                                 usage_chunk if include_usage else None):
         yield event

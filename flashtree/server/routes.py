@@ -1,9 +1,11 @@
-"""The endpoints: chat and text completions (whole or streamed), models, health, metrics."""
+"""The endpoints: chat and text completions (whole or streamed), models, tokenize / detokenize, health,
+version, metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -11,9 +13,25 @@ from starlette.background import BackgroundTask
 
 from flashtree.server.async_engine import AsyncEngine, EngineFailure, EngineState, GenerationDelta, RequestStream
 from flashtree.server.errors import APIError, from_engine_error
-from flashtree.server.generation import GenerationInput, ServedModel, chat_input, completion_input
+from flashtree.server.generation import (
+    GenerationInput,
+    ServedModel,
+    chat_input,
+    completion_input,
+    detokenize_input,
+    tokenize_input,
+)
 from flashtree.server.metrics import CONTENT_TYPE
-from flashtree.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from flashtree.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from flashtree.server.responses import (
     SSE_HEADERS,
     chat_events,
@@ -23,6 +41,7 @@ from flashtree.server.responses import (
     last_delta,
     new_id,
 )
+from flashtree.version import __version__
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 
@@ -34,6 +53,12 @@ class ServerContext:
         self.engine = engine
         self.model_name = model_name
         self.served: ServedModel | None = None  # set on the engine thread once loaded, before ready
+        # requests are tokenized here, one at a time (the HTTP side's tokenizer is not shared across threads)
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashtree-tokenize")
+
+    async def tokenize(self, make_input, body, model: ServedModel):
+        """``make_input(body, model)`` on the tokenizing thread, so a huge prompt never holds up the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, make_input, body, model)
 
     def model(self, requested: str) -> ServedModel:
         if requested != self.model_name:
@@ -52,7 +77,7 @@ class ServerContext:
     async def submit(self, generation: GenerationInput, prompt_field: str, arrival: float) -> RequestStream:
         try:
             return await self.engine.submit(generation.prompt_ids, generation.params, generation.budget, arrival)
-        except Exception as err:  # refusals from add_request: 400 / 413 / 429
+        except Exception as err:  # refusals from add_request: 400 / 429
             raise from_engine_error(err, prompt_field) from None
 
     async def finish(self, stream: RequestStream, request: Request) -> GenerationDelta | None:
@@ -66,11 +91,11 @@ class ServerContext:
             if not result.done():
                 result.cancel()
                 self.engine.cancel(stream)
-        if result.cancelled():
+        if not result.done():  # the client left first (the task is cancelled, not yet done)
             return None
         try:
             return result.result()
-        except EngineFailure as err:
+        except EngineFailure as err:  # (its message names the incident the log holds)
             raise APIError(500, str(err)) from None
 
 
@@ -92,15 +117,16 @@ def build_router(ctx: ServerContext) -> APIRouter:
         """One generation endpoint: submit, then stream the events or answer with the whole result."""
         arrival = time.monotonic()
         model = ctx.model(body.model)
-        stream = await ctx.submit(make_input(body, model), prompt_field, arrival)
+        generation = await ctx.tokenize(make_input, body, model)
+        stream = await ctx.submit(generation, prompt_field, arrival)
         response_id = new_id(id_prefix)
         if body.stream:
-            return event_stream(events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel),
-                                ctx, stream)
+            return event_stream(events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel,
+                                       echo=generation.echo), ctx, stream)
         final = await ctx.finish(stream, request)
         if final is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return respond(response_id, model.name, final)
+        return respond(response_id, model.name, final, echo=generation.echo)
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
@@ -113,6 +139,25 @@ def build_router(ctx: ServerContext) -> APIRouter:
     @router.get("/v1/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.served.max_context)])
+
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        return ModelCard(id=ctx.model(model_id).name, max_model_len=ctx.served.max_context)
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        model = ctx.served if body.model is None else ctx.model(body.model)
+        ids = await ctx.tokenize(tokenize_input, body, model)
+        return TokenizeResponse(count=len(ids), max_model_len=model.max_context, tokens=ids)
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        model = ctx.served if body.model is None else ctx.model(body.model)
+        return DetokenizeResponse(prompt=await ctx.tokenize(detokenize_input, body, model))
+
+    @router.get("/version")
+    async def version():
+        return JSONResponse({"version": __version__})
 
     @router.get("/health")
     async def health():

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from flashtree.models import loader
+from flashtree.models.embedded import EMBEDDED_MODELS, embedded_gguf_path
 from flashtree.models.loader import Checkpoint, load_checkpoint
 from tests.support.checkpoints import isolated_caches, llama_cpp_permute  # noqa: F401 (autouse fixture)
 
@@ -60,7 +61,7 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2):
     """transformers dequantizes and un-permutes the same file independently."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path = loader.embedded_gguf_path(loader.EMBEDDED_MODELS["smollm2"])
+    path = embedded_gguf_path(EMBEDDED_MODELS["smollm2"])
     parsed = load_gguf_checkpoint(str(path), return_tensors=False)
     with torch.device("meta"):  # only its parameter names are needed
         names_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**parsed["config"]))

