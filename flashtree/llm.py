@@ -17,7 +17,7 @@ from flashtree.config import EngineConfig, SpeculationConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.engine.request import Request
 from flashtree.models.tokenizer import encode_chat, encode_prompt
-from flashtree.sampling import SamplingParams
+from flashtree.sampling import SamplingParams, TokenLogprob
 from flashtree.speculative.defaults import default_spec
 
 
@@ -31,6 +31,7 @@ class RequestOutput:
     rounds: int
     acceptance_lengths: list[int]  # tokens committed per round (bonus included)
     tree_sizes: list[int]  # drafted nodes verified per round
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs was set
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -39,7 +40,8 @@ class RequestOutput:
     @classmethod
     def of(cls, req: Request) -> "RequestOutput":
         return cls(req.request_id, list(req.prompt_ids), list(req.output_ids), req.text, req.finish_reason,
-                   req.stats.rounds, list(req.stats.acceptance_lengths), list(req.stats.tree_sizes))
+                   req.stats.rounds, list(req.stats.acceptance_lengths), list(req.stats.tree_sizes),
+                   None if req.params.logprobs is None else list(req.output_logprobs))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 from flashtree.errors import RequestError
 
 _MASK64 = (1 << 64) - 1
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest tokens'
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +52,8 @@ class SamplingParams:
             raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +135,45 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop_sorted[..., 0] = False  # the best token always stays
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+class TokenLogprobs(NamedTuple):
+    """The target's log-probabilities at a batch of positions ``[B, M]``, from its raw distribution
+    (before temperature and filters, as vLLM reports them by default)."""
+
+    chosen: torch.Tensor  # [B, M] float32: of the token chosen there
+    top_values: torch.Tensor  # [B, M, k] float32: of the k likeliest tokens, best first
+    top_ids: torch.Tensor  # [B, M, k] int64
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> TokenLogprobs:
+    """logits ``[B, M, V]``, chosen ``[B, M]`` -> their :class:`TokenLogprobs` with the top ``k``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, M, V]
+    top_values, top_ids = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [B, M, k] (k may be 0)
+    return TokenLogprobs(logp.gather(-1, chosen[..., None].long())[..., 0], top_values, top_ids)
+
+
+class TokenLogprob(NamedTuple):
+    """One emitted token's log-probability and its position's likeliest tokens (host values)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), best first
+
+
+def logprob_records(values: TokenLogprobs, tokens: list[list[int]], ks: list[int | None]
+                    ) -> list[list[TokenLogprob] | None]:
+    """Host :class:`TokenLogprobs` ``[B, M(, k)]`` -> per row, the records of its ``tokens`` (its
+    first positions) with its own ``ks[b]`` alternatives (None for a row that asked for none)."""
+    chosen, top_values, top_ids = (t.tolist() for t in values)
+    records: list[list[TokenLogprob] | None] = []
+    for b, (row_tokens, k) in enumerate(zip(tokens, ks)):
+        if k is None:
+            records.append(None)
+            continue
+        records.append([TokenLogprob(token, chosen[b][j], tuple(zip(top_ids[b][j][:k], top_values[b][j][:k])))
+                        for j, token in enumerate(row_tokens)])
+    return records
 
 
 def choose_tokens(logits: torch.Tensor, sampling: SamplingTensors, out_index: torch.Tensor) -> torch.Tensor:

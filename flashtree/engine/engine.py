@@ -28,7 +28,7 @@ from flashtree.config import EngineConfig
 from flashtree.device_copy import to_device
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.overlap import QueuedRounds
-from flashtree.engine.prefill import Prefill
+from flashtree.engine.prefill import FirstToken, Prefill
 from flashtree.engine.request import Request, Status
 from flashtree.engine.runner import LaunchedRound, ModelRunner, RoundResult
 from flashtree.engine.scheduler import Scheduler
@@ -173,13 +173,14 @@ class LLMEngine:
     def _append_round(self, launched: LaunchedRound, result: RoundResult) -> list[StepEvent]:
         """Each row's committed tokens appended (stop conditions) and counted."""
         events = []
-        for req, tokens, size in zip(launched.rows, result.emitted, result.tree_sizes):
+        logprobs = result.logprobs or [None] * len(launched.rows)
+        for req, tokens, size, row_logprobs in zip(launched.rows, result.emitted, result.tree_sizes, logprobs):
             if req.finished:  # it finished (or was aborted) after the round was queued
                 continue
             req.stats.rounds += 1
             req.stats.acceptance_lengths.append(len(tokens))
             req.stats.tree_sizes.append(size)
-            events.append(append_tokens(req, tokens, self.tracker, self.config.cache.max_context))
+            events.append(append_tokens(req, tokens, self.tracker, self.config.cache.max_context, row_logprobs))
         return events
 
     def _take_or_launch(self, rows: Sequence[Request]) -> tuple[LaunchedRound, float, bool]:
@@ -237,7 +238,7 @@ class LLMEngine:
         self.lag.caught_up(behind)
         return captured
 
-    def _start_running(self, rows: Sequence[Request], firsts: Sequence[int | None], deferred: Sequence[bool]
+    def _start_running(self, rows: Sequence[Request], firsts: Sequence[FirstToken | None], deferred: Sequence[bool]
                        ) -> list[StepEvent]:
         """After a prefill chunk: rows whose prompt is complete start running with their first token."""
         self.lag.prompts_deferred(rows, deferred)
@@ -246,7 +247,8 @@ class LLMEngine:
             req.prefilled = min(len(req.prompt_ids), req.prefilled + self.config.scheduler.prefill_chunk)
             if first is not None:
                 req.status = Status.RUNNING
-                events.append(append_tokens(req, [first], self.tracker, self.config.cache.max_context))
+                logprobs = None if first.logprob is None else [first.logprob]
+                events.append(append_tokens(req, [first.token], self.tracker, self.config.cache.max_context, logprobs))
         return events
 
     def close_traces(self) -> None:

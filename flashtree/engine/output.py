@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from flashtree.engine.request import Request, Status
+from flashtree.sampling import TokenLogprob
 
 
 class StepEvent(NamedTuple):
@@ -18,6 +19,7 @@ class StepEvent(NamedTuple):
     new_token_ids: list[int]
     new_text: str
     finished: bool
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 class TextTracker:
@@ -75,8 +77,10 @@ class TextTracker:
         return state.text + window[len(prefix):] if window.startswith(prefix) else self.decode(ids)
 
 
-def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_context: int) -> StepEvent:
-    """Append ``tokens`` to ``req`` until a stop condition; returns the step's event."""
+def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_context: int,
+                  logprobs: list[TokenLogprob] | None = None) -> StepEvent:
+    """Append ``tokens`` (and their ``logprobs``, when the request asked) to ``req`` until a stop
+    condition; returns the step's event."""
     params = req.params
     old_text = req.text
     added: list[int] = []
@@ -99,7 +103,11 @@ def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_con
         elif tracker.needs_text(req):
             req.text = _without_stop_prefix(tracker.text(req), params.stop)
     delta = req.text[len(old_text):] if req.text.startswith(old_text) else req.text
-    return StepEvent(req, added, delta, req.finished)
+    new_logprobs = None
+    if logprobs is not None:
+        new_logprobs = logprobs[:len(added)]
+        req.output_logprobs.extend(new_logprobs)
+    return StepEvent(req, added, delta, req.finished, new_logprobs)
 
 
 def _fast_decoder(tokenizer):

@@ -8,7 +8,7 @@ complete get their first output token, chosen like every later one (``flashtree/
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -17,8 +17,22 @@ from flashtree.engine.stage_timer import StageTimer
 from flashtree.kv.cache import KVCache
 from flashtree.models.batch import ForwardBatch, causal_mask, slot_range_of
 from flashtree.models.transformer import CausalLM
-from flashtree.sampling import SamplingTensors, choose_tokens
+from flashtree.sampling import (
+    MAX_LOGPROBS,
+    SamplingTensors,
+    TokenLogprob,
+    choose_tokens,
+    logprob_records,
+    token_logprobs,
+)
 from flashtree.speculative.proposer import Proposer
+
+
+class FirstToken(NamedTuple):
+    """A request's first output token, chosen when its prompt completes."""
+
+    token: int
+    logprob: TokenLogprob | None  # when the request asked for log-probabilities
 
 
 class Prefill:
@@ -30,7 +44,8 @@ class Prefill:
         self.device = model.lm_head.weight.device
         self.planless = planless
 
-    def __call__(self, rows: Sequence[Request], chunk: int, defer: Sequence[bool] | None = None) -> list[int | None]:
+    def __call__(self, rows: Sequence[Request], chunk: int, defer: Sequence[bool] | None = None
+                 ) -> list[FirstToken | None]:
         """Run the next prompt chunk of every row; returns the first output token of rows whose
         prompt completed (None for rows still prefilling). ``defer[i]``: the proposer keeps row
         i's context features for a later catch-up instead of projecting them now."""
@@ -53,10 +68,23 @@ class Prefill:
         if out.hidden is not None:
             self._hand_features(rows, slots, out.hidden, counts, starts, defer)
         sampling = SamplingTensors.build([r.params for r in rows], self.device)
-        first = choose_tokens(out.logits, sampling, torch.zeros_like(last))[:, 0].tolist()  # the one sync
+        chosen = choose_tokens(out.logits, sampling, torch.zeros_like(last))  # [B, 1]
+        first = chosen[:, 0].tolist()  # the one sync
+        logprobs = self._logprobs(rows, out.logits, chosen, first)
         self.timer.add("prefill", t0)
         done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
-        return [tok if d else None for tok, d in zip(first, done)]
+        return [FirstToken(tok, lp) if d else None for tok, lp, d in zip(first, logprobs, done)]
+
+    @staticmethod
+    def _logprobs(rows: Sequence[Request], logits: torch.Tensor, chosen: torch.Tensor, first: list[int]
+                  ) -> list[TokenLogprob | None]:
+        """The first tokens' log-probabilities for the rows that asked (logits ``[B, 1, V]``)."""
+        ks = [r.params.logprobs for r in rows]
+        if all(k is None for k in ks):
+            return [None] * len(rows)
+        values = token_logprobs(logits, chosen, MAX_LOGPROBS)
+        records = logprob_records(values, [[tok] for tok in first], ks)
+        return [None if r is None else r[0] for r in records]
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -16,7 +16,7 @@ import enum
 import itertools
 from collections import Counter
 
-from flashtree.sampling import SamplingParams
+from flashtree.sampling import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 
@@ -71,6 +71,7 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
     drafter_lag: int = 0  # tokens whose drafter features are deferred (read and written by DrafterLag only)
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when params.logprobs is set
     text: str = ""
     decoded: DecodeState = dataclasses.field(default_factory=DecodeState)  # see TextTracker
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -32,7 +32,12 @@ from flashtree.engine.stage_timer import StageTimer
 from flashtree.kv.cache import KVCache
 from flashtree.models.batch import ForwardBatch
 from flashtree.models.transformer import CausalLM
-from flashtree.sampling import SamplingTensors, choose_tokens
+from flashtree.sampling import (
+    SamplingTensors,
+    TokenLogprobs,
+    choose_tokens,
+    token_logprobs,
+)
 from flashtree.speculative.proposer import Proposer
 from flashtree.speculative.tree.draft_tree import root_only_tree
 from flashtree.speculative.verify import AcceptResult, accept_walk
@@ -70,11 +75,13 @@ class RoundShape(NamedTuple):
     any_sampled: bool
     any_filtered: bool
     nodes: int  # drafted nodes per row (the tree has nodes + 1 entries); 0: a plain round
+    logprobs: int | None = None  # top alternatives per emitted token's log-probability (None: no row asked)
 
 
 class RoundOutput(NamedTuple):
     packed: torch.Tensor  # [B, 2 + D + 1] per row: acceptance length, tree size, emitted tokens (see pack)
     trace: tuple[torch.Tensor, ...] | None  # with a tree trace: tokens, parents, valid [B, N], path [B, P]
+    logprobs: TokenLogprobs | None = None  # [B, P(, k)] at the path's nodes: emitted token j is chosen at node j
 
 
 class DeviceRound:
@@ -125,7 +132,11 @@ class DeviceRound:
         if timer:
             timer.add("commit", t2)
         trace = (tokens, tree.parents, tree.valid, walk.path) if self.tracing else None
-        return RoundOutput(packed, trace)
+        logprobs = None
+        if shape.logprobs is not None:  # emitted token j is the target's choice at path node j
+            path_logits = out.logits.gather(1, path[:, :, None].expand(-1, -1, out.logits.shape[-1]))  # [B, P, V]
+            logprobs = token_logprobs(path_logits, choice.gather(1, path), shape.logprobs)
+        return RoundOutput(packed, trace, logprobs)
 
     def _plain(self, shape: RoundShape, rows: RoundInputs, timer: StageTimer | None) -> RoundOutput:
         """A plain round without the tree machinery: the root-only tree's walk always accepts the
@@ -153,7 +164,8 @@ class DeviceRound:
         if self.tracing:  # the root-only tree and its one-node path
             zeros = torch.zeros_like(rows.slots)[:, None]  # [B, 1]
             trace = (rows.bonus[:, None], zeros - 1, zeros == 0, zeros)
-        return RoundOutput(packed, trace)
+        logprobs = None if shape.logprobs is None else token_logprobs(out.logits, next_bonus[:, None], shape.logprobs)
+        return RoundOutput(packed, trace, logprobs)
 
 
 def sampling_of(shape: RoundShape, rows: RoundInputs) -> SamplingTensors:

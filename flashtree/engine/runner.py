@@ -29,7 +29,13 @@ from flashtree.engine.traces import TreeTracer
 from flashtree.kv.cache import KVCache
 from flashtree.models.batch import slot_range_of
 from flashtree.models.transformer import CausalLM
-from flashtree.sampling import seed_value
+from flashtree.sampling import (
+    MAX_LOGPROBS,
+    TokenLogprob,
+    TokenLogprobs,
+    logprob_records,
+    seed_value,
+)
 from flashtree.speculative.proposer import Proposer
 
 KV_BUCKET = 256  # a graphed round's key length is rounded up to a multiple of this
@@ -39,6 +45,7 @@ class RoundResult(NamedTuple):
     emitted: list[list[int]]  # per row: accepted drafts + next bonus (= acceptance length tokens)
     tree_sizes: list[int]  # per row: drafted nodes verified
     captured_graph: bool = False  # this round captured a CUDA graph (its wall time is not typical)
+    logprobs: list[list[TokenLogprob] | None] | None = None  # per row, per emitted token (rows that asked)
 
 
 class LaunchedRound(NamedTuple):
@@ -51,6 +58,7 @@ class LaunchedRound(NamedTuple):
     packed: torch.Tensor  # [B + pads, 2 + D + 1] see round.pack (a graph's static buffer)
     host: torch.Tensor  # packed, copied to (pinned) host memory once ``done``
     trace: tuple[torch.Tensor, ...] | None  # the round's tree tensors on the host, with a tree trace
+    logprobs: TokenLogprobs | None  # the emitted tokens' log-probabilities on the host, when a row asked
     done: object  # a torch.cuda.Event recorded after those copies (None on a CPU: already done)
     captured_graph: bool  # launching it captured a CUDA graph
     launched_at: float  # perf_counter() when its device work was queued
@@ -131,6 +139,9 @@ class ModelRunner:
         if launched.done is not None:
             launched.done.synchronize()
         result = self._to_host(launched.host, len(launched.rows))
+        if launched.logprobs is not None:
+            ks = [r.params.logprobs for r in launched.rows]
+            result = result._replace(logprobs=logprob_records(launched.logprobs, result.emitted, ks))
         if self.graphs is not None:
             self.timer.add("round", launched.launched_at)
             result = result._replace(captured_graph=launched.captured_graph)
@@ -155,14 +166,16 @@ class ModelRunner:
             out = self.round_program(shape, *inputs, timer=self.timer)
         else:
             out = self.graphs.run((width, shape), lambda *t: self.round_program(shape, *t), inputs)
-        host, trace, done = out.packed, out.trace, None
+        host, trace, logprobs, done = out.packed, out.trace, out.logprobs, None
         if self.device.type == "cuda":  # read through an event: a later queued round need not finish first
             host = _pinned_copy(out.packed)
             trace = None if trace is None else tuple(_pinned_copy(t) for t in trace)
+            logprobs = None if logprobs is None else TokenLogprobs(*(_pinned_copy(t) for t in logprobs))
             done = torch.cuda.Event()
             done.record()
         captured = self.graphs is not None and self.graphs.captures != captures
-        return LaunchedRound(rows, shape.nodes, ints, floats, out.packed, host, trace, done, captured, launched_at)
+        return LaunchedRound(rows, shape.nodes, ints, floats, out.packed, host, trace, logprobs, done, captured,
+                             launched_at)
 
     def _plain_step(self, rows: int, pads: int) -> torch.Tensor:
         """``[8, rows + pads]``: what a plain round adds to a real row's inputs (starts, generated
@@ -220,11 +233,11 @@ class ModelRunner:
     def _shape(self, rows: Sequence[Request], nodes: int, slots_list: list[int], ahead: int = 0) -> RoundShape:
         """The round's static shape (with graphs: its key-length bucket); ``ahead``: tokens the rows
         will have committed by then beyond what the host knows (see :meth:`launch_plain_after`)."""
-        params = [r.params for r in rows]
+        params = [r.params for r in rows]  # (log-probabilities: always the most alternatives, so one graph)
         shape = RoundShape(kv_len=max(r.committed_length for r in rows) + ahead + nodes + 1,
                            slot_range=slot_range_of(slots_list), any_sampled=any(not p.greedy for p in params),
                            any_filtered=any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params),
-                           nodes=nodes)
+                           nodes=nodes, logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else None)
         if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and slots itself: one graph for all
             shape = shape._replace(kv_len=self.cache.spec.capacity, slot_range=None)
         if self.graphs is not None:

@@ -29,6 +29,7 @@ from flashtree.engine.engine import LLMEngine
 from flashtree.engine.output import StepEvent
 from flashtree.engine.request import Request, Status
 from flashtree.sampling import SamplingParams
+from flashtree.server.logprobs import LogprobText, TokenTexts
 from flashtree.server.metrics import ServerMetrics
 
 log = logging.getLogger("flashtree.server")
@@ -71,6 +72,7 @@ class GenerationDelta:
     finish_reason: str | None = None  # set on the last delta: stop | length | abort
     full_text: str | None = None  # the whole output text, on the last delta
     error: str | None = None  # the engine failed this request
+    logprobs: tuple[LogprobText, ...] | None = None  # one per token, when the request asked
 
     @property
     def finished(self) -> bool:
@@ -146,6 +148,7 @@ class AsyncEngine:
         self._wakeup = threading.Condition()
         self._stopping = False
         self._tracked: dict[str, _Tracked] = {}
+        self._token_texts: TokenTexts | None = None  # (engine thread) for log-probabilities
         self._thread = threading.Thread(target=self._run, name="flashtree-engine", daemon=True)
 
     # ------------------------------------------------------------------ event-loop side
@@ -214,6 +217,7 @@ class AsyncEngine:
             if self._on_load_failure is not None:
                 self._on_load_failure(err)
             return False
+        self._token_texts = TokenTexts(self.engine.tokenizer)
         self.state = EngineState.READY
         self.loaded.set()
         return True
@@ -285,12 +289,13 @@ class AsyncEngine:
     def _delta(self, tracked: _Tracked, event: StepEvent, now: float) -> GenerationDelta:
         req = event.request
         self._observe_token_times(tracked, len(event.new_token_ids), now)
+        logprobs = None if event.new_logprobs is None else self._token_texts.entries(event.new_logprobs)
         if not event.finished:
-            return GenerationDelta(tuple(event.new_token_ids), event.new_text, None)
+            return GenerationDelta(tuple(event.new_token_ids), event.new_text, None, logprobs=logprobs)
         del self._tracked[req.request_id]
         self.metrics.finished.labels(finish_reason=req.finish_reason).inc()
         return GenerationDelta(tuple(event.new_token_ids), event.new_text, RequestUsage.of(req),
-                               finish_reason=req.finish_reason, full_text=req.text)
+                               finish_reason=req.finish_reason, full_text=req.text, logprobs=logprobs)
 
     def _observe_token_times(self, tracked: _Tracked, count: int, now: float) -> None:
         if count == 0:

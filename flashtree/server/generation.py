@@ -117,7 +117,7 @@ def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str, m
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               max_tokens=max_tokens, stop=body.stop_strings, stop_token_ids=stop_token_ids,
-                              seed=body.seed, ignore_eos=body.ignore_eos)
+                              seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs_count)
     except RequestError as err:
         raise APIError(400, str(err), param=param_named_in(str(err), prompt_field)) from None
 

@@ -5,6 +5,9 @@ Requests ignore fields nobody serves (clients send many), validate the ones we r
 400 that names it (:data:`NOT_HONOURED`), unless it holds its "off" value: nothing a client asks
 for is silently dropped.
 
+Log-probabilities (``logprobs`` and ``top_logprobs`` for chat, ``logprobs`` for completions; at most
+20 alternatives) are the target's raw ones (``server/logprobs.py``).
+
 Defaults follow OpenAI: temperature 1 (in [0, 2]), top_p 1, max_tokens 16 for completions and the
 rest of the context for chat; a max_tokens that runs past the context ends there ("length").
 Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
@@ -21,10 +24,13 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
+from flashtree.sampling import MAX_LOGPROBS
+
 Temperature = Annotated[float, Field(strict=True, ge=0, le=2, allow_inf_nan=False)]
 UnitInterval = Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
+LogprobCount = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 # field -> (the values that mean "off" and are accepted, why any other value is refused)
 NOT_HONOURED_COMMON: dict[str, tuple[tuple, str]] = {
@@ -41,7 +47,7 @@ NOT_HONOURED_COMMON: dict[str, tuple[tuple, str]] = {
     "include_stop_str_in_output": ((None, False), "stop strings are always cut from the output"),
     "skip_special_tokens": ((None, True), "the output text always skips special tokens"),
     "spaces_between_special_tokens": ((None, True), "special tokens are always skipped"),
-    "prompt_logprobs": ((None,), "logprobs are not served yet"),
+    "prompt_logprobs": ((None,), "prompt_logprobs is not served yet; logprobs (of the output) is"),
     "allowed_token_ids": ((None,), "allowed_token_ids is not served"),
     "bad_words": ((None, []), "bad_words is not served"),
     "logits_processors": ((None, []), "logits processors are not served"),
@@ -109,6 +115,11 @@ class SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def logprobs_count(self) -> int | None:
+        """Alternatives per emitted token's log-probability (None: no log-probabilities)."""
+        return None
+
 
 class TextPart(_Request):
     type: Literal["text"]
@@ -131,8 +142,6 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingRequest):
     not_honoured = {
         **NOT_HONOURED_COMMON,
-        "logprobs": ((None, False), "logprobs are not served yet"),
-        "top_logprobs": ((None, 0), "logprobs are not served yet"),
         "tools": ((None, []), "tool calls are not served yet"),
         "tool_choice": ((None, "none"), "tool calls are not served yet"),
         "functions": ((None, []), "function calls are not served yet"),
@@ -146,9 +155,14 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: StrictBool = False
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[StrictStr, Any] | None = None
+    logprobs: StrictBool | None = None  # each output token's log-probability
+    top_logprobs: LogprobCount | None = None  # with logprobs: this many likeliest alternatives per token
 
     @model_validator(mode="after")
     def _final_message_options(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs: set logprobs to true to get alternatives (got top_logprobs "
+                             f"{self.top_logprobs} with logprobs false)")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: set add_generation_prompt to false to continue the final "
                              "message (they cannot both be true)")
@@ -170,6 +184,10 @@ class ChatCompletionRequest(SamplingRequest):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 # apply_chat_template's own arguments: a request names them as fields, not as template variables
 RESERVED_TEMPLATE_KEYS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
@@ -181,13 +199,24 @@ RESERVED_TEMPLATE_KEYS = frozenset({"conversation", "messages", "tools", "docume
 class CompletionRequest(SamplingRequest):
     not_honoured = {
         **NOT_HONOURED_COMMON,
-        "logprobs": ((None,), "logprobs are not served yet"),
         "suffix": ((None, ""), "suffix (insertion) is not served"),
     }
     prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
     echo: StrictBool = False  # the answer starts with the prompt's text
     add_special_tokens: StrictBool = False  # a text prompt's tokens get the tokenizer's special tokens
+    logprobs: LogprobCount | None = None  # each output token's log-probability and this many alternatives
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> "CompletionRequest":
+        if self.echo and self.logprobs is not None:
+            raise ValueError("logprobs: with echo it needs the prompt's log-probabilities, which are not served "
+                             "yet; ask for logprobs without echo")
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class TokenizeRequest(_Request):
@@ -234,11 +263,32 @@ class AssistantMessage(_Response):
     content: str
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(_Response):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -254,7 +304,7 @@ class ChatChunkChoice(_Response):
     index: int = 0
     delta: dict[str, str]  # {"role", "content"} on the first chunk, {"content"} after, {} at the end
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -270,7 +320,7 @@ class CompletionChoice(_Response):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Response):

@@ -1,13 +1,15 @@
 """Engine output -> OpenAI responses: whole bodies, and SSE streams ending with ``data: [DONE]``.
 
 A stream sends a chunk per step that added text, then a chunk with the finish reason, then
-(``stream_options.include_usage``) a chunk with no choices and the usage. An engine failure
+(``stream_options.include_usage``) a chunk with no choices and the usage; a request that asked for
+log-probabilities gets a chunk per step that added tokens, with theirs. An engine failure
 after the headers went out is sent as an ``{"error": ...}`` event. Leaving the stream early
 (client gone, cancelled) cancels the request so its slot is freed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -17,6 +19,7 @@ from pydantic import BaseModel
 
 from flashtree.server.async_engine import EngineFailure, GenerationDelta, RequestStream, RequestUsage
 from flashtree.server.errors import APIError
+from flashtree.server.logprobs import chat_logprobs, completion_logprobs
 from flashtree.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -48,21 +51,27 @@ def sse(payload: BaseModel | dict) -> str:
 
 
 async def last_delta(stream: RequestStream) -> GenerationDelta:
-    """Wait for the request to finish; raises EngineFailure when the engine failed it."""
-    final = None
+    """Wait for the request to finish; raises EngineFailure when the engine failed it. The last
+    delta carries every token's log-probabilities (when the request asked)."""
+    final, logprobs = None, []
     async for delta in stream:
         final = delta
-    return final
+        logprobs.extend(delta.logprobs or ())
+    return final if final.logprobs is None else dataclasses.replace(final, logprobs=tuple(logprobs))
 
 
 def chat_response(response_id: str, model: str, final: GenerationDelta, echo: str = "") -> ChatCompletionResponse:
-    choice = ChatChoice(message=AssistantMessage(content=final.full_text or ""), finish_reason=final.finish_reason)
+    logprobs = None if final.logprobs is None else chat_logprobs(final.logprobs)
+    choice = ChatChoice(message=AssistantMessage(content=final.full_text or ""), finish_reason=final.finish_reason,
+                        logprobs=logprobs)
     return ChatCompletionResponse(id=response_id, model=model, choices=[choice], usage=usage_of(final.usage))
 
 
 def completion_response(response_id: str, model: str, final: GenerationDelta, echo: str = "") -> CompletionResponse:
     """The whole answer (``echo``: the text it starts with, the prompt when the request asked)."""
-    choice = CompletionChoice(text=echo + (final.full_text or ""), finish_reason=final.finish_reason)
+    logprobs = None if final.logprobs is None else completion_logprobs(final.logprobs, len(echo))
+    choice = CompletionChoice(text=echo + (final.full_text or ""), finish_reason=final.finish_reason,
+                              logprobs=logprobs)
     return CompletionResponse(id=response_id, model=model, choices=[choice], usage=usage_of(final.usage))
 
 
@@ -87,15 +96,23 @@ class TextEvents:
 
 
 async def chat_events(stream: RequestStream, response_id: str, model: str, include_usage: bool,
-                      cancel: Callable[[RequestStream], None], echo: str = "") -> AsyncIterator[str]:
+                      cancel: Callable[[RequestStream], None], echo: str = "", logprobs: bool = False
+                      ) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(delta: dict, finish_reason: str | None = None) -> str:
         return sse(chat_chunk(delta, finish_reason))
 
-    def chat_chunk(delta: dict, finish_reason: str | None = None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def chat_chunk(delta: dict, finish_reason: str | None = None, step: GenerationDelta | None = None
+                   ) -> ChatCompletionChunk:
+        values = None if step is None or step.logprobs is None else chat_logprobs(step.logprobs)
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=values)
         return ChatCompletionChunk(id=response_id, model=model, created=created, choices=[choice])
+
+    def step_event(step: GenerationDelta) -> str | None:
+        if logprobs:
+            return sse(chat_chunk({"content": step.text}, step=step)) if step.token_ids or step.text else None
+        return text_event(step.text) if step.text else None
 
     def usage_chunk(usage: RequestUsage) -> str:
         return sse(ChatCompletionChunk(id=response_id, model=model, created=created, choices=[],
@@ -103,18 +120,34 @@ async def chat_events(stream: RequestStream, response_id: str, model: str, inclu
 
     text_event = TextEvents(chat_chunk({"content": TextEvents.TEXT_SLOT}))
     yield chunk({"role": "assistant", "content": ""})
-    async for event in _guarded(stream, cancel, text_event, lambda d: chunk({}, d.finish_reason),
+    async for event in _guarded(stream, cancel, step_event, lambda d: chunk({}, d.finish_reason),
                                 usage_chunk if include_usage else None):
         yield event
 
 
 async def completion_events(stream: RequestStream, response_id: str, model: str, include_usage: bool,
-                            cancel: Callable[[RequestStream], None], echo: str = "") -> AsyncIterator[str]:
+                            cancel: Callable[[RequestStream], None], echo: str = "", logprobs: bool = False
+                            ) -> AsyncIterator[str]:
     created = int(time.time())
+    offset = len(echo)  # where the next token's text starts in the choice's text (log-probabilities)
 
-    def completion_chunk(text: str, finish_reason: str | None = None) -> CompletionResponse:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    def completion_chunk(text: str, finish_reason: str | None = None, step: GenerationDelta | None = None
+                         ) -> CompletionResponse:
+        values = None
+        if step is not None and step.logprobs is not None:
+            values = completion_logprobs(step.logprobs, offset)
+        choice = CompletionChoice(text=text, finish_reason=finish_reason, logprobs=values)
         return CompletionResponse(id=response_id, model=model, created=created, choices=[choice])
+
+    def step_event(step: GenerationDelta) -> str | None:
+        nonlocal offset
+        if not logprobs:
+            return text_event(step.text) if step.text else None
+        if not step.token_ids and not step.text:
+            return None
+        event = sse(completion_chunk(step.text, step=step))
+        offset += sum(len(entry.token) for entry in step.logprobs or ())
+        return event
 
     def usage_chunk(usage: RequestUsage) -> str:
         return sse(CompletionResponse(id=response_id, model=model, created=created, choices=[],
@@ -123,19 +156,19 @@ async def completion_events(stream: RequestStream, response_id: str, model: str,
     text_event = TextEvents(completion_chunk(TextEvents.TEXT_SLOT))
     if echo:
         yield text_event(echo)
-    async for event in _guarded(stream, cancel, text_event, lambda d: sse(completion_chunk("", d.finish_reason)),
+    async for event in _guarded(stream, cancel, step_event, lambda d: sse(completion_chunk("", d.finish_reason)),
                                 usage_chunk if include_usage else None):
         yield event
 
 
 async def _guarded(stream: RequestStream, cancel: Callable[[RequestStream], None],
-                   text_event: Callable[[str], str], finish_chunk: Callable[[GenerationDelta], str],
+                   step_event: Callable[[GenerationDelta], str | None], finish_chunk: Callable[[GenerationDelta], str],
                    usage_chunk: Callable[[RequestUsage], str] | None) -> AsyncIterator[str]:
     """The SSE events of one stream; cancels the request if the consumer leaves early. Deltas that
     queued up while the stream was behind go out in one write (one event each still)."""
     try:
         async for batch in stream.batches():
-            events = [text_event(delta.text) for delta in batch if delta.text]
+            events = [event for event in map(step_event, batch) if event is not None]
             last = batch[-1]
             if last.finished:
                 events.append(finish_chunk(last))

@@ -122,7 +122,8 @@ def build_router(ctx: ServerContext) -> APIRouter:
         response_id = new_id(id_prefix)
         if body.stream:
             return event_stream(events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel,
-                                       echo=generation.echo), ctx, stream)
+                                       echo=generation.echo, logprobs=generation.params.logprobs is not None),
+                                ctx, stream)
         final = await ctx.finish(stream, request)
         if final is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)

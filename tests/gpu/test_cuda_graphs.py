@@ -111,3 +111,30 @@ def test_graphed_rounds_with_a_draft_vocabulary_equal_plain(tmp_path, spec, budg
     assert fast.engine.proposer.runner.vocab_ids.tolist() == ranking[:12]
     assert [o.token_ids for o in fast.generate(prompts, params)] == plain
     assert fast.engine.runner.graphs is not None and fast.engine.runner.graphs.graphs
+
+
+@pytest.mark.parametrize("spec", ["none", "ddtree"])
+def test_graphed_logprobs_equal_eager(tmp_path, spec):
+    """Log-probabilities computed inside graphed rounds (queued plain rounds included) and copied
+    out through pinned buffers: the eager engine's, for every emitted token."""
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=24, block_size=6)
+    prompts = [[1, 2, 3], list(range(2, 20)), [7] * 9]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, logprobs=k, temperature=0.8 * (k == 2), seed=k)
+              for k in (None, 2, 5)]
+    outs = {}
+    for graphs in (False, True):
+        draft = {} if spec == "none" else dict(spec=spec, draft=str(pair.drafter), budget=16)
+        llm = LLM(str(pair.target), **draft, device="cuda", dtype="float32", cuda_graphs=graphs, max_running=4,
+                  max_context=256)
+        outs[graphs] = llm.generate(prompts, params)
+    for eager, graphed in zip(outs[False], outs[True]):
+        assert graphed.token_ids == eager.token_ids
+        if eager.logprobs is None:
+            assert graphed.logprobs is None
+            continue
+        assert len(graphed.logprobs) == len(graphed.token_ids)
+        for a, b in zip(eager.logprobs, graphed.logprobs):
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]

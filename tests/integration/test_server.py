@@ -236,7 +236,7 @@ BAD_INPUTS = [  # (endpoint, raw body, status, param, words in the message)
     ("completions", '{"model": "tiny", "prompt": [5, 100000]}', 400, "prompt", "out of range"),
     ("completions", '{"model": "tiny", "prompt": "hi", "top_p": 0}', 400, "top_p", "greater than 0"),
     ("completions", '{"model": "tiny", "prompt": "hi", "stop": [""]}', 400, "stop", "non-empty"),
-    ("completions", '{"model": "tiny", "prompt": "hi", "logprobs": 2}', 400, "logprobs", "not served"),
+    ("completions", '{"model": "tiny", "prompt": "hi", "logprobs": 30}', 400, "logprobs", "less than or equal to 20"),
     ("completions", '{"model": "tiny", "prompt": "' + "cat " * 300 + '"}', 400, "prompt", "prompt has"),
 ]
 

@@ -17,6 +17,8 @@ import pytest
 
 from flashtree.cli.serve import check_address_free
 from flashtree.errors import AddressInUseError
+from flashtree.llm import LLM
+from flashtree.sampling import SamplingParams
 from flashtree.version import __version__
 from tests.support.server import ServerThread, after_cancel, hold_rounds, save_tiny_chat_model, server_config
 
@@ -45,7 +47,7 @@ def post(server: ServerThread, path: str, body, **kwargs) -> httpx.Response:
 # ---------------------------------------------------------------------------- fields
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("repetition_penalty", 1.2),
-    ("min_tokens", 4), ("tool_choice", "auto"), ("top_logprobs", 3), ("logprobs", True), ("echo", True),
+    ("min_tokens", 4), ("tool_choice", "auto"), ("prompt_logprobs", 1), ("echo", True),
     ("presence_penalty", 0.5), ("min_p", 0.1), ("include_stop_str_in_output", True), ("n", 2),
 ])
 def test_chat_fields_not_served_are_refused_by_name(served, field, value):
@@ -130,6 +132,58 @@ def test_chat_template_options_are_the_template_s(served):
 ])
 def test_chat_template_options_that_cannot_work_are_refused(served, body, param):
     response = post(served, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+# ---------------------------------------------------------------------------- log-probabilities
+def test_chat_logprobs_are_the_engine_s_in_openai_s_shape(served):
+    """Whole and streamed answers carry the same values, one per completion token, with the asked
+    number of alternatives, and they are the engine's own (``tests/integration/test_logprobs.py``
+    checks those against the target)."""
+    asked = dict(max_tokens=8, logprobs=True, top_logprobs=3, **GREEDY)
+    whole = client(served).chat.completions.create(model="tiny", messages=CHAT, **asked)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy
+        assert entry.top_logprobs[0].logprob == entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode()) and entry.top_logprobs[0].bytes == entry.bytes
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    stream = client(served).chat.completions.create(model="tiny", messages=CHAT, stream=True, **asked)
+    streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+    prompt_ids = post(served, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    own = LLM(config=served.engine.config).generate([prompt_ids], SamplingParams(max_tokens=8, ignore_eos=True,
+                                                                                 logprobs=3))[0]
+    assert [r.logprob for r in own.logprobs] == pytest.approx([e.logprob for e in content], abs=1e-6)
+    without = client(served).chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, **GREEDY)
+    assert without.choices[0].logprobs is None and without.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_completion_logprobs_have_offsets_and_the_chosen_token(served):
+    whole = client(served).completions.create(model="tiny", prompt="the cat", max_tokens=6, logprobs=2, **GREEDY)
+    values = whole.choices[0].logprobs
+    assert len(values.tokens) == len(values.token_logprobs) == len(values.top_logprobs) == 6
+    assert values.text_offset == [sum(len(t) for t in values.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(values.tokens, values.token_logprobs, values.top_logprobs):
+        assert top[token] == logprob and len(top) == 2  # greedy: the chosen token is among the top 2
+    stream = client(served).completions.create(model="tiny", prompt="the cat", max_tokens=6, logprobs=2, stream=True,
+                                               **GREEDY)
+    chunks = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == values.tokens
+    assert [o for c in chunks for o in c.text_offset] == values.text_offset
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 1, "echo": True}, "logprobs"),
+])
+def test_logprobs_requests_that_cannot_be_served_are_refused(served, path, body, param):
+    response = post(served, path, {"model": "tiny", **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
