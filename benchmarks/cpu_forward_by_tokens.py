@@ -49,7 +49,7 @@ def forward(model, cache, tokens: int, context: int) -> None:
     ids = torch.randint(0, 49000, (1, tokens))
     batch = ForwardBatch(input_ids=ids, positions=context + torch.arange(tokens)[None], slots=torch.tensor([0]),
                          cache_lengths=torch.tensor([context]), new_mask=causal_mask(torch.tensor([tokens]), tokens),
-                         kv_len=context + tokens, slot_range=(0, 1))
+                         kv_len=context + tokens)
     model(batch, cache)
 
 

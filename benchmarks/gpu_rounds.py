@@ -140,6 +140,8 @@ def main():
     parser.add_argument("--triton-tree", action=argparse.BooleanOptionalAction, default=True,
                         help="DDTree kept lists from the Triton kernel (the engine's default)")
     parser.add_argument("--triton-attention", action="store_true", help="Triton tree attention instead of SDPA")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time each method with profile_stages (eager, synchronized) for the stage split")
     args = parser.parse_args()
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
@@ -148,7 +150,7 @@ def main():
         name, _, budget = method.partition(":")
         spec = SpeculationConfig(method=name, draft=None if name == "none" else str(drafter),
                                  budget=int(budget) if budget else None)
-        for profile in (False, True):
+        for profile in (False, True) if args.profile else (False,):
             engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device="cuda",
                                                max_running=max(batches), max_context=2048, profile_stages=profile,
                                                adaptive_spec=False,  # every round at the method's size
@@ -166,7 +168,7 @@ def main():
     for r in rows:
         r["vs_plain_step"] = r["ms_per_round"] / plain[r["batch"]] if r["batch"] in plain else None
     tree_rows = []
-    for budget in [int(b) for b in args.tree_budgets.split(",")]:
+    for budget in [int(b) for b in filter(None, args.tree_budgets.split(","))]:
         for batch in batches:
             graphed, static, eager = tree_work_ms(budget, batch, args.triton_tree)
             tree_rows.append({"budget": budget, "batch": batch, "kernel": args.triton_tree,

@@ -115,9 +115,13 @@ class SpeculationConfig:
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     max_context: int = 2048  # prompt + output tokens per request
+    page_size: int = 16  # KV entries per page
+    kv_pages: int | None = None  # pages in the pool (None: every running request can reach max_context)
 
     def __post_init__(self) -> None:
-        _check_positive_ints(self, "max_context")
+        _check_positive_ints(self, "max_context", "page_size")
+        if self.kv_pages is not None and not (isinstance(self.kv_pages, int) and self.kv_pages >= 1):
+            raise ConfigError(f"kv_pages must be an integer >= 1 or None, got {self.kv_pages!r}")
 
 
 @dataclasses.dataclass(frozen=True)

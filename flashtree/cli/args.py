@@ -63,6 +63,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("KV cache (CacheConfig)")
     cache.add_argument("--max-context", type=int, default=CacheConfig.max_context,
                        help="prompt + output tokens per request")
+    cache.add_argument("--page-size", type=int, default=CacheConfig.page_size, help="KV entries per page")
+    cache.add_argument("--kv-pages", type=int, default=CacheConfig.kv_pages, metavar="N",
+                       help="KV pages in the pool; a request is admitted when the pages its prompt and max_tokens "
+                            "can reach are free (None: enough for --max-running requests of --max-context tokens)")
 
     scheduler = parser.add_argument_group("scheduling (SchedulerConfig)")
     scheduler.add_argument("--max-running", type=int, default=SchedulerConfig.max_running,
@@ -112,7 +116,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 # flag dest -> flat engine setting (EngineConfig.of); the speculation method and drafter go apart
-ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "max_context", "max_running",
+ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "max_context", "page_size",
+                "kv_pages", "max_running",
                 "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
                 *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps")
 

@@ -30,14 +30,20 @@ from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.overlap import QueuedRounds
 from flashtree.engine.prefill import FirstToken, Prefill
 from flashtree.engine.request import Request, Status
-from flashtree.engine.runner import LaunchedRound, ModelRunner, RoundResult
-from flashtree.engine.scheduler import Scheduler
+from flashtree.engine.runner import LaunchedRound, ModelRunner, RoundResult, round_span
+from flashtree.engine.scheduler import PageBudget, Scheduler
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.traces import PolicyTracer, StepTracer, TreeTracer
 from flashtree.errors import RequestError
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kv.cache import KVCache, KVCacheSpec
-from flashtree.models.build import LoadedTarget, load_target, resolve_device, resolve_dtype
+from flashtree.kv.pages import PagePool, PageTable
+from flashtree.models.build import (
+    LoadedTarget,
+    load_target,
+    resolve_device,
+    resolve_dtype,
+)
 from flashtree.models.tokenizer import stop_token_ids_for
 from flashtree.policy import make_policy, rows_bucket
 from flashtree.sampling import SamplingParams
@@ -60,14 +66,17 @@ class LLMEngine:
         self.model, self.tokenizer = target or load_target(config, self.device, self.dtype)
         self.proposer = make_proposer(config, self.model, self.tokenizer)
         self.lag = self.proposer.lag
+        self.pages = self._make_pages()
         self.cache = self._make_cache()
+        self.proposer.attach_pages(self.pages)
         self.model.setup_rope(self.cache.spec.capacity + 1)
         self.timer = StageTimer(self.device, kernels.profile_stages)
         tree_tracer = TreeTracer(config.trace.trees) if config.trace.trees else None
         self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, kernels, tree_tracer,
                                   pad_slot=scheduling.max_running)
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)
-        self.scheduler = Scheduler(scheduling, config.cache)
+        self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
+            self.pages.pool.capacity - self.pages.pages_for(self.runner.span), config.cache.page_size, self.runner.span))
         self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain)
         queue = scheduling.queue_plain_rounds if scheduling.queue_plain_rounds is not None else self.runner.runs_ahead
         self.overlap = QueuedRounds(self.runner, self.lag, config.cache.max_context, enabled=queue)
@@ -83,14 +92,28 @@ class LLMEngine:
         self.default_stop_ids = frozenset(stop_token_ids_for(self.model.config, self.tokenizer))
         self.load_seconds = time.perf_counter() - t0
 
+    def _make_pages(self) -> PageTable:
+        """The block tables of the target's and the drafter's caches: a slot per running request
+        and the pad slot (mapped now: it holds a round's scratch), and a pool of ``kv_pages`` pages
+        (default: every running request can reach max_context), the pad slot's and the null page."""
+        proposer, cache, scheduling = self.proposer, self.config.cache, self.config.scheduler
+        span = round_span(proposer)
+        widest = max(scheduling.prefill_chunk, proposer.max_nodes + 1, proposer.max_depth + 1, proposer.lag.capacity)
+        per_request = -(-(cache.max_context + span) // cache.page_size)
+        requests = cache.kv_pages if cache.kv_pages is not None else scheduling.max_running * per_request
+        pool = PagePool(1 + -(-span // cache.page_size) + requests)
+        pages = PageTable(pool, scheduling.max_running + 1, cache.max_context + widest, cache.page_size, self.device)
+        pages.ensure([scheduling.max_running], [span])
+        return pages
+
     def _make_cache(self) -> KVCache:
         """The target's KV cache: a slot per running request and the pad slot, each with room for the
-        context and the widest forward (a tree or a prefill chunk)."""
+        context and the widest forward (a tree or a prefill chunk), on the engine's pages."""
         cfg, config = self.model.config, self.config
         scratch = max(self.proposer.max_nodes + 1, config.scheduler.prefill_chunk)
         spec = KVCacheSpec(cfg.num_hidden_layers, config.scheduler.max_running + 1, config.cache.max_context,
-                           scratch, cfg.num_key_value_heads, cfg.head_dim)
-        cache = KVCache(spec, self.dtype, self.device)
+                           scratch, cfg.num_key_value_heads, cfg.head_dim, config.cache.page_size)
+        cache = KVCache(spec, self.dtype, self.device, self.pages)
         cache.commit_kernel = (config.kernels.gpu_kernels and config.kernels.triton_tree
                                and gpu_kernels.usable_on(cache.storage))
         return cache
@@ -142,9 +165,11 @@ class LLMEngine:
             prefill_s = time.perf_counter() - prefill_s
             events += self._start_running(scheduled.prefill, firsts, defer)
         released = [req.slot for req in self.scheduler.release_finished()]
-        if released:  # (sent without waiting for queued device work: a queued round may still run)
+        if released:  # (sent without waiting for queued device work: a queued round may still run, and
+            # work queued later, which may reuse the pages, runs after it)
             self.cache.free(to_device(torch.tensor(released), self.device))
             self.proposer.release(released)
+            self.pages.release(released)
         previous_end, self._last_step_end = self._last_step_end, time.perf_counter()
         if self.step_tracer is not None:
             self.step_tracer.write(started=started, ended=self._last_step_end,

@@ -15,7 +15,7 @@ import torch
 from flashtree.engine.request import Request
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.kv.cache import KVCache
-from flashtree.models.batch import ForwardBatch, causal_mask, slot_range_of
+from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.models.transformer import CausalLM
 from flashtree.sampling import (
     MAX_LOGPROBS,
@@ -56,11 +56,12 @@ class Prefill:
         starts = self._tensor([r.prefilled for r in rows])  # [B]
         ids = self._tensor([p + [0] * (width - len(p)) for p in pieces])  # [B, W]
         slots_list = [r.slot for r in rows]
+        self.cache.pages.ensure(slots_list, [r.prefilled + len(p) for r, p in zip(rows, pieces)])
         slots = self._tensor(slots_list)
         batch = ForwardBatch(
             input_ids=ids, positions=starts[:, None] + torch.arange(width, device=self.device),
             slots=slots, cache_lengths=starts, new_mask=causal_mask(counts, width),
-            kv_len=max(r.prefilled for r in rows) + width, slot_range=slot_range_of(slots_list),
+            kv_len=max(r.prefilled for r in rows) + width,
             one_off_shape=self.planless)
         last = (counts - 1)[:, None]  # [B, 1]
         out = self.model(batch, self.cache, logits_index=last, capture_layers=self.proposer.capture_layers)

@@ -71,7 +71,6 @@ class RoundShape(NamedTuple):
     """The static (host) facts a round's device work depends on; part of its CUDA graph's key."""
 
     kv_len: int  # keys attended per row (a bucket when graphed)
-    slot_range: tuple[int, int] | None  # (first, count) when the rows' slots are consecutive
     any_sampled: bool
     any_filtered: bool
     nodes: int  # drafted nodes per row (the tree has nodes + 1 entries); 0: a plain round
@@ -107,8 +106,7 @@ class DeviceRound:
         # 2. verify: every node at start + depth, seeing the committed context and its ancestors
         batch = ForwardBatch(
             input_ids=tokens, positions=rows.starts[:, None] + tree.depths, slots=rows.slots,
-            cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len,
-            slot_range=shape.slot_range)
+            cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len)
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
         choice = choose_tokens(out.logits, sampling_of(shape, rows), rows.generated[:, None] + tree.depths)  # [B, N]
         t2 = timer.add("verify", t1) if timer else 0.0
@@ -147,7 +145,7 @@ class DeviceRound:
         root_mask = torch.ones(num_rows, 1, 1, dtype=torch.bool, device=rows.bonus.device)  # [B, 1, 1]
         batch = ForwardBatch(
             input_ids=rows.bonus[:, None], positions=rows.starts[:, None], slots=rows.slots,
-            cache_lengths=rows.starts, new_mask=root_mask, kv_len=shape.kv_len, slot_range=shape.slot_range)
+            cache_lengths=rows.starts, new_mask=root_mask, kv_len=shape.kv_len)
         # a drafter's features go straight to its lag buffer (projected at the next drafted round)
         sink = self.proposer.feature_sink(rows.slots, rows.lags) if self.kernels.feature_sink else None
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers, feature_sink=sink)

@@ -9,8 +9,8 @@ sync per round. Between the two the host is free: the engine queues the next pla
 Graphed rounds pad their rows to the next power of two with the pad slot (a KV slot no request
 uses, with identical inputs in every pad row), so a handful of graphs serves every batch size. A
 graph's key is (padded rows, :class:`~flashtree.engine.round.RoundShape`), whose key length is a
-256-key bucket; with the Triton attention, which reads lengths and slots itself, one graph serves
-every context length and slot layout.
+256-key bucket; with the Triton attention, which reads lengths and the block table itself, one
+graph serves every context length.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from flashtree.engine.round import INT_FIELDS, DeviceRound, RoundInputs, RoundSh
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.traces import TreeTracer
 from flashtree.kv.cache import KVCache
-from flashtree.models.batch import slot_range_of
 from flashtree.models.transformer import CausalLM
 from flashtree.sampling import (
     MAX_LOGPROBS,
@@ -39,6 +38,13 @@ from flashtree.sampling import (
 from flashtree.speculative.proposer import Proposer
 
 KV_BUCKET = 256  # a graphed round's key length is rounded up to a multiple of this
+
+
+def round_span(proposer: Proposer) -> int:
+    """Positions past a row's committed context (as the host knows it) that a round may write: the
+    tree's or the drafter block's entries, and one more for a plain round queued before the host
+    has read the one ahead of it (``launch_plain_after``)."""
+    return max(proposer.max_nodes, proposer.max_depth) + 2
 
 
 class RoundResult(NamedTuple):
@@ -76,6 +82,7 @@ class ModelRunner:
         use_graphs = kernels.cuda_graphs and self.device.type == "cuda" and not timer.sync
         self.graphs = GraphCache() if use_graphs else None
         self.pad_slot = pad_slot
+        self.span = round_span(proposer)
         self.round_program = DeviceRound(model, cache, proposer, kernels, tracing=tracer is not None)
         # the host returns from queuing a round's device work before the device is done with it
         # (CUDA); on a CPU the work runs as it is queued
@@ -94,10 +101,11 @@ class ModelRunner:
         nodes = self.proposer.max_nodes if nodes is None else nodes
         if not 0 <= nodes <= self.proposer.max_nodes:
             raise ValueError(f"nodes must be in [0, {self.proposer.max_nodes}], got {nodes}")
-        slots_list = self._padded_slots(rows)
-        shape = self._shape(rows, nodes, slots_list)
-        ints, floats = self._round_inputs(rows, nodes, len(slots_list) - len(rows))
-        return self._launch(list(rows), shape, len(slots_list), ints, floats)
+        self._map_pages(rows)
+        pads = self._pad_rows(len(rows))
+        shape = self._shape(rows, nodes)
+        ints, floats = self._round_inputs(rows, nodes, pads)
+        return self._launch(list(rows), shape, len(rows) + pads, ints, floats)
 
     def launch_plain_after(self, previous: LaunchedRound, catch_up: bool = False) -> LaunchedRound | None:
         """Queue the plain round that follows the plain round ``previous`` for the same rows, before
@@ -110,14 +118,15 @@ class ModelRunner:
         if previous.nodes != 0:
             raise ValueError("only a plain round's successor can be queued before its results are read")
         rows = previous.rows
-        slots_list = self._padded_slots(rows)
-        width, pads = len(slots_list), len(slots_list) - len(rows)
-        shape = self._shape(rows, 0, slots_list, ahead=1)
+        pads = self._pad_rows(len(rows))
+        width = len(rows) + pads
+        shape = self._shape(rows, 0, ahead=1)
         if self.graphs is not None and not self.graphs.has((width, shape)):
             return None
         capacity = self.proposer.lag.capacity
         if catch_up and self.graphs is not None and not self.graphs.has(self._catch_up_key(width, capacity)):
             return None
+        self._map_pages(rows)
         step = self._plain_step(len(rows), pads)  # [8, B + pads]
         ints = previous.ints + step
         ints[1] = previous.packed[:, 2]  # the next bonus token
@@ -154,8 +163,7 @@ class ModelRunner:
         true without graphs: nothing to capture)."""
         if self.graphs is None:
             return True
-        slots_list = self._padded_slots(rows)
-        return self.graphs.has((len(slots_list), self._shape(rows, nodes, slots_list)))
+        return self.graphs.has((len(rows) + self._pad_rows(len(rows)), self._shape(rows, nodes)))
 
     def _launch(self, rows: list[Request], shape: RoundShape, width: int, ints: torch.Tensor,
                 floats: torch.Tensor) -> LaunchedRound:
@@ -176,6 +184,13 @@ class ModelRunner:
         captured = self.graphs is not None and self.graphs.captures != captures
         return LaunchedRound(rows, shape.nodes, ints, floats, out.packed, host, trace, logprobs, done, captured,
                              launched_at)
+
+    def _map_pages(self, rows: Sequence[Request]) -> None:
+        """Map the KV pages every position a round of ``rows`` may write lies on (a queued round's rows
+        that have finished since keep no pages: their writes go to the null page, their outputs are
+        dropped)."""
+        live = [r for r in rows if not r.finished]
+        self.cache.pages.ensure([r.slot for r in live], [r.committed_length + self.span for r in live])
 
     def _plain_step(self, rows: int, pads: int) -> torch.Tensor:
         """``[8, rows + pads]``: what a plain round adds to a real row's inputs (starts, generated
@@ -220,26 +235,22 @@ class ModelRunner:
                         lambda *t: self.proposer.catch_up_rows(*t, width), tuple(rows))
 
     # ------------------------------------------------------------------ inputs and shapes
-    def _padded_slots(self, rows: Sequence[Request]) -> list[int]:
-        """The rows' KV slots, then the pad slot for each pad row (see ``_pad_rows``)."""
-        return [r.slot for r in rows] + [self.pad_slot] * self._pad_rows(len(rows))
-
     def _pad_rows(self, rows: int) -> int:
         """Pad rows a graphed round adds: up to the next power of two."""
         if self.graphs is None or self.pad_slot is None:
             return 0
         return (1 << (rows - 1).bit_length()) - rows
 
-    def _shape(self, rows: Sequence[Request], nodes: int, slots_list: list[int], ahead: int = 0) -> RoundShape:
+    def _shape(self, rows: Sequence[Request], nodes: int, ahead: int = 0) -> RoundShape:
         """The round's static shape (with graphs: its key-length bucket); ``ahead``: tokens the rows
         will have committed by then beyond what the host knows (see :meth:`launch_plain_after`)."""
         params = [r.params for r in rows]  # (log-probabilities: always the most alternatives, so one graph)
         shape = RoundShape(kv_len=max(r.committed_length for r in rows) + ahead + nodes + 1,
-                           slot_range=slot_range_of(slots_list), any_sampled=any(not p.greedy for p in params),
+                           any_sampled=any(not p.greedy for p in params),
                            any_filtered=any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params),
                            nodes=nodes, logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else None)
         if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and slots itself: one graph for all
-            shape = shape._replace(kv_len=self.cache.spec.capacity, slot_range=None)
+            shape = shape._replace(kv_len=self.cache.spec.capacity)
         if self.graphs is not None:
             shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))  # (capacity stays capacity)
         return shape

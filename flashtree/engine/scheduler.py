@@ -1,16 +1,20 @@
 """Continuous batching: which requests prefill and which decode in the next step.
 
-Requests wait in FIFO order; one is admitted when a KV slot is free (every slot holds a full
-``max_context``, so a free slot is the KV-space check). Admitted requests prefill one chunk per
+Requests wait in FIFO order; the oldest is admitted when a slot is free and the page pool can
+promise it every KV page it may reach (:class:`PageBudget`: its prompt and ``max_tokens``, capped
+at ``max_context``, plus a round's scratch). Pages are mapped as the request grows and the promise
+guarantees they are there, so a running request never waits for memory and nothing is preempted.
+Admitted requests prefill one chunk per
 step while the running ones keep decoding, and join the running batch once their prompt is in.
 A step's prefill holds at most ``max_prefill_tokens`` padded prompt tokens (rows x the widest
 chunk; the oldest admitted requests first, at least one), so a burst of arrivals does not stall
 the running requests for more than one such batch.
-Finished or aborted requests leave between steps and free their slot at once.
+Finished or aborted requests leave between steps and free their slot and pages at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import NamedTuple
 
@@ -27,15 +31,33 @@ class PromptTooLongError(RequestError):
     """The prompt leaves no room for output in ``max_context`` (HTTP 400 in the server)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PageBudget:
+    """What admission promises in KV pages: ``capacity`` pages in all, pages of ``page_size``
+    entries, and ``span`` positions past its committed context that a round may write."""
+
+    capacity: int
+    page_size: int
+    span: int
+
+    def need(self, req: Request, max_context: int) -> int:
+        """Pages ``req`` may reach: its prompt and output (at most ``max_context``) and a round's scratch."""
+        tokens = min(len(req.prompt_ids) + req.params.max_tokens, max_context) + self.span
+        return -(-tokens // self.page_size)
+
+
 class ScheduledStep(NamedTuple):
     prefill: list[Request]  # requests that run a prompt chunk this step
     decode: list[Request]  # requests that run a round this step
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig = CacheConfig()):
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig = CacheConfig(), pages: PageBudget | None = None):
+        """``pages``: the page pool's budget (None: no page limit, the slots alone limit admission)."""
         self.config = config
         self.max_context = cache.max_context
+        self.pages = pages
+        self.promised = 0  # pages promised to the admitted requests
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # prefilling or running, each with a slot
         self.admitted: list[Request] = []  # prefilling requests, oldest admission first
@@ -48,18 +70,24 @@ class Scheduler:
             raise PromptTooLongError(
                 f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.max_context} "
                 f"(prompt + output), so at most {self.max_context - 1} prompt tokens are allowed")
+        if self.pages is not None and self._need(req) > self.pages.capacity:
+            raise RequestError(
+                f"the request may reach {self._need(req)} KV pages of {self.pages.page_size} tokens (a "
+                f"{len(req.prompt_ids)}-token prompt and max_tokens={req.params.max_tokens}) but the pool holds "
+                f"{self.pages.capacity}; lower max_tokens or raise --kv-pages")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})")
         self.waiting.append(req)
 
     def schedule(self) -> ScheduledStep:
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and self._fits(self.waiting[0]):
             req = self.waiting.popleft()
+            self.promised += self._need(req)
             req.slot = self.free_slots.pop(0)
             req.status = Status.PREFILLING
             self.active.append(req)
             self.admitted.append(req)
-        self.active.sort(key=lambda r: r.slot)  # consecutive slots let attention read a view
+        self.active.sort(key=lambda r: r.slot)
         self.admitted = [r for r in self.admitted if r.status is Status.PREFILLING]
         prefill = self._prefill_batch()
         return ScheduledStep(
@@ -84,9 +112,16 @@ class Scheduler:
         done = [r for r in self.active if r.finished]
         for req in done:
             self.free_slots.append(req.slot)
+            self.promised -= self._need(req)
         self.free_slots.sort()
         self.active = [r for r in self.active if not r.finished]
         return done
+
+    def _need(self, req: Request) -> int:
+        return 0 if self.pages is None else self.pages.need(req, self.max_context)
+
+    def _fits(self, req: Request) -> bool:
+        return self.pages is None or self.promised + self._need(req) <= self.pages.capacity
 
     def abort(self, request_id: str) -> Request | None:
         for req in list(self.waiting) + self.active:

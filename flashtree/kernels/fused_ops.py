@@ -36,16 +36,18 @@ class FusedOps(Protocol):
                             write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Per head of the fused qkv projection ``[B, N, (H + 2 KVH) * D]``: the optional q/k norm,
         rotary at ``positions [B, N]``, K/V written into one layer's cache views at ``write_index``
-        (slot, entry ``[B, N]`` each); returns q ``[B, H, N, D]``."""
+        (page, offset ``[B, N]`` each); returns q ``[B, H, N, D]``."""
 
     def handles_attention(self, new_tokens: int) -> bool:
         """:meth:`tree_attention` serves forwards of this many new tokens per row."""
 
-    def tree_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                       lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
-        """q ``[B, H, N, D]`` over row b's committed entries ``0 .. lengths[b]-1`` of slot
-        ``slots[b]`` (the last ``window`` only, with a sliding window) and the new tokens its
-        ``new_mask [B, N, N]`` allows; returns ``[B, H, N, D]``."""
+    def tree_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_table: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                       new_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """q ``[B, H, N, D]`` over row b's committed positions ``0 .. lengths[b]-1`` of slot
+        ``slots[b]`` (the last ``window`` only, with a sliding window), read from one layer's
+        ``[pages, KVH, page_size, D]`` cache views through ``block_table [slots, pages_per_slot]``,
+        and the new tokens its ``new_mask [B, N, N]`` allows; returns ``[B, H, N, D]``."""
 
 
 def qkv_write_operands(qkv: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,

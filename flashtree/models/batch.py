@@ -20,7 +20,6 @@ class ForwardBatch(NamedTuple):
     cache_lengths: torch.Tensor  # [B] int64, committed entries per row (new ones go after)
     new_mask: torch.Tensor  # [B, N, N] bool, new_mask[b, i, j]: new token i sees new token j
     kv_len: int  # keys attended per row; >= max(cache_lengths) + N
-    slot_range: tuple[int, int] | None = None  # (first, count) when slots are consecutive
     one_off_shape: bool = False  # a prefill's shape, which seldom recurs: attention builds no plan for it
 
     @property
@@ -49,9 +48,3 @@ def attention_mask(batch: ForwardBatch) -> torch.Tensor:
     new_visible = batch.new_mask.gather(2, gather_idx)  # [B, N, K]
     return (committed[:, None, :] | (is_new[:, None, :] & new_visible))[:, None]
 
-
-def slot_range_of(slots: list[int]) -> tuple[int, int] | None:
-    """(first, count) when ``slots`` are consecutive increasing integers, else None."""
-    if slots and slots == list(range(slots[0], slots[0] + len(slots))):
-        return slots[0], len(slots)
-    return None

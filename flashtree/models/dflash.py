@@ -30,7 +30,8 @@ from torch import nn
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.kernels.cpu import fused as cpu_kernels
 from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear, quantize_q8_0
-from flashtree.kv.cache import KVCache, KVCacheSpec
+from flashtree.kv.cache import DEFAULT_PAGE_SIZE, KVCache, KVCacheSpec
+from flashtree.kv.pages import PageTable
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.build import copy_weights, init_random_weights
@@ -119,10 +120,11 @@ class DrafterAttention(nn.Module):
             k, v = self.key_value(x, rope)  # [B, KVH, b, D] x2
             cache.write(self.layer_index, batch.slots, batch.cache_lengths, k, v)
         if mask is None:  # the backend's attention reads lengths and new_mask itself
-            out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index], batch.slots,
-                                              batch.cache_lengths, batch.new_mask, window=self.window)
+            out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index],
+                                              cache.block_table, batch.slots, batch.cache_lengths, batch.new_mask,
+                                              window=self.window)
         else:
-            keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
+            keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len)
             out = masked_attention(q, keys, values, mask)  # [B, H, b, D]
         return linear(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim), self.o_proj.weight,
                       self.o_proj.bias, self.o_quant)
@@ -200,13 +202,15 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
         self.rope = RotaryTable(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
                                 max_positions, p.device, p.dtype)
 
-    def new_cache(self, max_slots: int, max_context: int, scratch: int) -> KVCache:
+    def new_cache(self, max_slots: int, max_context: int, scratch: int, pages: PageTable | None = None) -> KVCache:
         """A context cache for ``max_slots`` rows of ``max_context`` committed tokens; ``scratch``
-        must cover the block and the widest :meth:`observe` (padded entries land there)."""
+        must cover the block and the widest :meth:`observe` (padded entries land there). ``pages``:
+        block tables shared with the target's cache (None: the cache's own, fully mapped)."""
         cfg = self.config
+        page_size = DEFAULT_PAGE_SIZE if pages is None else pages.page_size
         spec = KVCacheSpec(cfg.num_hidden_layers, max_slots, max_context, max(scratch, cfg.block_size),
-                           cfg.num_key_value_heads, cfg.head_dim)
-        cache = KVCache(spec, self.fc.weight.dtype, self.fc.weight.device)
+                           cfg.num_key_value_heads, cfg.head_dim, page_size)
+        cache = KVCache(spec, self.fc.weight.dtype, self.fc.weight.device, pages)
         if self.rope is None or self.rope.max_positions < spec.capacity + 1:
             self.setup_rope(spec.capacity + 1)
         return cache
@@ -241,7 +245,7 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
 
     @torch.inference_mode()
     def draft_logits(self, cache: KVCache, slots: torch.Tensor, bonus: torch.Tensor, starts: torch.Tensor,
-                     kv_len: int, slot_range: tuple[int, int] | None = None, depth: int | None = None
+                     kv_len: int, depth: int | None = None
                      ) -> torch.Tensor:
         """Draft logits ``[B, depth, V]`` (float32) for the blocks ``[bonus, MASK x (b-1)]``: the
         first ``depth`` draft positions (default all b-1). The whole block runs through the
@@ -257,7 +261,7 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
         batch = ForwardBatch(
             input_ids=block_ids, positions=starts[:, None] + offsets, slots=slots, cache_lengths=starts,
             new_mask=torch.ones(num_rows, block, block, dtype=torch.bool, device=bonus.device),
-            kv_len=kv_len, slot_range=slot_range)
+            kv_len=kv_len)
         masks = {} if self.uses_kernel_attention(block) else self._layer_masks(batch)
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, b, head_dim]
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)

@@ -157,10 +157,11 @@ class Attention(nn.Module):
         else:
             q = self._rotate_and_write(x, cache, rope, write_index)
         if mask is None:  # the backend's attention reads lengths and new_mask itself
-            out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index], batch.slots,
-                                              batch.cache_lengths, batch.new_mask)  # [B, H, N, D]
+            out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index],
+                                              cache.block_table, batch.slots, batch.cache_lengths,
+                                              batch.new_mask)  # [B, H, N, D]
         else:
-            keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len, batch.slot_range)
+            keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len)
             out = masked_attention(q, keys, values, mask, batch.one_off_shape)  # [B, H, N, D]
         return linear(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim), self.o_proj.weight, None,
                       self.o_quant)

@@ -61,13 +61,15 @@ def check_kv_cache_fits(config: EngineConfig) -> None:
     """Raise ConfigError when the KV cache alone exceeds the device's memory."""
     device = resolve_device(config.target.device)
     dtype = resolve_dtype(config.target.dtype, device)
-    need = estimated_kv_spec(config).bytes(dtype)
+    spec = estimated_kv_spec(config)
+    pages = None if config.cache.kv_pages is None else config.cache.kv_pages + 1 + -(-spec.scratch // spec.page_size)
+    need = spec.bytes(dtype, pages)
     have, what = device_memory(device)
     if need > have:
         raise ConfigError(
             f"the KV cache needs {need / GIB:.2f} GiB (--max-running {config.scheduler.max_running} x --max-context "
             f"{config.cache.max_context} tokens in {str(dtype).removeprefix('torch.')}) but the {device} device has "
-            f"{have / GIB:.2f} GiB {what}; lower --max-running or --max-context")
+            f"{have / GIB:.2f} GiB {what}; lower --max-running, --max-context or --kv-pages")
 
 
 def estimated_kv_spec(config: EngineConfig) -> KVCacheSpec:
@@ -77,7 +79,8 @@ def estimated_kv_spec(config: EngineConfig) -> KVCacheSpec:
     draft_scratch = 0 if spec.method == "none" else max((spec.budget or 0) + 1,
                                                          spec.block_size or DEFAULT_DRAFT_SCRATCH)
     return KVCacheSpec(model.num_hidden_layers, scheduling.max_running + 1, config.cache.max_context,  # + the pad slot
-                       max(draft_scratch, scheduling.prefill_chunk), model.num_key_value_heads, model.head_dim)
+                       max(draft_scratch, scheduling.prefill_chunk), model.num_key_value_heads, model.head_dim,
+                       config.cache.page_size)
 
 
 def device_memory(device: torch.device) -> tuple[int, str]:
@@ -100,10 +103,11 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 def describe(engine: LLMEngine) -> str:
     config, spec, scheduling = engine.config, engine.config.speculation, engine.config.scheduler
-    kv = engine.cache.spec.bytes(engine.dtype)
+    kv = engine.cache.spec.bytes(engine.dtype, engine.pages.pool.num_pages)
     return (f"loaded {config.target.model} in {engine.load_seconds:.1f}s | method={engine.proposer.name} "
             f"draft={spec.draft} budget={spec.budget} adaptive={spec.adaptive} | device={engine.device} dtype={engine.dtype} | "
             f"max_running={scheduling.max_running} max_context={config.cache.max_context} "
+            f"kv_pages={engine.pages.pool.capacity}x{config.cache.page_size} "
             f"prefill_chunk={scheduling.prefill_chunk} max_prefill_tokens={scheduling.max_prefill_tokens} "
             f"max_waiting={scheduling.max_waiting} | "
             f"weights {weight_bytes(engine) / GIB:.3f} GiB, KV cache {kv / GIB:.3f} GiB")

@@ -28,7 +28,7 @@ import torch
 from flashtree.device_copy import to_device
 from flashtree.kernels.feature_sink import FeatureSink
 from flashtree.kv.cache import KVCache
-from flashtree.models.batch import slot_range_of
+from flashtree.kv.pages import PageTable
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.speculative.proposer import RoundRows
 from flashtree.speculative.tree.draft_tree import ROOT, DraftTree
@@ -94,21 +94,25 @@ class DrafterLag:
 class DrafterRunner:
     """The drafter, its context cache and deferred features, and the things a round does with them."""
 
-    @classmethod
-    def for_engine(cls, drafter: DFlashDrafter, max_slots: int, max_context: int, prefill_chunk: int) -> "DrafterRunner":
-        """A runner whose context cache holds ``max_slots`` slots of ``max_context`` tokens; its scratch
-        covers a prefill chunk and a catch-up (which pads to the largest lag)."""
-        return cls(drafter, drafter.new_cache(max_slots, max_context, scratch=max(prefill_chunk, LAG_CAPACITY)))
-
-    def __init__(self, drafter: DFlashDrafter, cache: KVCache):
-        self.drafter, self.cache = drafter, cache
-        slots, width = cache.spec.max_slots, drafter.fc.in_features
+    def __init__(self, drafter: DFlashDrafter, max_slots: int, max_context: int, prefill_chunk: int):
+        """A runner for ``max_slots`` slots of ``max_context`` tokens. Its context cache (scratch for a
+        prefill chunk and a catch-up, which pads to the largest lag) is made by :meth:`attach_pages`."""
+        self.drafter = drafter
+        self.max_slots, self.max_context = max_slots, max_context
+        self.scratch = max(prefill_chunk, LAG_CAPACITY)
+        self.cache: KVCache | None = None
+        slots, width = max_slots, drafter.fc.in_features
         weight = drafter.fc.weight
         self.lag = DrafterLag(LAG_CAPACITY)
         # [S, W + 1, F]: W = LAG_CAPACITY deferred tokens per slot, then a column that takes the
         # writes of padding (positions past a row's count, pad rows).
         self.lagging = torch.zeros(slots, LAG_CAPACITY + 1, width, dtype=weight.dtype, device=weight.device)
         self.vocab_ids: torch.Tensor | None = None  # [N] token ids of the draft indices (draft_vocab.py), or None
+
+    def attach_pages(self, pages: PageTable | None) -> None:
+        """Make the context cache on ``pages`` (the engine's block tables), or on a table of its own
+        with every slot fully mapped (None)."""
+        self.cache = self.drafter.new_cache(self.max_slots, self.max_context, self.scratch, pages)
 
     def restrict_vocab(self, head, token_ids: torch.Tensor) -> None:
         """Draft from ``token_ids`` only (a draft vocabulary, ``draft_vocab.py``): ``head`` gives
@@ -175,24 +179,20 @@ class DrafterRunner:
     def draft_logits(self, rows: RoundRows, depth: int | None = None) -> torch.Tensor:
         """``[B, depth, V]`` draft logits (default depth b-1) for every row's block; rows may have
         different lengths."""
-        kv_len, slot_range = self._attention_extent(rows)
         return self.drafter.draft_logits(self.cache, rows.slots, rows.bonus, rows.starts,
-                                         kv_len=kv_len, slot_range=slot_range, depth=depth)
+                                         kv_len=self._attention_extent(rows), depth=depth)
 
-    def _attention_extent(self, rows: RoundRows) -> tuple[int, tuple[int, int] | None]:
-        """(keys attended per row, slot range) of the block pass.
+    def _attention_extent(self, rows: RoundRows) -> int:
+        """Keys attended per row in the block pass.
 
         Eager: one small host sync for the longest context (it waits only for the round's own
-        inputs) gives a tight key range and, for consecutive slots, a copy-free cache view.
-        Under CUDA-graph capture nothing may sync and the graph must fit every replay: attend
-        over the whole cache capacity and gather the slots.
+        inputs) gives a tight key range. Under CUDA-graph capture nothing may sync and the graph
+        must fit every replay: attend over the whole cache capacity.
         """
         if (self.drafter.uses_kernel_attention(self.drafter.config.block_size)
                 or (rows.slots.is_cuda and torch.cuda.is_current_stream_capturing())):
-            return self.cache.spec.capacity, None  # (the kernel attention reads lengths itself)
-        host = torch.cat([rows.slots, rows.starts.max()[None]]).tolist()
-        slots, longest = host[:-1], host[-1]
-        return longest + self.drafter.config.block_size, slot_range_of(slots)
+            return self.cache.spec.capacity  # (the kernel attention reads lengths itself)
+        return int(rows.starts.max()) + self.drafter.config.block_size
 
     def release(self, slots: Sequence[int]) -> None:
         if len(slots):
@@ -229,3 +229,6 @@ class DrafterProposer:
 
     def release(self, slots: Sequence[int]) -> None:
         self.runner.release(slots)
+
+    def attach_pages(self, pages: PageTable) -> None:
+        self.runner.attach_pages(pages)

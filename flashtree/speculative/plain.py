@@ -28,6 +28,9 @@ class PlainProposer:
     def propose(self, rows: RoundRows, nodes: int = 0) -> DraftTree:
         return root_only_tree(rows.bonus)
 
+    def attach_pages(self, pages) -> None:
+        pass
+
     def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
                 starts: torch.Tensor) -> None:
         pass

@@ -23,6 +23,7 @@ from flashtree.kernels.feature_sink import FeatureSink
 from flashtree.speculative.tree.draft_tree import DraftTree
 
 if TYPE_CHECKING:
+    from flashtree.kv.pages import PageTable
     from flashtree.speculative.drafter import DrafterLag
 
 
@@ -47,6 +48,10 @@ class Proposer(Protocol):
     def propose(self, rows: RoundRows, nodes: int) -> DraftTree:
         """The round's trees with ``nodes`` drafted nodes per row (1 <= nodes <= max_nodes):
         every tensor has ``nodes + 1`` entries on the node axis."""
+
+    def attach_pages(self, pages: "PageTable") -> None:
+        """Keep the proposer's own context cache (if any) on ``pages``, the engine's block tables:
+        the pages the engine maps for a slot hold the slot's drafter context too."""
 
     def observe(self, slots: torch.Tensor, features: torch.Tensor, counts: torch.Tensor,
                 starts: torch.Tensor) -> None:

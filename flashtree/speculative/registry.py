@@ -34,8 +34,8 @@ def make_drafter_proposer(config: EngineConfig, target: CausalLM, tokenizer) -> 
     drafter.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention)
     if drafter.kernels is cpu_fused and kernels.quant_kernels:
         drafter.quantize_blocks()  # CPU: Q8_0 copies for block passes
-    runner = DrafterRunner.for_engine(drafter, config.scheduler.max_running + 1,  # + the pad slot
-                                      config.cache.max_context, config.scheduler.prefill_chunk)
+    runner = DrafterRunner(drafter, config.scheduler.max_running + 1,  # + the pad slot
+                           config.cache.max_context, config.scheduler.prefill_chunk)
     drafter_dir = Path(drafter.config.source).parent  # (load_drafter resolved it: its config.json)
     vocab_size = default_size(spec.draft_vocab, target.lm_head.weight.device, drafter_dir)
     if vocab_size is not None:

@@ -48,6 +48,6 @@ class TargetFeatures:
         batch = ForwardBatch(
             input_ids=input_ids, positions=torch.arange(width, device=self.device).expand(rows, -1),
             slots=torch.arange(rows, device=self.device), cache_lengths=zeros,
-            new_mask=causal_mask(lengths, width), kv_len=width, slot_range=(0, rows))
+            new_mask=causal_mask(lengths, width), kv_len=width)
         out = self.target(batch, cache, logits_index=zeros[:, None], capture_layers=self.layer_ids)
         return out.hidden.clone()

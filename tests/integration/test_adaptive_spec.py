@@ -136,7 +136,8 @@ def drafter_context(llm: LLM, slot: int) -> tuple[int, torch.Tensor]:
     """(context length, its K/V ``[layers, 2, kv_heads, length, head_dim]``) of a drafter slot."""
     cache = llm.engine.proposer.runner.cache
     length = int(cache.lengths[slot])
-    return length, cache.storage[:, :, slot, :, :length].clone()
+    slots = torch.tensor([slot], device=cache.lengths.device)
+    return length, torch.stack([torch.stack(cache.view(layer, slots, length))[:, 0] for layer in range(len(cache.k))])
 
 
 @pytest.mark.parametrize("lag_capacity, graphed, queued", [(64, False, False), (2, False, False), (2, True, False),

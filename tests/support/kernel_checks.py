@@ -116,9 +116,23 @@ def compare_drafter(device: str, dtype: torch.dtype, workdir: str, backend: str 
     return {f"drafter/{k}": (outputs[0][k].float() - outputs[1][k].float()).abs().max().item() for k in outputs[0]}
 
 
+def paginate(cache: torch.Tensor, page_size: int, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous ``[slots, KVH, capacity, D]`` cache as pages ``[1 + pages, KVH, page_size, D]``:
+    the slots' pages in turn go to pages ``1 + order`` (a permutation of ``0 .. pages - 1``; page 0,
+    the null page, holds NaN), with the block table ``[slots, capacity / page_size]`` that maps them."""
+    slots, heads, capacity, dim = cache.shape
+    per_slot = capacity // page_size
+    pages = torch.full((1 + slots * per_slot, heads, page_size, dim), float("nan"), dtype=cache.dtype,
+                       device=cache.device)
+    flat = cache.view(slots, heads, per_slot, page_size, dim).transpose(1, 2).reshape(-1, heads, page_size, dim)
+    pages[1 + order.to(cache.device)] = flat
+    return pages, (1 + order).view(slots, per_slot).to(cache.device)
+
+
 def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu") -> dict[str, float]:
     """tree_attention against SDPA over the gathered cache with the engine's mask: rows of
-    different committed lengths (one empty), a random tree mask, a sliding window, 1-4 key splits."""
+    different committed lengths (one empty), a random tree mask, a sliding window, 1-4 key splits,
+    read through a block table of shuffled pages (one page per slot, and pages of 4 and 16)."""
     from flashtree.kernels.cpu import fused as cpu_kernels
     from flashtree.models.batch import attention_mask
 
@@ -141,12 +155,17 @@ def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu") -> 
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(), k_cache[slots, :, :kv_len].float(), v_cache[slots, :, :kv_len].float(), attn_mask=mask,
             enable_gqa=True)
-        for splits in ((1, 2, 4) if backend == "gpu" else (1,)):
-            if backend == "gpu":
-                out = attention_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window, splits=splits)
-            else:
-                out = cpu_kernels.tree_attention(q, k_cache, v_cache, slots, lengths, new_mask, window)
-            diffs[f"attention/window={window}/splits={splits}"] = (out.float() - ref).abs().max().item()
+        for page_size in (capacity, 4, 20):
+            order = torch.randperm(slots_n * capacity // page_size, generator=gen)
+            (k_pages, table), (v_pages, _) = paginate(k_cache, page_size, order), paginate(v_cache, page_size, order)
+            for splits in ((1, 2, 4) if backend == "gpu" else (1,)):
+                if backend == "gpu":
+                    out = attention_kernels.tree_attention(q, k_pages, v_pages, table, slots, lengths, new_mask, window,
+                                                           splits=splits)
+                else:
+                    out = cpu_kernels.tree_attention(q, k_pages, v_pages, table, slots, lengths, new_mask, window)
+                key = f"attention/window={window}/page_size={page_size}/splits={splits}"
+                diffs[key] = (out.float() - ref).abs().max().item()
     return diffs
 
 

@@ -35,7 +35,8 @@ def test_tree_attention_node_equals_its_plain_decode_step():
             j = parents[j]
     k_cache, v_cache = torch.randn(2, 2, kv_heads, 64, head_dim).unbind(0)  # [slots, KVH, entries, D] each
     q = torch.randn(1, heads, nodes, head_dim)
-    tree = cpu_kernels.tree_attention(q, k_cache, v_cache, torch.tensor([0]), torch.tensor([committed]), mask)
+    table = torch.arange(2)[:, None]  # one page per slot
+    tree = cpu_kernels.tree_attention(q, k_cache, v_cache, table, torch.tensor([0]), torch.tensor([committed]), mask)
     for i in range(nodes):
         path = torch.nonzero(mask[0, i]).flatten()  # the node's ancestors and itself, root first
         plain_k, plain_v = k_cache.clone(), v_cache.clone()
@@ -43,7 +44,7 @@ def test_tree_attention_node_equals_its_plain_decode_step():
         plain_k[1, :, committed:committed + len(path)] = k_cache[0, :, committed + path]
         plain_v[1, :, committed:committed + len(path)] = v_cache[0, :, committed + path]
         length = committed + len(path) - 1  # everything before the node is committed
-        step = cpu_kernels.tree_attention(q[:, :, i:i + 1].contiguous(), plain_k, plain_v, torch.tensor([1]),
+        step = cpu_kernels.tree_attention(q[:, :, i:i + 1].contiguous(), plain_k, plain_v, table, torch.tensor([1]),
                                           torch.tensor([length]), torch.ones(1, 1, 1, dtype=torch.bool))
         assert torch.equal(step[:, :, 0], tree[:, :, i]), f"node {i}"
 

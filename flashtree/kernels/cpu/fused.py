@@ -90,21 +90,23 @@ def handles_attention(new_tokens: int) -> bool:
     return new_tokens <= MAX_ATTENTION_NEW_TOKENS
 
 
-def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor,
+                   window: int | None = None) -> torch.Tensor:
     """As :func:`flashtree.kernels.gpu.attention.tree_attention` (in C++, one task per row and head on torch's threads):
     q ``[B, H, N, D]`` over each row's committed cache entries and the new tokens its ``new_mask``
-    allows. A query's result is bit-identical whatever shares the call: a tree node gets exactly
-    what plain decoding computes once its ancestors are committed."""
+    allows, read through the block table. A query's result is bit-identical whatever shares the
+    call: a tree node gets exactly what plain decoding computes once its ancestors are committed."""
     b, heads, n, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     if heads % kv_heads or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("tree_attention needs heads divisible by kv heads and matching cache views")
-    q, slots, lengths = q.contiguous(), slots.contiguous(), lengths.contiguous()
+    q, slots, lengths, block_table = q.contiguous(), slots.contiguous(), lengths.contiguous(), block_table.contiguous()
     mask = new_mask.contiguous().view(torch.uint8)
     out = torch.empty_like(q)
     load_kernels().flashtree_tree_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(), mask.data_ptr(),
-        out.data_ptr(), b, n, heads, kv_heads, head_dim, window or 0, head_dim ** -0.5,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), torch.get_num_threads())
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), slots.data_ptr(),
+        lengths.data_ptr(), mask.data_ptr(), out.data_ptr(), b, n, heads, kv_heads, head_dim, window or 0,
+        head_dim ** -0.5, block_table.shape[1], page_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        torch.get_num_threads())
     return out

@@ -313,31 +313,34 @@ void flashtree_qkv_rope_write(const float* qkv, const float* qk_norm, const floa
   }
 }
 
-// Attention of each row's N new tokens over its cache entries 0 .. lengths[b] + N - 1 (committed
+// Attention of each row's N new tokens over its cache positions 0 .. lengths[b] + N - 1 (committed
 // context, then the new tokens' own entries): query i sees every committed entry (the last
 // `window` ones when window > 0) and new token t where new_mask[b, i, t]. q, out: [B, H, N, D].
+// Position j of slot s lives on page table[s * table_stride + j / page_size] at offset
+// j % page_size (the cache views are [pages, KVH, page_size, D] with the given element strides).
 // One task per (row, head) on `threads` threads; a task reads each key and value once for all N
 // queries, and every query's sums run over the keys in the same order as in a one-query call, so a
 // query's result never depends on how many queries share the call.
-void flashtree_tree_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* slots,
-                              const int64_t* lengths, const uint8_t* new_mask, float* out, int64_t rows,
-                              int64_t new_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window,
-                              float scale, int64_t slot_stride, int64_t head_stride, int64_t pos_stride,
-                              int threads) {
+void flashtree_tree_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+                              const int64_t* slots, const int64_t* lengths, const uint8_t* new_mask, float* out,
+                              int64_t rows, int64_t new_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                              int64_t window, float scale, int64_t table_stride, int64_t page_size,
+                              int64_t page_stride, int64_t head_stride, int64_t pos_stride, int threads) {
   const int64_t group = heads / kv_heads, n = new_tokens;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * heads > 1)
   for (int64_t task = 0; task < rows * heads; ++task) {
     const int64_t b = task / heads, h = task % heads;
     const int64_t committed = lengths[b], total = committed + n;
     const int64_t oldest = window > 0 && committed > window ? committed - window : 0;
-    const float* keys = k_cache + slots[b] * slot_stride + (h / group) * head_stride;
-    const float* values = v_cache + slots[b] * slot_stride + (h / group) * head_stride;
+    const int64_t* pages = table + slots[b] * table_stride;
+    const int64_t head_offset = (h / group) * head_stride;
+    auto entry = [&](int64_t j) { return pages[j / page_size] * page_stride + head_offset + (j % page_size) * pos_stride; };
     const float* qh = q + (b * heads + h) * n * head_dim;
     float* oh = out + (b * heads + h) * n * head_dim;
     const uint8_t* sees = new_mask + b * n * n;
     std::vector<float> scores(n * total), top(n, -INFINITY), sums(n, 0.0f);
     for (int64_t j = oldest; j < total; ++j) {
-      const float* kj = keys + j * pos_stride;
+      const float* kj = k_cache + entry(j);
       for (int64_t i = 0; i < n; ++i) {
         float s = -INFINITY;
         if (j < committed || sees[i * n + (j - committed)]) s = dot_product(qh + i * head_dim, kj, head_dim) * scale;
@@ -361,7 +364,7 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
     }
     for (int64_t d = 0; d < n * head_dim; ++d) oh[d] = 0.0f;
     for (int64_t j = oldest; j < total; ++j) {
-      const float* vj = values + j * pos_stride;
+      const float* vj = v_cache + entry(j);
       for (int64_t i = 0; i < n; ++i) {
         const float p = scores[i * total + j];
         if (p == 0.0f) continue;

@@ -88,7 +88,7 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.flashtree_qkv_rope_write.restype = lib.flashtree_tree_attention.restype = None
     lib.flashtree_qkv_rope_write.argtypes = [ptr] * 10 + [i64] * 5 + [ctypes.c_float] + [i64] * 3
-    lib.flashtree_tree_attention.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float] + [i64] * 3 + [ctypes.c_int]
+    lib.flashtree_tree_attention.argtypes = [ptr] * 8 + [i64] * 6 + [ctypes.c_float] + [i64] * 5 + [ctypes.c_int]
     return lib
 
 

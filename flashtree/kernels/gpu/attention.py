@@ -29,33 +29,36 @@ def _key_splits(programs: int, capacity: int, device: torch.device) -> int:
     return 1 << (want.bit_length() - 1)
 
 
-def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
                    splits: int | None = None) -> torch.Tensor:
-    """Attention of N new tokens per row over the KV cache; returns ``[B, H, N, D]``.
+    """Attention of N new tokens per row over the paged KV cache; returns ``[B, H, N, D]``.
 
-    q: ``[B, H, N, D]``; k_cache/v_cache: one layer's ``[slots, KVH, capacity, D]`` views holding,
-    for row b at slot ``slots[b]``, the committed entries ``0 .. lengths[b]-1`` followed by the N
-    new tokens' entries. Query i of row b sees every committed entry (only the last ``window``
-    ones with a sliding window) and new token t where ``new_mask[b, i, t]``. ``splits`` overrides
-    the number of key splits (tests).
+    q: ``[B, H, N, D]``; k_cache/v_cache: one layer's ``[pages, KVH, page_size, D]`` views;
+    block_table: ``[slots, pages_per_slot]`` page ids. Row b's positions (in slot ``slots[b]``, each
+    on the page its block-table entry names) hold the committed entries ``0 .. lengths[b]-1``
+    followed by the N new tokens' entries. Query i of row b sees every committed entry (only the
+    last ``window`` ones with a sliding window) and new token t where ``new_mask[b, i, t]``.
+    ``splits`` overrides the number of key splits (tests).
     """
     b, heads, n, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     if head_dim < 16 or head_dim & (head_dim - 1) or heads % kv_heads:
         raise ValueError(f"tree_attention needs a power-of-two head_dim >= 16 and heads divisible by kv heads, "
                          f"got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads}")
     group = heads // kv_heads
     block_m = min(64, max(16, _next_power_of_2(n * group)))
     m_tiles = -(-n * group // block_m)
-    splits = splits or _key_splits(b * kv_heads * m_tiles, k_cache.shape[2], q.device)
+    splits = splits or _key_splits(b * kv_heads * m_tiles, block_table.shape[1] * page_size, q.device)
     q = q.contiguous()
+    block_table = block_table.contiguous()
     out = torch.empty_like(q)
     part = out if splits == 1 else torch.empty(b, heads, n, splits, head_dim, dtype=torch.float32, device=q.device)
     lse = out if splits == 1 else torch.empty(b, heads, n, splits, dtype=torch.float32, device=q.device)
     _kernels()._tree_attention_kernel[(b * kv_heads, m_tiles, splits)](
-        q, k_cache, v_cache, slots.contiguous(), lengths.contiguous(), new_mask.contiguous().view(torch.uint8),
-        part, lse, n, heads, kv_heads, window or 0, head_dim ** -0.5 * 1.4426950408889634,
+        q, k_cache, v_cache, block_table, slots.contiguous(), lengths.contiguous(),
+        new_mask.contiguous().view(torch.uint8), part, lse, n, heads, kv_heads, window or 0,
+        head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, SPLITS=splits,
         IEEE=q.dtype == torch.float32, INTERPRET=interpreting())

@@ -61,7 +61,7 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
     qkv: ``[B, N, (H + 2 KVH) * D]`` (q heads, then k heads, then v heads); qk_norm: ``[2, D]``, the
     q-norm then the k-norm weight, or None (no q/k norm); cos_table/sin_table: ``[P, D]`` (halves
     repeated, as :class:`~flashtree.models.rope.RotaryTable` stores them); positions: ``[B, N]`` rotary positions;
-    k_cache/v_cache: one layer's ``[slots, KVH, capacity, D]`` views; write_index: (slot, entry)
+    k_cache/v_cache: one layer's ``[pages, KVH, page_size, D]`` views; write_index: (page, offset)
     ``[B, N]`` each, where each token's K/V go.
     """
     qkv, q, slots, entries = qkv_write_operands(qkv, heads, kv_heads, k_cache, v_cache, write_index)

@@ -130,20 +130,22 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor
     return path, lengths, bonus, committed
 
 
-def commit_entries(storage: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor,
-                   counts: torch.Tensor, lengths: torch.Tensor) -> None:
+def commit_entries(storage: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                   keep: torch.Tensor, counts: torch.Tensor, lengths: torch.Tensor) -> None:
     """``kv.cache.KVCache.commit`` in one kernel (one program per row and layer x k/v): storage
-    ``[layers, 2, slots, kv_heads, capacity, head_dim]``; entry ``starts[b] + keep[b, j]`` of slot
-    ``slots[b]`` moves to ``starts[b] + j`` for j < P (keep: ``[B, P]``), and the slot's committed
-    length becomes ``lengths[slots[b]] = starts[b] + counts[b]`` (lengths: ``[slots]`` int64)."""
-    layers, _, max_slots, heads, capacity, head_dim = storage.shape
+    ``[layers, 2, pages, kv_heads, page_size, head_dim]`` read through ``block_table [slots,
+    pages_per_slot]``; position ``starts[b] + keep[b, j]`` of slot ``slots[b]`` moves to
+    ``starts[b] + j`` for j < P (keep: ``[B, P]``), and the slot's committed length becomes
+    ``lengths[slots[b]] = starts[b] + counts[b]`` (lengths: ``[slots]`` int64)."""
+    layers, _, num_pages, heads, page_size, head_dim = storage.shape
     rows, n_keep = keep.shape
     if not storage.is_contiguous():
         raise ValueError("commit_entries needs a contiguous KV storage")
     if lengths.dtype != torch.long or not lengths.is_contiguous():
         raise ValueError(f"commit_entries needs contiguous int64 lengths, got {lengths.dtype}")
+    block_table = block_table.contiguous()
     _kernels()._commit_kernel[(rows, layers * 2)](
-        storage, slots.contiguous(), starts.contiguous(), keep.long().contiguous(), counts.long().contiguous(),
-        lengths, n_keep, heads * capacity * head_dim, max_slots * heads * capacity * head_dim, capacity, heads,
-        head_dim, BLOCK_P=_next_power_of_2(n_keep), BLOCK_H=_next_power_of_2(heads),
-        BLOCK_D=_next_power_of_2(head_dim), num_warps=4)
+        storage, block_table, slots.contiguous(), starts.contiguous(), keep.long().contiguous(),
+        counts.long().contiguous(), lengths, n_keep, block_table.shape[1], heads * page_size * head_dim,
+        num_pages * heads * page_size * head_dim, page_size, heads, head_dim, BLOCK_P=_next_power_of_2(n_keep),
+        BLOCK_H=_next_power_of_2(heads), BLOCK_D=_next_power_of_2(head_dim), num_warps=4)

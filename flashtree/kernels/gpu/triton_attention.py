@@ -6,13 +6,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b, new_tokens, base, d,
-                 k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2, cache_pos_stride,
+def _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b, new_tokens, table, head_base,
+                 d, k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2, page_stride, page_size, cache_pos_stride,
                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Online-softmax update with the keys ``key0 .. key0 + BLOCK_N - 1`` (those before ``stop``)."""
+    """Online-softmax update with the keys ``key0 .. key0 + BLOCK_N - 1`` (those before ``stop``),
+    each read from the page the slot's block table (``table``) maps its position to."""
     j = key0 + tl.arange(0, BLOCK_N)  # [N]
     in_range = j < stop
-    kv_off = base + j.to(tl.int64)[:, None] * cache_pos_stride + d[None, :]
+    page = tl.load(table + j // page_size, mask=in_range, other=0).to(tl.int64)  # [N]
+    entry = page * page_stride + (j % page_size).to(tl.int64) * cache_pos_stride + head_base  # [N]
+    kv_off = entry[:, None] + d[None, :]
     k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -39,9 +42,9 @@ def _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q
 
 @triton.jit
 def _tree_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lengths_ptr, new_mask_ptr, out_ptr, lse_ptr,
-        new_tokens, heads, kv_heads, window, scale_log2,
-        cache_slot_stride, cache_head_stride, cache_pos_stride,
+        q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, slots_ptr, lengths_ptr, new_mask_ptr, out_ptr, lse_ptr,
+        new_tokens, heads, kv_heads, window, scale_log2, table_stride, page_size,
+        cache_page_stride, cache_head_stride, cache_pos_stride,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """One (row, kv head, tile of query (token, head) pairs, key split): online softmax over the
@@ -64,7 +67,8 @@ def _tree_attention_kernel(
     start = split * chunk
     stop = tl.minimum(start + chunk, total)
     oldest = tl.where(window > 0, committed - window, 0)  # a sliding window hides older context
-    base = tl.load(slots_ptr + b).to(tl.int64) * cache_slot_stride + kv_head * cache_head_stride
+    table = table_ptr + tl.load(slots_ptr + b).to(tl.int64) * table_stride  # the row's block table
+    head_base = kv_head.to(tl.int64) * cache_head_stride
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -73,14 +77,14 @@ def _tree_attention_kernel(
         key0 = start
         while key0 < stop:
             m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b,
-                                         new_tokens, base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2,
-                                         cache_pos_stride, BLOCK_N, IEEE)
+                                         new_tokens, table, head_base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr,
+                                         scale_log2, cache_page_stride, page_size, cache_pos_stride, BLOCK_N, IEEE)
             key0 += BLOCK_N
     else:
         for key0 in range(start, stop, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b,
-                                         new_tokens, base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr, scale_log2,
-                                         cache_pos_stride, BLOCK_N, IEEE)
+                                         new_tokens, table, head_base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr,
+                                         scale_log2, cache_page_stride, page_size, cache_pos_stride, BLOCK_N, IEEE)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLITS == 1:

@@ -404,13 +404,14 @@ def _accept_walk_kernel(tokens_ptr, parents_ptr, valid_ptr, choice_ptr, path_ptr
 
 
 @triton.jit
-def _commit_kernel(storage_ptr, slots_ptr, starts_ptr, keep_ptr, counts_ptr, lengths_ptr, n_keep, slot_stride,
-                   plane_stride, capacity, heads, head_dim, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _commit_kernel(storage_ptr, table_ptr, slots_ptr, starts_ptr, keep_ptr, counts_ptr, lengths_ptr, n_keep,
+                   table_stride, page_stride, plane_stride, page_size, heads, head_dim, BLOCK_P: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (row, layer x k/v plane): moves the row's scratch entries ``keep[row, j]`` (j < n_keep)
-    to ``starts[row] + j`` for every kv head (kv.cache.KVCache.commit, exactly). Every entry is
-    read before any is written: a kept entry may land where another one is read. Plane 0 also
-    sets the slot's committed length, ``lengths[slots[row]] = starts[row] + counts[row]``."""
+    to ``starts[row] + j`` for every kv head (kv.cache.KVCache.commit, exactly), each position
+    found through the slot's block table. Every entry is read before any is written: a kept entry
+    may land where another one is read. Plane 0 also sets the slot's committed length,
+    ``lengths[slots[row]] = starts[row] + counts[row]``."""
     row = tl.program_id(0).to(tl.int64)
     plane = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, BLOCK_P)
@@ -418,12 +419,17 @@ def _commit_kernel(storage_ptr, slots_ptr, starts_ptr, keep_ptr, counts_ptr, len
     d = tl.arange(0, BLOCK_D)
     j_ok = j < n_keep
     start = tl.load(starts_ptr + row)
+    slot = tl.load(slots_ptr + row)
     if plane == 0:
-        tl.store(lengths_ptr + tl.load(slots_ptr + row), start + tl.load(counts_ptr + row))
-    src = start + tl.maximum(tl.load(keep_ptr + row * n_keep + j, mask=j_ok, other=0), 0)  # [BLOCK_P]
-    base = storage_ptr + plane * plane_stride + tl.load(slots_ptr + row) * slot_stride
-    inner = h[None, :, None] * capacity * head_dim + d[None, None, :]  # [1, BLOCK_H, BLOCK_D]
+        tl.store(lengths_ptr + slot, start + tl.load(counts_ptr + row))
+    table = table_ptr + slot * table_stride
+    src = start + tl.maximum(tl.load(keep_ptr + row * n_keep + j, mask=j_ok, other=0), 0)  # [BLOCK_P] positions
+    dst = start + j
+    src_at = tl.load(table + src // page_size, mask=j_ok, other=0) * page_stride + (src % page_size) * head_dim
+    dst_at = tl.load(table + dst // page_size, mask=j_ok, other=0) * page_stride + (dst % page_size) * head_dim
+    base = storage_ptr + plane * plane_stride
+    inner = h[None, :, None] * page_size * head_dim + d[None, None, :]  # [1, BLOCK_H, BLOCK_D]
     ok = j_ok[:, None, None] & (h < heads)[None, :, None] & (d < head_dim)[None, None, :]
-    moved = tl.load(base + src[:, None, None] * head_dim + inner, mask=ok)
+    moved = tl.load(base + src_at[:, None, None] + inner, mask=ok)
     tl.debug_barrier()  # all reads first
-    tl.store(base + (start + j)[:, None, None] * head_dim + inner, moved, mask=ok)
+    tl.store(base + dst_at[:, None, None] + inner, moved, mask=ok)

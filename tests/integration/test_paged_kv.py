@@ -1,0 +1,71 @@
+"""The paged KV cache in the engine: every decoding method gives the plain tokens at any page size
+(pages of one entry, of an odd size, of 16), a pool too small for every request at once makes
+requests wait for pages instead of failing and changes no token, and every page comes back."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtree import LLM, SamplingParams
+from flashtree.errors import RequestError
+from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401 (a fixture)
+from tests.support.workload import BLOCK, ENGINE, PROMPTS, VOCAB
+
+PARAMS = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True, temperature=0.0 if i % 3 else 0.8, seed=i)
+          for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    pass
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("paged"), vocab=VOCAB, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def expected(pair):
+    outs = LLM(str(pair.target), **ENGINE).generate(PROMPTS, PARAMS)
+    return [o.token_ids for o in outs]
+
+
+def _llm(pair, method: str, **settings) -> LLM:
+    drafted = dict(spec=method, draft=str(pair.drafter), budget=6) if method != "none" else {}
+    return LLM(str(pair.target), **drafted, **{**ENGINE, **settings})
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("method", ["none", "dflash", "ddtree"])
+def test_every_method_gives_the_plain_tokens_at_any_page_size(pair, expected, method, page_size):
+    llm = _llm(pair, method, page_size=page_size)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    pool = llm.engine.pages.pool
+    assert pool.used_pages == len(llm.engine.pages.pages_of(llm.engine.runner.pad_slot))  # all back but the pad slot's
+
+
+@pytest.mark.parametrize("method", ["none", "ddtree"])
+def test_a_small_pool_makes_requests_wait_and_changes_no_token(pair, expected, method):
+    page_size, kv_pages = 4, 24  # about two requests' worth of pages
+    llm = _llm(pair, method, page_size=page_size, kv_pages=kv_pages)
+    engine = llm.engine
+    requests = [engine.add_request(p, params) for p, params in zip(PROMPTS, PARAMS)]
+    most_running, held_bound_ok = 0, True
+    while engine.has_work:
+        engine.step()
+        running = [r for r in engine.scheduler.active if not r.finished]
+        most_running = max(most_running, len(running))
+        # pages in use: what the rows hold, plus at most a round's scratch and one partial page each
+        used = engine.pages.pool.used_pages - len(engine.pages.pages_of(engine.runner.pad_slot))
+        bound = sum(-(-(r.committed_length + engine.runner.span) // page_size) for r in running)
+        held_bound_ok &= used <= bound
+        assert engine.scheduler.promised <= engine.scheduler.pages.capacity
+    assert [r.output_ids for r in requests] == expected
+    assert 1 < most_running < len(PROMPTS) and held_bound_ok
+
+
+def test_a_request_the_pool_can_never_hold_is_refused(pair):
+    llm = _llm(pair, "none", page_size=4, kv_pages=8)
+    with pytest.raises(RequestError, match="may reach .* KV pages of 4 tokens .* the pool holds 8; lower max_tokens"):
+        llm.engine.add_request(PROMPTS[1], SamplingParams(max_tokens=40))
