@@ -117,11 +117,18 @@ class CacheConfig:
     max_context: int = 2048  # prompt + output tokens per request
     page_size: int = 16  # KV entries per page
     kv_pages: int | None = None  # pages in the pool (None: every running request can reach max_context)
+    prefix_caching: bool = False  # reuse the KV pages of prompt prefixes seen before (kv/prefix_cache.py)
+    gpu_memory_utilization: float | None = None  # CUDA: size the page pool so the device's memory in use
+    # reaches this fraction of its total (when kv_pages is None; None: every running request can reach max_context)
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, "max_context", "page_size")
         if self.kv_pages is not None and not (isinstance(self.kv_pages, int) and self.kv_pages >= 1):
             raise ConfigError(f"kv_pages must be an integer >= 1 or None, got {self.kv_pages!r}")
+        _check_bools(self, "prefix_caching")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not (isinstance(utilization, float | int) and 0 < utilization <= 1):
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1] or None, got {utilization!r}")
 
 
 @dataclasses.dataclass(frozen=True)

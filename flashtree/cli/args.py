@@ -67,6 +67,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-pages", type=int, default=CacheConfig.kv_pages, metavar="N",
                        help="KV pages in the pool; a request is admitted when the pages its prompt and max_tokens "
                             "can reach are free (None: enough for --max-running requests of --max-context tokens)")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
+                       metavar="FRACTION", help="CUDA: a page pool that fills the device's memory up to this "
+                                                "fraction of its total (used when --kv-pages is not given)")
+    _on_off(cache, "prefix_caching", CacheConfig.prefix_caching,
+            "reuse the KV pages of prompt prefixes seen before (a shared system prompt is prefilled once; on in serve)")
 
     scheduler = parser.add_argument_group("scheduling (SchedulerConfig)")
     scheduler.add_argument("--max-running", type=int, default=SchedulerConfig.max_running,
@@ -117,7 +122,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 # flag dest -> flat engine setting (EngineConfig.of); the speculation method and drafter go apart
 ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "max_context", "page_size",
-                "kv_pages", "max_running",
+                "kv_pages", "gpu_memory_utilization", "prefix_caching", "max_running",
                 "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
                 *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps")
 

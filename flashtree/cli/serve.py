@@ -46,7 +46,7 @@ def register(subparsers) -> None:
     serve.add_argument("--switch-interval-ms", type=float, default=None,
                        help="the interpreter's thread switch interval while serving, in ms: the longest the HTTP "
                             "side keeps the interpreter lock from a waiting engine thread (default: Python's 5 ms)")
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, prefix_caching=True)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

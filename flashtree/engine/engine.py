@@ -34,10 +34,11 @@ from flashtree.engine.runner import LaunchedRound, ModelRunner, RoundResult, rou
 from flashtree.engine.scheduler import PageBudget, Scheduler
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.traces import PolicyTracer, StepTracer, TreeTracer
-from flashtree.errors import RequestError
+from flashtree.errors import ConfigError, RequestError
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.kv.pages import PagePool, PageTable
+from flashtree.kv.prefix_cache import PrefixCache
 from flashtree.models.build import (
     LoadedTarget,
     load_target,
@@ -69,6 +70,7 @@ class LLMEngine:
         self.pages = self._make_pages()
         self.cache = self._make_cache()
         self.proposer.attach_pages(self.pages)
+        self.prefix_cache = PrefixCache(self.pages.pool, config.cache.page_size) if config.cache.prefix_caching else None
         self.model.setup_rope(self.cache.spec.capacity + 1)
         self.timer = StageTimer(self.device, kernels.profile_stages)
         tree_tracer = TreeTracer(config.trace.trees) if config.trace.trees else None
@@ -100,10 +102,26 @@ class LLMEngine:
         span = round_span(proposer)
         widest = max(scheduling.prefill_chunk, proposer.max_nodes + 1, proposer.max_depth + 1, proposer.lag.capacity)
         per_request = -(-(cache.max_context + span) // cache.page_size)
-        requests = cache.kv_pages if cache.kv_pages is not None else scheduling.max_running * per_request
+        requests = cache.kv_pages or self._pages_in_memory() or scheduling.max_running * per_request
         pool = PagePool(1 + -(-span // cache.page_size) + requests)
         pages = PageTable(pool, scheduling.max_running + 1, cache.max_context + widest, cache.page_size, self.device)
         pages.ensure([scheduling.max_running], [span])
+        return pages
+
+    def _pages_in_memory(self) -> int | None:
+        """With ``gpu_memory_utilization`` on CUDA: the pages (target and drafter entries) that bring
+        the device's memory in use to that fraction of its total; else None."""
+        utilization = self.config.cache.gpu_memory_utilization
+        if utilization is None or self.device.type != "cuda":
+            return None
+        cfg, page_size = self.model.config, self.config.cache.page_size
+        entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * self.model.lm_head.weight.element_size()
+        free, total = torch.cuda.mem_get_info(self.device)
+        spare = utilization * total - (total - free)
+        pages = int(spare // ((entry + self.proposer.context_entry_bytes()) * page_size))
+        if pages < 1:
+            raise ConfigError(f"--gpu-memory-utilization {utilization} leaves no room for KV pages: "
+                              f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use already")
         return pages
 
     def _make_cache(self) -> KVCache:
@@ -160,6 +178,7 @@ class LLMEngine:
             events += self._append_round(launched, result)
         if scheduled.prefill:
             prefill_s = time.perf_counter()
+            self._reuse_prefixes(scheduled.prefill)
             defer = self.lag.prompts_to_defer(scheduled.prefill, self.config.scheduler.prefill_chunk)
             firsts = self.prefill(scheduled.prefill, self.config.scheduler.prefill_chunk, defer=defer)
             prefill_s = time.perf_counter() - prefill_s
@@ -263,13 +282,42 @@ class LLMEngine:
         self.lag.caught_up(behind)
         return captured
 
+    def _reuse_prefixes(self, rows: Sequence[Request]) -> None:
+        """Requests about to prefill their first chunk map the cached pages of their prompt's longest
+        cached prefix and start after it (``kv/prefix_cache.py``)."""
+        if self.prefix_cache is None:
+            return
+        hits = []
+        for req in rows:
+            if req.prefilled == 0:
+                pages = self.prefix_cache.match(req.prompt_ids)
+                if pages:
+                    self.pages.share(req.slot, pages)
+                    req.prefilled = req.cached_tokens = len(pages) * self.pages.page_size
+                    hits.append(req)
+        if hits:
+            host = torch.tensor([[r.slot for r in hits], [r.prefilled for r in hits]])  # [2, R]
+            slots, lengths = to_device(host, self.device).unbind(0)
+            self.cache.lengths[slots] = lengths
+
+    def _register_prefixes(self, rows: Sequence[Request], deferred: Sequence[bool]) -> None:
+        """The prompt pages a prefill chunk completed become findable (not for rows whose drafter
+        deferred the prompt: its context K/V are not written yet)."""
+        if self.prefix_cache is None:
+            return
+        for req, was_deferred in zip(rows, deferred):
+            if not was_deferred:
+                self.prefix_cache.register(req.prompt_ids, req.prefilled, self.pages.pages_of(req.slot))
+
     def _start_running(self, rows: Sequence[Request], firsts: Sequence[FirstToken | None], deferred: Sequence[bool]
                        ) -> list[StepEvent]:
         """After a prefill chunk: rows whose prompt is complete start running with their first token."""
         self.lag.prompts_deferred(rows, deferred)
         events = []
-        for req, first in zip(rows, firsts):
+        for req in rows:
             req.prefilled = min(len(req.prompt_ids), req.prefilled + self.config.scheduler.prefill_chunk)
+        self._register_prefixes(rows, deferred)
+        for req, first in zip(rows, firsts):
             if first is not None:
                 req.status = Status.RUNNING
                 logprobs = None if first.logprob is None else [first.logprob]

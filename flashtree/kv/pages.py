@@ -12,11 +12,15 @@ Glossary
   the pool when the request ends (:meth:`PageTable.release`).
 - refcount: how many slots map a page. A page returns to the free list when its count reaches 0,
   so two slots can share a page (a shared prefix) and neither frees it under the other.
+- evictable: a page nobody maps that the prefix cache (``kv/prefix_cache.py``) still remembers. It
+  counts as free; :meth:`PagePool.allocate` takes free pages first, then the least recently
+  released evictable ones (telling the prefix cache to forget them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,6 +43,9 @@ class PagePool:
         self.num_pages = num_pages
         self.refcounts = [0] * num_pages
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # popped from the end: lowest ids first
+        self._remembered: set[int] = set()  # pages the prefix cache knows (in use or evictable)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # remembered pages nobody maps, oldest first
+        self.on_evict: Callable[[int], None] | None = None  # told when an evictable page is taken
 
     @property
     def capacity(self) -> int:
@@ -47,36 +54,57 @@ class PagePool:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take (free, or evictable)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def used_pages(self) -> int:
-        return self.capacity - len(self._free)
+        """Pages some slot maps."""
+        return self.capacity - self.free_pages
 
     def allocate(self, count: int) -> list[int]:
-        """``count`` free pages, each with refcount 1."""
-        if count > len(self._free):
-            raise OutOfPagesError(f"{count} KV pages wanted but {len(self._free)} of {self.capacity} are free")
-        pages = [self._free.pop() for _ in range(count)]
+        """``count`` pages, each with refcount 1: free ones first, then the oldest evictable ones."""
+        if count > self.free_pages:
+            raise OutOfPagesError(f"{count} KV pages wanted but {self.free_pages} of {self.capacity} are free")
+        pages = [self._free.pop() if self._free else self._evict() for _ in range(count)]
         for page in pages:
             self.refcounts[page] = 1
         return pages
 
+    def _evict(self) -> int:
+        page, _ = self._evictable.popitem(last=False)
+        self._remembered.discard(page)
+        if self.on_evict is not None:
+            self.on_evict(page)
+        return page
+
+    def remember(self, page: int) -> None:
+        """The prefix cache keeps ``page`` (in use now): once nobody maps it, it waits as evictable."""
+        if self.refcounts[page] < 1:
+            raise ValueError(f"page {page} is free; only pages in use can be remembered")
+        self._remembered.add(page)
+
     def retain(self, pages: Sequence[int]) -> None:
-        """One more reference to each of ``pages`` (a slot that shares them)."""
+        """One more reference to each of ``pages`` (a slot that shares them, or takes an evictable
+        page back)."""
         for page in pages:
-            if self.refcounts[page] < 1:
-                raise ValueError(f"page {page} is free; only pages in use can be shared")
+            if self.refcounts[page] < 1 and page not in self._evictable:
+                raise ValueError(f"page {page} is free; only pages in use or evictable can be shared")
+            self._evictable.pop(page, None)
             self.refcounts[page] += 1
 
     def release(self, pages: Sequence[int]) -> None:
-        """One reference fewer to each of ``pages``; a page nobody maps goes back to the free list."""
+        """One reference fewer to each of ``pages``; a page nobody maps goes back to the free list
+        (or waits as evictable when the prefix cache remembers it)."""
         for page in pages:
             if self.refcounts[page] < 1:
                 raise ValueError(f"page {page} is released more often than it was taken")
             self.refcounts[page] -= 1
             if self.refcounts[page] == 0:
-                self._free.append(page)
+                if page in self._remembered:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
 
 
 class PageTable:
@@ -133,6 +161,16 @@ class PageTable:
             mapped += new
         if pages:
             self._write(rows, cols, pages)
+
+    def share(self, slot: int, pages: Sequence[int]) -> None:
+        """Map ``pages`` (in use by other slots, or evictable) as the first pages of the empty ``slot``."""
+        if self._pages[slot]:
+            raise ValueError(f"slot {slot} already maps {len(self._pages[slot])} pages; only an empty slot shares")
+        if not pages:
+            return
+        self.pool.retain(pages)
+        self._pages[slot] = list(pages)
+        self._write([slot] * len(pages), list(range(len(pages))), list(pages))
 
     def release(self, slots: Sequence[int]) -> None:
         """Unmap every page of ``slots`` (back to the pool unless another slot shares them)."""

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Callable
 
 from flashtree.engine.engine import LLMEngine
 from flashtree.engine.output import StepEvent
-from flashtree.engine.request import Request, Status
+from flashtree.engine.request import Request
 from flashtree.sampling import SamplingParams
 from flashtree.server.logprobs import LogprobText, TokenTexts
 from flashtree.server.metrics import ServerMetrics
@@ -56,10 +56,12 @@ class RequestUsage:
     completion_tokens: int
     rounds: int
     mean_acceptance_length: float
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @classmethod
     def of(cls, req: Request) -> "RequestUsage":
-        return cls(len(req.prompt_ids), len(req.output_ids), req.stats.rounds, req.stats.mean_acceptance_length)
+        return cls(len(req.prompt_ids), len(req.output_ids), req.stats.rounds, req.stats.mean_acceptance_length,
+                   req.cached_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,10 +333,11 @@ class AsyncEngine:
         _post(tracked.stream.loop, _deliver, [(tracked.stream, delta)])
 
     def _update_gauges(self) -> None:
-        scheduler, config = self.engine.scheduler, self.engine.config
-        held = sum(_kv_tokens(r) for r in scheduler.active)
+        scheduler, pool = self.engine.scheduler, self.engine.pages.pool
         self.metrics.set_load(running=len(scheduler.active), waiting=len(scheduler.waiting),
-                              kv_usage=held / (config.scheduler.max_running * config.cache.max_context))
+                              kv_usage=pool.used_pages / pool.capacity)
+        if self.engine.prefix_cache is not None:
+            self.metrics.set_prefix_cache(self.engine.prefix_cache)
 
 
 class _StepRounds:
@@ -356,11 +359,6 @@ def _incident(what: str, err: Exception) -> str:
     incident = uuid.uuid4().hex[:12]
     log.error("%s (incident %s)", what, incident, exc_info=err)
     return f"internal error (id {incident}); the server log has the details"
-
-
-def _kv_tokens(req: Request) -> int:
-    """Target KV entries a request holds now."""
-    return req.prefilled if req.status is Status.PREFILLING else req.committed_length
 
 
 def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

@@ -4,8 +4,9 @@ Request flow: ``flashtree_requests_total{endpoint,status}`` (HTTP status per gen
 endpoint), ``flashtree_requests_finished_total{finish_reason}`` (stop, length, abort, error).
 Tokens: prompt and generation counters; latency: time to first token (arrival -> first
 token) and inter-token latency (per token; a round that commits k tokens counts k tokens of
-1/k of its interval). Load: running and waiting requests, KV usage (committed entries over
-``max_running * max_context``). Speculation: rounds, drafted tokens (tree nodes verified),
+1/k of its interval). Load: running and waiting requests, KV usage (KV pages in use over the pool's);
+prefix cache: prompt tokens looked up and served from cached pages (their ratio is the hit rate),
+pages it holds. Speculation: rounds, drafted tokens (tree nodes verified),
 accepted tokens (drafts committed, bonus excluded), acceptance length per round (bonus included),
 and ``flashtree_spec_batch_rounds_total{nodes}``: batched rounds (engine steps) by the drafted
 node count per row the engine chose (0 = plain rounds; what adaptive speculation did).
@@ -42,8 +43,14 @@ class ServerMetrics:
         self.running = Gauge("flashtree_requests_running", "Requests holding a slot (prefilling or decoding)",
                              registry=r)
         self.waiting = Gauge("flashtree_requests_waiting", "Requests waiting for a slot", registry=r)
-        self.kv_usage = Gauge("flashtree_kv_cache_usage_ratio",
-                              "Committed KV entries over max_running * max_context", registry=r)
+        self.kv_usage = Gauge("flashtree_kv_cache_usage_ratio", "KV pages in use over the pool's pages", registry=r)
+        self.prefix_queried = Gauge("flashtree_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                    registry=r)
+        self.prefix_hits = Gauge("flashtree_prefix_cache_hit_tokens", "Prompt tokens served from cached KV pages",
+                                 registry=r)
+        self.prefix_hit_rate = Gauge("flashtree_prefix_cache_hit_rate", "Prefix cache hit tokens over queried tokens",
+                                     registry=r)
+        self.prefix_pages = Gauge("flashtree_prefix_cache_pages", "KV pages the prefix cache holds", registry=r)
         self.spec_rounds = Counter("flashtree_spec_rounds", "Verification rounds (one per request per step)",
                                    registry=r)
         self.drafted_tokens = Counter("flashtree_spec_drafted_tokens", "Drafted tokens (tree nodes) verified",
@@ -77,6 +84,13 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
+
+    def set_prefix_cache(self, cache) -> None:
+        """From a :class:`~flashtree.kv.prefix_cache.PrefixCache`'s counters."""
+        self.prefix_queried.set(cache.queried_tokens)
+        self.prefix_hits.set(cache.hit_tokens)
+        self.prefix_hit_rate.set(cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0)
+        self.prefix_pages.set(cache.cached_pages)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -250,10 +250,15 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int  # prompt tokens whose KV pages came from the prefix cache
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     rounds: int  # target verification rounds (spec decoding); tokens per round = acceptance length
     mean_acceptance_length: float
 

@@ -28,6 +28,7 @@ from flashtree.server.protocol import (
     ChatCompletionResponse,
     CompletionChoice,
     CompletionResponse,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -41,6 +42,7 @@ def new_id(kind: str) -> str:
 
 def usage_of(usage: RequestUsage) -> Usage:
     return Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
                  total_tokens=usage.prompt_tokens + usage.completion_tokens, rounds=usage.rounds,
                  mean_acceptance_length=round(usage.mean_acceptance_length, 4))
 

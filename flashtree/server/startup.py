@@ -58,7 +58,10 @@ def freeze_startup_objects() -> int:
 
 
 def check_kv_cache_fits(config: EngineConfig) -> None:
-    """Raise ConfigError when the KV cache alone exceeds the device's memory."""
+    """Raise ConfigError when the KV cache alone exceeds the device's memory (a pool sized by
+    ``gpu_memory_utilization`` fits by construction)."""
+    if config.cache.gpu_memory_utilization is not None and config.cache.kv_pages is None:
+        return
     device = resolve_device(config.target.device)
     dtype = resolve_dtype(config.target.dtype, device)
     spec = estimated_kv_spec(config)

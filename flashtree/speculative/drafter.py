@@ -232,3 +232,7 @@ class DrafterProposer:
 
     def attach_pages(self, pages: PageTable) -> None:
         self.runner.attach_pages(pages)
+
+    def context_entry_bytes(self) -> int:
+        config, weight = self.runner.drafter.config, self.runner.drafter.fc.weight
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * weight.element_size()

@@ -28,6 +28,9 @@ class PlainProposer:
     def propose(self, rows: RoundRows, nodes: int = 0) -> DraftTree:
         return root_only_tree(rows.bonus)
 
+    def context_entry_bytes(self) -> int:
+        return 0
+
     def attach_pages(self, pages) -> None:
         pass
 

@@ -49,6 +49,9 @@ class Proposer(Protocol):
         """The round's trees with ``nodes`` drafted nodes per row (1 <= nodes <= max_nodes):
         every tensor has ``nodes + 1`` entries on the node axis."""
 
+    def context_entry_bytes(self) -> int:
+        """Bytes of the proposer's own KV context per cached position (0: it keeps none)."""
+
     def attach_pages(self, pages: "PageTable") -> None:
         """Keep the proposer's own context cache (if any) on ``pages``, the engine's block tables:
         the pages the engine maps for a slot hold the slot's drafter context too."""

@@ -69,3 +69,30 @@ def test_a_request_the_pool_can_never_hold_is_refused(pair):
     llm = _llm(pair, "none", page_size=4, kv_pages=8)
     with pytest.raises(RequestError, match="may reach .* KV pages of 4 tokens .* the pool holds 8; lower max_tokens"):
         llm.engine.add_request(PROMPTS[1], SamplingParams(max_tokens=40))
+
+
+SHARED = list(range(2, 22)) * 2  # a 40-token "system prompt"
+SUFFIXED = [SHARED + [5, 6, 7], SHARED + [9], SHARED, SHARED[:17] + [1, 1, 2]]
+OTHER = list(range(23, 3, -1)) * 2  # shares nothing with them
+
+
+@pytest.mark.parametrize("method", ["none", "dflash", "ddtree"])
+def test_prefix_caching_reuses_pages_and_changes_no_token(pair, method):
+    """Requests that share a prefix with earlier ones prefill only what follows it (whole pages, at
+    least one token computed), with the same tokens as without the cache; a pool too small to keep
+    everything evicts cached pages and stays right."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = SUFFIXED + [OTHER, SUFFIXED[0]]
+    reference = _llm(pair, method, page_size=4)
+    expected = [reference.generate([p], params)[0].token_ids for p in prompts]
+    for kv_pages in (None, 16):
+        llm = _llm(pair, method, page_size=4, prefix_caching=True, kv_pages=kv_pages)
+        got, cached = [], []
+        for prompt in prompts:  # one at a time: each finds what the ones before left
+            req = llm.engine.add_request(prompt, params)
+            llm.engine.run_until_done([req])
+            got.append(req.output_ids)
+            cached.append(req.cached_tokens)
+        assert got == expected
+        assert cached[:5] == [0, 40, 36, 16, 0] and llm.engine.prefix_cache.hit_tokens == sum(cached)
+        assert cached[5] == (40 if kv_pages is None else 0)  # the small pool gave the pages to OTHER

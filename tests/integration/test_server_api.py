@@ -23,7 +23,7 @@ from flashtree.version import __version__
 from tests.support.server import ServerThread, after_cancel, hold_rounds, save_tiny_chat_model, server_config
 
 LIMIT = 4096  # --max-request-bytes of the test server
-ENGINE_LIMITS = dict(max_running=4, max_context=128, prefill_chunk=8, max_waiting=64)
+ENGINE_LIMITS = dict(max_running=4, max_context=128, prefill_chunk=8, max_waiting=64, prefix_caching=True, page_size=4)
 CHAT = [{"role": "user", "content": "hello world , how is the cat ?"}]
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
@@ -291,3 +291,17 @@ def test_a_taken_port_is_a_one_line_error_and_exit_status_1(tmp_path):
                               "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith(f"flashtree: error: cannot listen on 127.0.0.1:{port}")
+
+
+# ---------------------------------------------------------------------------- prefix cache
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_hit_rate(served):
+    messages = [{"role": "system", "content": "you are a cat . " * 6}, {"role": "user", "content": "hello"}]
+    first, second = (client(served).chat.completions.create(model="tiny", messages=messages, max_tokens=3, **GREEDY)
+                     for _ in range(2))
+    assert first.choices[0].message.content == second.choices[0].message.content
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 4 == 0 and cached < second.usage.prompt_tokens
+    metrics = httpx.get(f"{served.url}/metrics", timeout=30).text
+    hits = next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("flashtree_prefix_cache_hit_tokens "))
+    assert hits >= cached and "flashtree_prefix_cache_hit_rate" in metrics

@@ -30,7 +30,7 @@ def test_pool_hands_out_pages_and_takes_them_back_by_refcount():
         pool.allocate(5)
     with pytest.raises(ValueError, match="released more often"):
         pool.release(first[:1])
-    with pytest.raises(ValueError, match="only pages in use"):
+    with pytest.raises(ValueError, match="only pages in use or evictable"):
         pool.retain(first[:1])
 
 

@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -334,20 +335,26 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
     const int64_t oldest = window > 0 && committed > window ? committed - window : 0;
     const int64_t* pages = table + slots[b] * table_stride;
     const int64_t head_offset = (h / group) * head_stride;
-    auto entry = [&](int64_t j) { return pages[j / page_size] * page_stride + head_offset + (j % page_size) * pos_stride; };
+    // body(j, entry) for the keys oldest .. total - 1 in order, one table lookup per page
+    auto for_each_key = [&](const float* cache, auto&& body) {
+      for (int64_t j = oldest; j < total;) {
+        const int64_t page = j / page_size, page_end = std::min(total, (page + 1) * page_size);
+        const float* entry = cache + pages[page] * page_stride + head_offset + (j - page * page_size) * pos_stride;
+        for (; j < page_end; ++j, entry += pos_stride) body(j, entry);
+      }
+    };
     const float* qh = q + (b * heads + h) * n * head_dim;
     float* oh = out + (b * heads + h) * n * head_dim;
     const uint8_t* sees = new_mask + b * n * n;
     std::vector<float> scores(n * total), top(n, -INFINITY), sums(n, 0.0f);
-    for (int64_t j = oldest; j < total; ++j) {
-      const float* kj = k_cache + entry(j);
+    for_each_key(k_cache, [&](int64_t j, const float* kj) {
       for (int64_t i = 0; i < n; ++i) {
         float s = -INFINITY;
         if (j < committed || sees[i * n + (j - committed)]) s = dot_product(qh + i * head_dim, kj, head_dim) * scale;
         scores[i * total + j] = s;
         top[i] = s > top[i] ? s : top[i];
       }
-    }
+    });
     for (int64_t i = 0; i < n; ++i) {  // scores -> exp(score - top), 0 for keys the query does not see
       float* si = scores.data() + i * total;
       int64_t j = oldest;
@@ -363,8 +370,7 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
       }
     }
     for (int64_t d = 0; d < n * head_dim; ++d) oh[d] = 0.0f;
-    for (int64_t j = oldest; j < total; ++j) {
-      const float* vj = v_cache + entry(j);
+    for_each_key(v_cache, [&](int64_t j, const float* vj) {
       for (int64_t i = 0; i < n; ++i) {
         const float p = scores[i * total + j];
         if (p == 0.0f) continue;
@@ -375,7 +381,7 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
         for (; d + 16 <= head_dim; d += 16) v_store(oi + d, v_fmadd(pv, v_load(vj + d), v_load(oi + d)));
         for (; d < head_dim; ++d) oi[d] = fmaf(p, vj[d], oi[d]);
       }
-    }
+    });
     for (int64_t i = 0; i < n; ++i) {
       const float inv = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
       for (int64_t d = 0; d < head_dim; ++d) oh[i * head_dim + d] *= inv;
