@@ -34,6 +34,10 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest tokens'
+    min_tokens: int = 0  # output tokens before a stop token may be chosen (and stop strings count)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,10 +58,24 @@ class SamplingParams:
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+                raise RequestError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 2):
+            raise RequestError(f"repetition_penalty must be a number in (0, 2], got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts(self) -> bool:
+        """The target's logits are adjusted before its choice (``flashtree/penalties.py``)."""
+        return (self.min_tokens > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a concrete seed (random when unset) so the request is reproducible."""

@@ -33,6 +33,7 @@ from flashtree.engine.request import Request, Status
 from flashtree.engine.runner import LaunchedRound, ModelRunner, RoundResult, round_span
 from flashtree.engine.scheduler import PageBudget, Scheduler
 from flashtree.engine.stage_timer import StageTimer
+from flashtree.engine.token_state import SlotTokenState
 from flashtree.engine.traces import PolicyTracer, StepTracer, TreeTracer
 from flashtree.errors import ConfigError, RequestError
 from flashtree.kernels import gpu as gpu_kernels
@@ -71,6 +72,7 @@ class LLMEngine:
         self.cache = self._make_cache()
         self.proposer.attach_pages(self.pages)
         self.prefix_cache = PrefixCache(self.pages.pool, config.cache.page_size) if config.cache.prefix_caching else None
+        self.token_state: SlotTokenState | None = None  # made when a request first adjusts its logits
         self.model.setup_rope(self.cache.spec.capacity + 1)
         self.timer = StageTimer(self.device, kernels.profile_stages)
         tree_tracer = TreeTracer(config.trace.trees) if config.trace.trees else None
@@ -78,7 +80,8 @@ class LLMEngine:
                                   pad_slot=scheduling.max_running)
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)
         self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
-            self.pages.pool.capacity - self.pages.pages_for(self.runner.span), config.cache.page_size, self.runner.span))
+            self.pages.pool.capacity - self.pages.pages_for(self.runner.span), config.cache.page_size, self.runner.span),
+            on_admit=self._admitted)
         self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain)
         queue = scheduling.queue_plain_rounds if scheduling.queue_plain_rounds is not None else self.runner.runs_ahead
         self.overlap = QueuedRounds(self.runner, self.lag, config.cache.max_context, enabled=queue)
@@ -151,6 +154,9 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.default_stop_ids))
         req = Request(prompt_ids=list(prompt_ids), params=params, stop_token_ids=frozenset(stop_ids), budget=budget)
         self.scheduler.add(req)
+        if params.adjusts and self.token_state is None:
+            self.token_state = SlotTokenState(self.config.scheduler.max_running + 1, vocab, self.device)
+            self.runner.round_program.token_state = self.prefill.token_state = self.token_state
         return req
 
     def abort(self, request_id: str) -> Request | None:
@@ -178,7 +184,6 @@ class LLMEngine:
             events += self._append_round(launched, result)
         if scheduled.prefill:
             prefill_s = time.perf_counter()
-            self._reuse_prefixes(scheduled.prefill)
             defer = self.lag.prompts_to_defer(scheduled.prefill, self.config.scheduler.prefill_chunk)
             firsts = self.prefill(scheduled.prefill, self.config.scheduler.prefill_chunk, defer=defer)
             prefill_s = time.perf_counter() - prefill_s
@@ -282,19 +287,24 @@ class LLMEngine:
         self.lag.caught_up(behind)
         return captured
 
+    def _admitted(self, rows: list[Request]) -> None:
+        """Requests that just got a slot: their logit-adjustment state, and their cached prefix."""
+        if self.token_state is not None:
+            self.token_state.start(rows)
+        self._reuse_prefixes(rows)
+
     def _reuse_prefixes(self, rows: Sequence[Request]) -> None:
-        """Requests about to prefill their first chunk map the cached pages of their prompt's longest
+        """Requests that just got a slot (``rows``) map the cached pages of their prompt's longest
         cached prefix and start after it (``kv/prefix_cache.py``)."""
         if self.prefix_cache is None:
             return
         hits = []
         for req in rows:
-            if req.prefilled == 0:
-                pages = self.prefix_cache.match(req.prompt_ids)
-                if pages:
-                    self.pages.share(req.slot, pages)
-                    req.prefilled = req.cached_tokens = len(pages) * self.pages.page_size
-                    hits.append(req)
+            pages = self.prefix_cache.match(req.prompt_ids)
+            if pages:
+                self.pages.share(req.slot, pages)
+                req.prefilled = req.cached_tokens = len(pages) * self.pages.page_size
+                hits.append(req)
         if hits:
             host = torch.tensor([[r.slot for r in hits], [r.prefilled for r in hits]])  # [2, R]
             slots, lengths = to_device(host, self.device).unbind(0)

@@ -91,7 +91,7 @@ def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_con
         if token in req.stop_token_ids:
             _finish(req, "stop")
             break
-        if params.stop and _hit_stop_string(req, tracker):
+        if params.stop and len(req.output_ids) >= params.min_tokens and _hit_stop_string(req, tracker):
             text_final = True
             break
         if len(req.output_ids) >= params.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= max_context:

@@ -14,9 +14,11 @@ import torch
 
 from flashtree.engine.request import Request
 from flashtree.engine.stage_timer import StageTimer
+from flashtree.engine.token_state import SlotTokenState
 from flashtree.kv.cache import KVCache
 from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.models.transformer import CausalLM
+from flashtree.penalties import adjust_logits
 from flashtree.sampling import (
     MAX_LOGPROBS,
     SamplingTensors,
@@ -43,6 +45,7 @@ class Prefill:
         self.model, self.cache, self.proposer, self.timer = model, cache, proposer, timer
         self.device = model.lm_head.weight.device
         self.planless = planless
+        self.token_state: SlotTokenState | None = None  # the engine's, once a request adjusts its logits
 
     def __call__(self, rows: Sequence[Request], chunk: int, defer: Sequence[bool] | None = None
                  ) -> list[FirstToken | None]:
@@ -69,11 +72,17 @@ class Prefill:
         if out.hidden is not None:
             self._hand_features(rows, slots, out.hidden, counts, starts, defer)
         sampling = SamplingTensors.build([r.params for r in rows], self.device)
-        chosen = choose_tokens(out.logits, sampling, torch.zeros_like(last))  # [B, 1]
+        logits = out.logits
+        adjust = any(r.params.adjusts for r in rows)
+        if adjust:
+            logits = adjust_logits(logits, torch.zeros_like(last), self.token_state.gather(slots))
+        chosen = choose_tokens(logits, sampling, torch.zeros_like(last))  # [B, 1]
+        done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
+        if adjust:  # the first output token of the rows whose prompt completed
+            self.token_state.count(slots, chosen, self._tensor([int(d) for d in done]))
         first = chosen[:, 0].tolist()  # the one sync
         logprobs = self._logprobs(rows, out.logits, chosen, first)
         self.timer.add("prefill", t0)
-        done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
         return [FirstToken(tok, lp) if d else None for tok, lp, d in zip(first, logprobs, done)]
 
     @staticmethod

@@ -29,9 +29,11 @@ import torch
 
 from flashtree.config import KernelConfig
 from flashtree.engine.stage_timer import StageTimer
+from flashtree.engine.token_state import SlotTokenState
 from flashtree.kv.cache import KVCache
 from flashtree.models.batch import ForwardBatch
 from flashtree.models.transformer import CausalLM
+from flashtree.penalties import adjust_logits, path_tokens
 from flashtree.sampling import (
     SamplingTensors,
     TokenLogprobs,
@@ -75,6 +77,7 @@ class RoundShape(NamedTuple):
     any_filtered: bool
     nodes: int  # drafted nodes per row (the tree has nodes + 1 entries); 0: a plain round
     logprobs: int | None = None  # top alternatives per emitted token's log-probability (None: no row asked)
+    adjust: bool = False  # some row's logits are adjusted (min_tokens, penalties: flashtree/penalties.py)
 
 
 class RoundOutput(NamedTuple):
@@ -90,6 +93,7 @@ class DeviceRound:
                  tracing: bool = False):
         self.model, self.cache, self.proposer = model, cache, proposer
         self.kernels, self.tracing = kernels, tracing
+        self.token_state: SlotTokenState | None = None  # the engine's, once a request adjusts its logits
 
     def __call__(self, shape: RoundShape, *tensors: torch.Tensor, timer: StageTimer | None = None) -> RoundOutput:
         rows = RoundInputs(*tensors)
@@ -108,7 +112,12 @@ class DeviceRound:
             input_ids=tokens, positions=rows.starts[:, None] + tree.depths, slots=rows.slots,
             cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len)
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
-        choice = choose_tokens(out.logits, sampling_of(shape, rows), rows.generated[:, None] + tree.depths)  # [B, N]
+        out_index = rows.generated[:, None] + tree.depths  # [B, N]
+        logits = out.logits
+        if shape.adjust:  # each node's distribution given the output so far and its own path
+            paths = path_tokens(tokens, tree.parents, min(self.proposer.max_depth, nodes))  # [B, N, D]
+            logits = adjust_logits(logits, out_index, self.token_state.gather(rows.slots), paths)
+        choice = choose_tokens(logits, sampling_of(shape, rows), out_index)  # [B, N]
         t2 = timer.add("verify", t1) if timer else 0.0
 
         # 3. accept: the deepest path of nodes carrying the target's choices
@@ -127,6 +136,8 @@ class DeviceRound:
             features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))  # [B, P, F]
             self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
         packed = pack(walk, tree.valid)
+        if shape.adjust:
+            self.token_state.count(rows.slots, packed[:, 2:], walk.accept_lengths)
         if timer:
             timer.add("commit", t2)
         trace = (tokens, tree.parents, tree.valid, walk.path) if self.tracing else None
@@ -149,9 +160,14 @@ class DeviceRound:
         # a drafter's features go straight to its lag buffer (projected at the next drafted round)
         sink = self.proposer.feature_sink(rows.slots, rows.lags) if self.kernels.feature_sink else None
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers, feature_sink=sink)
-        next_bonus = choose_tokens(out.logits, sampling_of(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
+        logits = out.logits
+        if shape.adjust:
+            logits = adjust_logits(logits, rows.generated[:, None], self.token_state.gather(rows.slots))
+        next_bonus = choose_tokens(logits, sampling_of(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
         t1 = timer.add("verify", t0) if timer else 0.0
         ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
+        if shape.adjust:
+            self.token_state.count(rows.slots, next_bonus[:, None], ones)
         self.cache.commit_prefix(rows.slots, rows.starts, ones)
         if out.hidden is not None:  # (no sink)
             self.proposer.defer(rows.slots, out.hidden, rows.lags)  # [B, 1, F]

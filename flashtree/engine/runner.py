@@ -248,7 +248,8 @@ class ModelRunner:
         shape = RoundShape(kv_len=max(r.committed_length for r in rows) + ahead + nodes + 1,
                            any_sampled=any(not p.greedy for p in params),
                            any_filtered=any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params),
-                           nodes=nodes, logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else None)
+                           nodes=nodes, logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else None,
+                           adjust=any(p.adjusts for p in params))
         if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and slots itself: one graph for all
             shape = shape._replace(kv_len=self.cache.spec.capacity)
         if self.graphs is not None:

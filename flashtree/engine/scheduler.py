@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from flashtree.config import CacheConfig, SchedulerConfig
@@ -52,9 +53,13 @@ class ScheduledStep(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig = CacheConfig(), pages: PageBudget | None = None):
-        """``pages``: the page pool's budget (None: no page limit, the slots alone limit admission)."""
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig = CacheConfig(), pages: PageBudget | None = None,
+                 on_admit: Callable[[list[Request]], None] | None = None):
+        """``pages``: the page pool's budget (None: no page limit, the slots alone limit admission);
+        ``on_admit``: called with the requests each step admits, once they have their slots and before
+        the step's prefill is chosen (the engine maps their cached prefixes there)."""
         self.config = config
+        self.on_admit = on_admit
         self.max_context = cache.max_context
         self.pages = pages
         self.promised = 0  # pages promised to the admitted requests
@@ -80,6 +85,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> ScheduledStep:
+        admitted = []
         while self.waiting and self.free_slots and self._fits(self.waiting[0]):
             req = self.waiting.popleft()
             self.promised += self._need(req)
@@ -87,6 +93,9 @@ class Scheduler:
             req.status = Status.PREFILLING
             self.active.append(req)
             self.admitted.append(req)
+            admitted.append(req)
+        if admitted and self.on_admit is not None:
+            self.on_admit(admitted)
         self.active.sort(key=lambda r: r.slot)
         self.admitted = [r for r in self.admitted if r.status is Status.PREFILLING]
         prefill = self._prefill_batch()

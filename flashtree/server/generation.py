@@ -117,7 +117,9 @@ def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str, m
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               max_tokens=max_tokens, stop=body.stop_strings, stop_token_ids=stop_token_ids,
-                              seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs_count)
+                              seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs_count,
+                              min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
+                              frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
     except RequestError as err:
         raise APIError(400, str(err), param=param_named_in(str(err), prompt_field)) from None
 

@@ -31,17 +31,14 @@ UnitInterval = Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=Fal
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 LogprobCount = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(strict=True, ge=-2, le=2, allow_inf_nan=False)]
 
 # field -> (the values that mean "off" and are accepted, why any other value is refused)
 NOT_HONOURED_COMMON: dict[str, tuple[tuple, str]] = {
     "n": ((None, 1), "only one choice per request (n = 1) is served"),
     "best_of": ((None, 1), "only best_of = 1 is served"),
-    "presence_penalty": ((None, 0), "penalties are not served yet; leave it unset or 0"),
-    "frequency_penalty": ((None, 0), "penalties are not served yet; leave it unset or 0"),
-    "repetition_penalty": ((None, 1), "penalties are not served yet; leave it unset or 1"),
     "logit_bias": ((None, {}), "logit_bias is not served"),
     "min_p": ((None, 0), "min_p is not served; use top_p or top_k"),
-    "min_tokens": ((None, 0), "min_tokens is not served yet"),
     "use_beam_search": ((None, False), "beam search is not served"),
     "length_penalty": ((None, 1), "length_penalty (beam search) is not served"),
     "include_stop_str_in_output": ((None, False), "stop strings are always cut from the output"),
@@ -104,6 +101,10 @@ class SamplingRequest(_Request):
     truncate_prompt_tokens: PositiveInt | None = None  # keep only the prompt's last N tokens
     user: StrictStr | None = None  # the caller's end-user id (recorded nowhere)
     budget: Annotated[StrictInt, Field(ge=0)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0  # output tokens before a stop token or string may end it
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(strict=True, gt=0, le=2, allow_inf_nan=False)] = 1.0
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -138,3 +138,22 @@ def test_graphed_logprobs_equal_eager(tmp_path, spec):
         for a, b in zip(eager.logprobs, graphed.logprobs):
             assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.mark.parametrize("spec", ["none", "ddtree"])
+def test_graphed_penalties_and_min_tokens_equal_eager_plain(tmp_path, spec):
+    """Adjusted rows (penalties, min_tokens) beside plain ones, graphed, equal eager plain decoding."""
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=24, block_size=6)
+    prompts = [[1, 2, 3], list(range(2, 20)), [7] * 9, [4, 5]]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.5, seed=0),
+              SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=1.0, temperature=0.8, seed=1),
+              SamplingParams(max_tokens=30, ignore_eos=True, min_tokens=8, stop_token_ids=(3, 7), seed=2),
+              SamplingParams(max_tokens=30, ignore_eos=True, seed=3)]
+    common = dict(device="cuda", dtype="float32", max_running=4, max_context=256)
+    eager = [o.token_ids for o in LLM(str(pair.target), cuda_graphs=False, **common).generate(prompts, params)]
+    drafted = dict(spec=spec, draft=str(pair.drafter), budget=8) if spec != "none" else {}
+    llm = LLM(str(pair.target), **drafted, **common)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+    assert llm.engine.runner.graphs.graphs

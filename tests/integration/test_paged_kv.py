@@ -96,3 +96,13 @@ def test_prefix_caching_reuses_pages_and_changes_no_token(pair, method):
         assert got == expected
         assert cached[:5] == [0, 40, 36, 16, 0] and llm.engine.prefix_cache.hit_tokens == sum(cached)
         assert cached[5] == (40 if kv_pages is None else 0)  # the small pool gave the pages to OTHER
+
+
+def test_requests_admitted_with_a_cached_prefix_prefill_only_the_rest_in_one_step(pair):
+    llm = _llm(pair, "ddtree", page_size=4, prefix_caching=True)  # prefill chunks of 8 tokens
+    engine = llm.engine
+    first = engine.add_request(SUFFIXED[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.run_until_done([first])  # 43 tokens: 6 prefill steps
+    later = [engine.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True)) for p in SUFFIXED[1:3]]
+    engine.step()  # admission maps 40 and 36 cached tokens: 1 and 4 tokens left, one chunk each
+    assert all(r.output_ids for r in later) and [r.cached_tokens for r in later] == [40, 36]

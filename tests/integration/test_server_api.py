@@ -18,6 +18,7 @@ import pytest
 from flashtree.cli.serve import check_address_free
 from flashtree.errors import AddressInUseError
 from flashtree.llm import LLM
+from flashtree.models.tokenizer import encode_chat
 from flashtree.sampling import SamplingParams
 from flashtree.version import __version__
 from tests.support.server import ServerThread, after_cancel, hold_rounds, save_tiny_chat_model, server_config
@@ -46,9 +47,9 @@ def post(server: ServerThread, path: str, body, **kwargs) -> httpx.Response:
 
 # ---------------------------------------------------------------------------- fields
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("repetition_penalty", 1.2),
-    ("min_tokens", 4), ("tool_choice", "auto"), ("prompt_logprobs", 1), ("echo", True),
-    ("presence_penalty", 0.5), ("min_p", 0.1), ("include_stop_str_in_output", True), ("n", 2),
+    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
+    ("tool_choice", "auto"), ("prompt_logprobs", 1), ("echo", True),
+    ("min_p", 0.1), ("include_stop_str_in_output", True), ("n", 2),
 ])
 def test_chat_fields_not_served_are_refused_by_name(served, field, value):
     response = post(served, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, field: value})
@@ -305,3 +306,24 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_hit_rate(served):
     hits = next(float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("flashtree_prefix_cache_hit_tokens "))
     assert hits >= cached and "flashtree_prefix_cache_hit_rate" in metrics
+
+
+# ---------------------------------------------------------------------------- penalties, min_tokens
+def test_penalties_and_min_tokens_are_served_as_offline(served):
+    settings = dict(frequency_penalty=1.5, presence_penalty=0.5, extra_body={"repetition_penalty": 1.3, "min_tokens": 6,
+                                                                              "ignore_eos": True})
+    got = client(served).chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0, **settings)
+    plain = client(served).chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, **GREEDY)
+    prompt = encode_chat(served.engine.tokenizer, CHAT)
+    offline = LLM(config=served.engine.config).generate([prompt], SamplingParams(
+        max_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
+        min_tokens=6))[0]
+    assert got.choices[0].message.content == offline.text != plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                                         ("min_tokens", -1), ("min_tokens", 50)])
+def test_bad_penalties_are_refused_by_name(served, field, value):
+    response = post(served, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 10, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field

@@ -1,0 +1,94 @@
+"""Time to first token with a shared system prompt, with and without automatic prefix caching.
+
+The first request (a ``--system-tokens`` system prompt and a question) runs alone; then
+``--requests - 1`` more requests with the same system prompt and other questions arrive together.
+Reports each request's time to first token (arrival -> first output token, engine steps only, no
+HTTP), and the ratio of requests 2..N to the first, with prefix caching on and off (issue #39's
+target: <= 0.25x with it on). Greedy, 4 new tokens each.
+
+    python benchmarks/prefix_cache_ttft.py --model smollm2 --out benchmarks/results/prefix_cache_ttft_cpu.json
+    python benchmarks/prefix_cache_ttft.py --model /tmp/qwen3-8b --random-weights --device cuda --out ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flashtree import LLM, SamplingParams
+
+PARAGRAPH = ("You are a careful assistant for a software team. Answer with short, correct statements, cite the "
+             "file and the function you mean, never invent an API, and say so when you do not know. ")
+
+
+def prompts(llm: LLM, system_tokens: int, count: int) -> list[list[int]]:
+    """``count`` prompts: the same ``system_tokens``-token system prompt, then a question of their own."""
+    if llm.tokenizer is None:
+        gen = torch.Generator().manual_seed(0)
+        system = torch.randint(0, llm.engine.model.config.vocab_size, (system_tokens,), generator=gen).tolist()
+        return [system + [i + 1, i + 2, i + 3] for i in range(count)]
+    system = llm.tokenizer.encode(PARAGRAPH * (system_tokens // 30 + 1))[:system_tokens]
+    return [system + llm.tokenizer.encode(f" Question {i}: what does function number {i} return?")
+            for i in range(count)]
+
+
+def first_token_times(llm: LLM, batch: list[list[int]]) -> list[float]:
+    """Seconds from adding each prompt (all at once) to its first output token."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    start = time.perf_counter()
+    reqs = [engine.add_request(p, params) for p in batch]
+    firsts: dict[int, float] = {}
+    while len(firsts) < len(reqs):
+        engine.step()
+        now = time.perf_counter()
+        for i, r in enumerate(reqs):
+            if r.output_ids and i not in firsts:
+                firsts[i] = now - start
+    engine.run_until_done(reqs)
+    return [firsts[i] for i in range(len(reqs))]
+
+
+def run(args, caching: bool) -> dict:
+    llm = LLM(args.model, device=args.device, random_weights=args.random_weights, max_running=args.requests,
+              max_context=args.system_tokens + 64, prefill_chunk=args.prefill_chunk,
+              max_prefill_tokens=args.prefill_chunk, prefix_caching=caching)
+    batch = prompts(llm, args.system_tokens, args.requests + 1)
+    first_token_times(llm, [batch[-1][:8]])  # warm-up on an unrelated short prompt
+    first = first_token_times(llm, batch[:1])[0]
+    rest = first_token_times(llm, batch[1:args.requests])
+    return {"prefix_caching": caching, "first_s": first, "rest_s": rest, "rest_mean_s": statistics.mean(rest),
+            "rest_max_s": max(rest), "rest_mean_over_first": statistics.mean(rest) / first,
+            "cached_tokens": llm.engine.prefix_cache.hit_tokens if caching else 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--random-weights", action="store_true")
+    parser.add_argument("--system-tokens", type=int, default=2048)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    results = [run(args, caching) for caching in (True, False)]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else platform.processor()
+    out = {"device": device or platform.machine(), "model": args.model, "system_tokens": args.system_tokens,
+           "requests": args.requests, "runs": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    for r in results:
+        print(f"prefix caching {'on ' if r['prefix_caching'] else 'off'}: first {r['first_s'] * 1000:.0f} ms, "
+              f"requests 2..{args.requests} mean {r['rest_mean_s'] * 1000:.0f} ms (max {r['rest_max_s'] * 1000:.0f}), "
+              f"{r['rest_mean_over_first']:.3f}x the first")
+
+
+if __name__ == "__main__":
+    main()
