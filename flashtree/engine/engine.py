@@ -145,14 +145,18 @@ class LLMEngine:
         return self.overlap.taken
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, budget: int | None = None) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, budget: int | None = None,
+                    after: Request | None = None) -> Request:
+        """Queue a request. ``after``: a request with the same prompt (n > 1); with prefix caching on,
+        this one is admitted once that one's prompt is in, and maps its pages."""
         vocab = self.model.config.vocab_size
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad!r} is out of range; allowed: integers in [0, {vocab})")
         params = params.with_seed()
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.default_stop_ids))
-        req = Request(prompt_ids=list(prompt_ids), params=params, stop_token_ids=frozenset(stop_ids), budget=budget)
+        req = Request(prompt_ids=list(prompt_ids), params=params, stop_token_ids=frozenset(stop_ids), budget=budget,
+                      after=after if self.prefix_cache is not None else None)
         self.scheduler.add(req)
         if params.adjusts and self.token_state is None:
             self.token_state = SlotTokenState(self.config.scheduler.max_running + 1, vocab, self.device)

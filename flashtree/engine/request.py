@@ -78,6 +78,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     budget: int | None = None  # per-request DDTree budget (None: the method's default)
+    after: "Request | None" = dataclasses.field(default=None, repr=False)  # admitted only once this one's
+    # prompt is in (a sibling of the same prompt, which then maps its cached pages instead of prefilling them)
 
     @property
     def committed_length(self) -> int:

@@ -9,6 +9,8 @@ step while the running ones keep decoding, and join the running batch once their
 A step's prefill holds at most ``max_prefill_tokens`` padded prompt tokens (rows x the widest
 chunk; the oldest admitted requests first, at least one), so a burst of arrivals does not stall
 the running requests for more than one such batch.
+A request with ``after`` set (a sibling of an n > 1 request) waits, at the head of the queue, until
+that request's prompt is in, so it maps the prompt's cached pages instead of computing them again.
 Finished or aborted requests leave between steps and free their slot and pages at once.
 """
 
@@ -86,7 +88,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         admitted = []
-        while self.waiting and self.free_slots and self._fits(self.waiting[0]):
+        while self.waiting and self.free_slots and self._fits(self.waiting[0]) and _ready(self.waiting[0]):
             req = self.waiting.popleft()
             self.promised += self._need(req)
             req.slot = self.free_slots.pop(0)
@@ -148,3 +150,8 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.active)
+
+
+def _ready(req: Request) -> bool:
+    """``req`` waits for nothing: no ``after`` request, or that one's prompt is in (or it ended)."""
+    return req.after is None or req.after.status in (Status.RUNNING, Status.FINISHED)

@@ -118,6 +118,7 @@ class _Submit:
     params: SamplingParams
     budget: int | None
     arrival: float  # time.monotonic() when the HTTP request arrived
+    after: RequestStream | None = None  # a request with the same prompt to wait for (n > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,13 +171,14 @@ class AsyncEngine:
         return self.state is EngineState.READY
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, budget: int | None = None,
-                     arrival: float | None = None) -> RequestStream:
+                     arrival: float | None = None, after: RequestStream | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine admitted it, or raises the
-        engine's refusal (``RequestError``, ``QueueFullError``)."""
+        engine's refusal (``RequestError``, ``QueueFullError``). ``after``: the stream of a request
+        with the same prompt (n > 1) whose prefill this one waits for (``LLMEngine.add_request``)."""
         if self.state is not EngineState.READY or self._stopping:
             raise EngineUnavailable(f"the engine is {'stopping' if self._stopping else self.state.value}")
         stream = RequestStream(asyncio.get_running_loop())
-        self._send(_Submit(stream, list(prompt_ids), params, budget, arrival or time.monotonic()))
+        self._send(_Submit(stream, list(prompt_ids), params, budget, arrival or time.monotonic(), after))
         try:
             await stream.admitted
         except asyncio.CancelledError:
@@ -250,7 +252,9 @@ class AsyncEngine:
     def _admit(self, command: _Submit) -> None:
         stream = command.stream
         try:
-            req = self.engine.add_request(command.prompt_ids, command.params, command.budget)
+            first = self._tracked.get(command.after.request_id) if command.after is not None else None
+            req = self.engine.add_request(command.prompt_ids, command.params, command.budget,
+                                          after=first.request if first is not None else None)
         except Exception as err:  # RequestError, QueueFullError: the handler maps it
             _post(stream.loop, _settle, stream.admitted, err)
             return

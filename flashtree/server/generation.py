@@ -53,6 +53,13 @@ class GenerationInput:
     budget: int | None
     echo: str = ""  # text the answer starts with (completions' echo: the prompt)
 
+    def choice(self, index: int) -> "GenerationInput":
+        """The input of choice ``index`` of an n > 1 request: its seed, when the request gave one, is
+        the seed + index (each choice samples on its own)."""
+        if index == 0 or self.params.seed is None:
+            return self
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=self.params.seed + index))
+
 
 def chat_input(body: ChatCompletionRequest, model: ServedModel) -> GenerationInput:
     messages = [m.as_template_dict() for m in body.messages]

@@ -32,10 +32,10 @@ PositiveInt = Annotated[StrictInt, Field(ge=1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 LogprobCount = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(strict=True, ge=-2, le=2, allow_inf_nan=False)]
+MAX_CHOICES = 16  # n at most
 
 # field -> (the values that mean "off" and are accepted, why any other value is refused)
 NOT_HONOURED_COMMON: dict[str, tuple[tuple, str]] = {
-    "n": ((None, 1), "only one choice per request (n = 1) is served"),
     "best_of": ((None, 1), "only best_of = 1 is served"),
     "logit_bias": ((None, {}), "logit_bias is not served"),
     "min_p": ((None, 0), "min_p is not served; use top_p or top_k"),
@@ -101,6 +101,7 @@ class SamplingRequest(_Request):
     truncate_prompt_tokens: PositiveInt | None = None  # keep only the prompt's last N tokens
     user: StrictStr | None = None  # the caller's end-user id (recorded nowhere)
     budget: Annotated[StrictInt, Field(ge=0)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1  # choices: one request per choice, the prompt shared
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0  # output tokens before a stop token or string may end it
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0

@@ -9,15 +9,21 @@ after the headers went out is sent as an ``{"error": ...}`` event. Leaving the s
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, NamedTuple
 
 from pydantic import BaseModel
 
-from flashtree.server.async_engine import EngineFailure, GenerationDelta, RequestStream, RequestUsage
+from flashtree.server.async_engine import (
+    EngineFailure,
+    GenerationDelta,
+    RequestStream,
+    RequestUsage,
+)
 from flashtree.server.errors import APIError
 from flashtree.server.logprobs import chat_logprobs, completion_logprobs
 from flashtree.server.protocol import (
@@ -38,6 +44,17 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def new_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex[:24]}"
+
+
+def combined_usage(usages: list[RequestUsage]) -> RequestUsage:
+    """The usage of an n > 1 request: its prompt once (and the first choice's cached part of it), the
+    choices' tokens and rounds together."""
+    if len(usages) == 1:
+        return usages[0]
+    rounds = sum(u.rounds for u in usages)
+    mean = sum(u.mean_acceptance_length * u.rounds for u in usages) / rounds if rounds else 0.0
+    return RequestUsage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), rounds, mean,
+                        usages[0].cached_tokens)
 
 
 def usage_of(usage: RequestUsage) -> Usage:
@@ -62,19 +79,27 @@ async def last_delta(stream: RequestStream) -> GenerationDelta:
     return final if final.logprobs is None else dataclasses.replace(final, logprobs=tuple(logprobs))
 
 
-def chat_response(response_id: str, model: str, final: GenerationDelta, echo: str = "") -> ChatCompletionResponse:
-    logprobs = None if final.logprobs is None else chat_logprobs(final.logprobs)
-    choice = ChatChoice(message=AssistantMessage(content=final.full_text or ""), finish_reason=final.finish_reason,
-                        logprobs=logprobs)
-    return ChatCompletionResponse(id=response_id, model=model, choices=[choice], usage=usage_of(final.usage))
+def chat_response(response_id: str, model: str, finals: list[GenerationDelta], echo: str = ""
+                  ) -> ChatCompletionResponse:
+    """The whole answer: a choice per request (``finals``: each one's last delta)."""
+    choices = [ChatChoice(index=index, message=AssistantMessage(content=final.full_text or ""),
+                          finish_reason=final.finish_reason,
+                          logprobs=None if final.logprobs is None else chat_logprobs(final.logprobs))
+               for index, final in enumerate(finals)]
+    usage = combined_usage([final.usage for final in finals])
+    return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage_of(usage))
 
 
-def completion_response(response_id: str, model: str, final: GenerationDelta, echo: str = "") -> CompletionResponse:
-    """The whole answer (``echo``: the text it starts with, the prompt when the request asked)."""
-    logprobs = None if final.logprobs is None else completion_logprobs(final.logprobs, len(echo))
-    choice = CompletionChoice(text=echo + (final.full_text or ""), finish_reason=final.finish_reason,
-                              logprobs=logprobs)
-    return CompletionResponse(id=response_id, model=model, choices=[choice], usage=usage_of(final.usage))
+def completion_response(response_id: str, model: str, finals: list[GenerationDelta], echo: str = ""
+                        ) -> CompletionResponse:
+    """The whole answer, a choice per request (``echo``: the text each starts with, the prompt when
+    the request asked)."""
+    choices = [CompletionChoice(index=index, text=echo + (final.full_text or ""), finish_reason=final.finish_reason,
+                                logprobs=None if final.logprobs is None else completion_logprobs(final.logprobs,
+                                                                                                 len(echo)))
+               for index, final in enumerate(finals)]
+    usage = combined_usage([final.usage for final in finals])
+    return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage_of(usage))
 
 
 class TextEvents:
@@ -97,85 +122,100 @@ class TextEvents:
         return self.head + json.dumps(text, ensure_ascii=False) + self.tail
 
 
-async def chat_events(stream: RequestStream, response_id: str, model: str, include_usage: bool,
+class ChoiceEvents(NamedTuple):
+    """How one choice's deltas become SSE events."""
+
+    opening: list[str]  # sent before any delta (the role, the echoed prompt)
+    step: Callable[[GenerationDelta], str | None]  # a delta's event (None: nothing to send)
+    finish: Callable[[GenerationDelta], str]  # the finishing chunk, after the last delta's event
+
+
+async def chat_events(streams: list[RequestStream], response_id: str, model: str, include_usage: bool,
                       cancel: Callable[[RequestStream], None], echo: str = "", logprobs: bool = False
                       ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(delta: dict, finish_reason: str | None = None) -> str:
-        return sse(chat_chunk(delta, finish_reason))
-
-    def chat_chunk(delta: dict, finish_reason: str | None = None, step: GenerationDelta | None = None
+    def chat_chunk(index: int, delta: dict, finish_reason: str | None = None, step: GenerationDelta | None = None
                    ) -> ChatCompletionChunk:
         values = None if step is None or step.logprobs is None else chat_logprobs(step.logprobs)
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=values)
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=values)
         return ChatCompletionChunk(id=response_id, model=model, created=created, choices=[choice])
 
-    def step_event(step: GenerationDelta) -> str | None:
-        if logprobs:
-            return sse(chat_chunk({"content": step.text}, step=step)) if step.token_ids or step.text else None
-        return text_event(step.text) if step.text else None
+    def choice_events(index: int) -> ChoiceEvents:
+        text_event = TextEvents(chat_chunk(index, {"content": TextEvents.TEXT_SLOT}))
+
+        def step_event(step: GenerationDelta) -> str | None:
+            if logprobs:
+                return sse(chat_chunk(index, {"content": step.text}, step=step)) if step.token_ids or step.text else None
+            return text_event(step.text) if step.text else None
+
+        return ChoiceEvents([sse(chat_chunk(index, {"role": "assistant", "content": ""}))], step_event,
+                            lambda d: sse(chat_chunk(index, {}, d.finish_reason)))
 
     def usage_chunk(usage: RequestUsage) -> str:
         return sse(ChatCompletionChunk(id=response_id, model=model, created=created, choices=[],
                                        usage=usage_of(usage)))
 
-    text_event = TextEvents(chat_chunk({"content": TextEvents.TEXT_SLOT}))
-    yield chunk({"role": "assistant", "content": ""})
-    async for event in _guarded(stream, cancel, step_event, lambda d: chunk({}, d.finish_reason),
+    async for event in _guarded(streams, cancel, [choice_events(i) for i in range(len(streams))],
                                 usage_chunk if include_usage else None):
         yield event
 
 
-async def completion_events(stream: RequestStream, response_id: str, model: str, include_usage: bool,
+async def completion_events(streams: list[RequestStream], response_id: str, model: str, include_usage: bool,
                             cancel: Callable[[RequestStream], None], echo: str = "", logprobs: bool = False
                             ) -> AsyncIterator[str]:
     created = int(time.time())
-    offset = len(echo)  # where the next token's text starts in the choice's text (log-probabilities)
 
-    def completion_chunk(text: str, finish_reason: str | None = None, step: GenerationDelta | None = None
-                         ) -> CompletionResponse:
-        values = None
-        if step is not None and step.logprobs is not None:
-            values = completion_logprobs(step.logprobs, offset)
-        choice = CompletionChoice(text=text, finish_reason=finish_reason, logprobs=values)
+    def completion_chunk(index: int, text: str, finish_reason: str | None = None, values=None) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=values)
         return CompletionResponse(id=response_id, model=model, created=created, choices=[choice])
 
-    def step_event(step: GenerationDelta) -> str | None:
-        nonlocal offset
-        if not logprobs:
-            return text_event(step.text) if step.text else None
-        if not step.token_ids and not step.text:
-            return None
-        event = sse(completion_chunk(step.text, step=step))
-        offset += sum(len(entry.token) for entry in step.logprobs or ())
-        return event
+    def choice_events(index: int) -> ChoiceEvents:
+        text_event = TextEvents(completion_chunk(index, TextEvents.TEXT_SLOT))
+        offset = len(echo)  # where the next token's text starts in the choice's text (log-probabilities)
+
+        def step_event(step: GenerationDelta) -> str | None:
+            nonlocal offset
+            if not logprobs:
+                return text_event(step.text) if step.text else None
+            if not step.token_ids and not step.text:
+                return None
+            values = None if step.logprobs is None else completion_logprobs(step.logprobs, offset)
+            offset += sum(len(entry.token) for entry in step.logprobs or ())
+            return sse(completion_chunk(index, step.text, values=values))
+
+        return ChoiceEvents([text_event(echo)] if echo else [], step_event,
+                            lambda d: sse(completion_chunk(index, "", d.finish_reason)))
 
     def usage_chunk(usage: RequestUsage) -> str:
         return sse(CompletionResponse(id=response_id, model=model, created=created, choices=[],
                                       usage=usage_of(usage)))
 
-    text_event = TextEvents(completion_chunk(TextEvents.TEXT_SLOT))
-    if echo:
-        yield text_event(echo)
-    async for event in _guarded(stream, cancel, step_event, lambda d: sse(completion_chunk("", d.finish_reason)),
+    async for event in _guarded(streams, cancel, [choice_events(i) for i in range(len(streams))],
                                 usage_chunk if include_usage else None):
         yield event
 
 
-async def _guarded(stream: RequestStream, cancel: Callable[[RequestStream], None],
-                   step_event: Callable[[GenerationDelta], str | None], finish_chunk: Callable[[GenerationDelta], str],
-                   usage_chunk: Callable[[RequestUsage], str] | None) -> AsyncIterator[str]:
-    """The SSE events of one stream; cancels the request if the consumer leaves early. Deltas that
-    queued up while the stream was behind go out in one write (one event each still)."""
+async def _guarded(streams: list[RequestStream], cancel: Callable[[RequestStream], None],
+                   choices: list[ChoiceEvents], usage_chunk: Callable[[RequestUsage], str] | None
+                   ) -> AsyncIterator[str]:
+    """The SSE events of the streams (one per choice), as their deltas come; the usage of them all
+    after the last; cancels every request if the consumer leaves early. Deltas that queued up while a
+    stream was behind go out in one write (one event each still)."""
+    usages: list[RequestUsage | None] = [None] * len(streams)
     try:
-        async for batch in stream.batches():
-            events = [event for event in map(step_event, batch) if event is not None]
+        opening = "".join(event for choice in choices for event in choice.opening)
+        if opening:
+            yield opening
+        async for index, batch in _merged(streams):
+            choice = choices[index]
+            events = [event for event in map(choice.step, batch) if event is not None]
             last = batch[-1]
             if last.finished:
-                events.append(finish_chunk(last))
-                if usage_chunk is not None:
-                    events.append(usage_chunk(last.usage))
+                events.append(choice.finish(last))
+                usages[index] = last.usage
+                if usage_chunk is not None and all(u is not None for u in usages):
+                    events.append(usage_chunk(combined_usage(usages)))
             if events:
                 yield "".join(events)
         yield SSE_DONE
@@ -183,4 +223,37 @@ async def _guarded(stream: RequestStream, cancel: Callable[[RequestStream], None
         yield sse(APIError(500, str(err)).body())
         yield SSE_DONE
     finally:
-        cancel(stream)
+        for stream in streams:
+            cancel(stream)
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, list[GenerationDelta]]]:
+    """(stream index, batch of deltas) from every stream as they come (one stream: no tasks)."""
+    if len(streams) == 1:
+        async for batch in streams[0].batches():
+            yield 0, batch
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for batch in stream.batches():
+                await queue.put((index, batch, None))
+        except EngineFailure as err:
+            await queue.put((index, None, err))
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, batch, error = await queue.get()
+            if error is not None:
+                raise error
+            if batch is None:
+                running -= 1
+                continue
+            yield index, batch
+    finally:
+        for task in tasks:
+            task.cancel()

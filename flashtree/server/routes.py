@@ -74,28 +74,48 @@ class ServerContext:
             return f"the model failed to load: {self.engine.load_error}"
         return f"the model is {state.value}; retry when GET /health answers 200"
 
-    async def submit(self, generation: GenerationInput, prompt_field: str, arrival: float) -> RequestStream:
+    async def submit(self, generation: GenerationInput, choices: int, prompt_field: str, arrival: float
+                     ) -> list[RequestStream]:
+        """One engine request per choice (the later ones wait for the first's prompt and share its
+        pages); a refusal of any cancels the ones already queued."""
+        streams: list[RequestStream] = []
         try:
-            return await self.engine.submit(generation.prompt_ids, generation.params, generation.budget, arrival)
+            for index in range(choices):
+                choice = generation.choice(index)
+                streams.append(await self.engine.submit(choice.prompt_ids, choice.params, choice.budget, arrival,
+                                                        after=streams[0] if streams else None))
         except Exception as err:  # refusals from add_request: 400 / 429
+            for stream in streams:
+                self.engine.cancel(stream)
             raise from_engine_error(err, prompt_field) from None
+        return streams
 
-    async def finish(self, stream: RequestStream, request: Request) -> GenerationDelta | None:
-        """The request's last delta, or None when the client left first (the request is aborted)."""
-        result = asyncio.ensure_future(last_delta(stream))
+    def cancel_all(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            self.engine.cancel(stream)
+
+    async def finish(self, streams: list[RequestStream], request: Request) -> list[GenerationDelta] | None:
+        """The requests' last deltas, or None when the client left first (the requests are aborted)."""
+        results = [asyncio.ensure_future(last_delta(stream)) for stream in streams]
         watcher = asyncio.ensure_future(_client_left(request))
         try:
-            await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            pending = set(results)
+            while pending and not watcher.done():
+                done, _ = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
         finally:
             watcher.cancel()
-            if not result.done():
-                result.cancel()
-                self.engine.cancel(stream)
-        if not result.done():  # the client left first (the task is cancelled, not yet done)
+            if not all(r.done() for r in results):
+                for r in results:
+                    r.cancel()
+                self.cancel_all(streams)
+        if not all(r.done() and not r.cancelled() for r in results):  # the client left first
+            await asyncio.gather(*results, return_exceptions=True)  # (collects the cancelled tasks)
             return None
         try:
-            return result.result()
+            return [r.result() for r in results]
         except EngineFailure as err:  # (its message names the incident the log holds)
+            self.cancel_all(streams)
             raise APIError(500, str(err)) from None
 
 
@@ -104,10 +124,10 @@ async def _client_left(request: Request) -> None:
         pass
 
 
-def event_stream(events, ctx: ServerContext, stream: RequestStream) -> StreamingResponse:
+def event_stream(events, ctx: ServerContext, streams: list[RequestStream]) -> StreamingResponse:
     """An SSE response; the background cancel covers a client that left before the first event."""
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS,
-                             background=BackgroundTask(ctx.engine.cancel, stream))
+                             background=BackgroundTask(ctx.cancel_all, streams))
 
 
 def build_router(ctx: ServerContext) -> APIRouter:
@@ -118,16 +138,16 @@ def build_router(ctx: ServerContext) -> APIRouter:
         arrival = time.monotonic()
         model = ctx.model(body.model)
         generation = await ctx.tokenize(make_input, body, model)
-        stream = await ctx.submit(generation, prompt_field, arrival)
+        streams = await ctx.submit(generation, body.n, prompt_field, arrival)
         response_id = new_id(id_prefix)
         if body.stream:
-            return event_stream(events(stream, response_id, model.name, body.include_usage, ctx.engine.cancel,
+            return event_stream(events(streams, response_id, model.name, body.include_usage, ctx.engine.cancel,
                                        echo=generation.echo, logprobs=generation.params.logprobs is not None),
-                                ctx, stream)
-        final = await ctx.finish(stream, request)
-        if final is None:
+                                ctx, streams)
+        finals = await ctx.finish(streams, request)
+        if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return respond(response_id, model.name, final, echo=generation.echo)
+        return respond(response_id, model.name, finals, echo=generation.echo)
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):

@@ -225,7 +225,7 @@ BAD_INPUTS = [  # (endpoint, raw body, status, param, words in the message)
      400, "max_completion_tokens", "greater than or equal to 1"),
     ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}', 400,
      "temperature", "greater than or equal to 0"),
-    ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n", "n = 1"),
+    ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 99}', 400, "n", "less than or equal to 16"),
     ("chat", '{"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0].role", ""),
     ("chat", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400,
      "stream", "boolean"),

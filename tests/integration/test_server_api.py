@@ -49,7 +49,7 @@ def post(server: ServerThread, path: str, body, **kwargs) -> httpx.Response:
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
     ("tool_choice", "auto"), ("prompt_logprobs", 1), ("echo", True),
-    ("min_p", 0.1), ("include_stop_str_in_output", True), ("n", 2),
+    ("min_p", 0.1), ("include_stop_str_in_output", True), ("best_of", 2),
 ])
 def test_chat_fields_not_served_are_refused_by_name(served, field, value):
     response = post(served, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, field: value})
@@ -327,3 +327,49 @@ def test_bad_penalties_are_refused_by_name(served, field, value):
     response = post(served, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 10, field: value})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
+
+
+# ---------------------------------------------------------------------------- n > 1
+def test_n_choices_are_the_seeded_requests_and_share_the_prompt(served):
+    messages = [{"role": "system", "content": "you are a cat . " * 6}, {"role": "user", "content": "sing"}]
+    hits_before = served.engine.prefix_cache.hit_tokens
+    got = client(served).chat.completions.create(model="tiny", messages=messages, max_tokens=10, n=3, temperature=1.0,
+                                                 seed=5, extra_body={"ignore_eos": True})
+    prompt = encode_chat(served.engine.tokenizer, messages)
+    offline = LLM(config=served.engine.config).generate(
+        [prompt] * 3, [SamplingParams(max_tokens=10, temperature=1.0, seed=5 + i, ignore_eos=True) for i in range(3)])
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.message.content for c in got.choices] == [o.text for o in offline]
+    assert len({c.message.content for c in got.choices}) > 1
+    assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens == 30
+    assert served.engine.prefix_cache.hit_tokens - hits_before >= 2 * 4 * ((len(prompt) - 1) // 4)  # the siblings'
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_n_choices_stream_interleaved_by_index(served, kind):
+    api = client(served)
+    common = dict(model="tiny", max_tokens=8, n=2, temperature=0.9, seed=3, extra_body={"ignore_eos": True})
+    if kind == "chat":
+        whole = api.chat.completions.create(messages=CHAT, **common)
+        chunks = list(api.chat.completions.create(messages=CHAT, stream=True, stream_options={"include_usage": True},
+                                                  **common))
+        texts, expected = ["", ""], [c.message.content for c in whole.choices]
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    else:
+        whole = api.completions.create(prompt="hello world", **common)
+        chunks = list(api.completions.create(prompt="hello world", stream=True, stream_options={"include_usage": True},
+                                             **common))
+        texts, expected = ["", ""], [c.text for c in whole.choices]
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+    assert texts == expected
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1] and chunks[-1].usage.completion_tokens == 16
+
+
+def test_too_many_choices_are_refused_by_name(served):
+    response = post(served, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 17})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"

@@ -94,7 +94,7 @@ def test_a_backlog_goes_out_in_one_write_with_the_same_events(kind):
     async def run():
         stream = queued_stream(asyncio.get_running_loop(), [text_delta(t) for t in texts] + [last_delta()])
         events = chat_events if kind == "chat" else completion_events
-        return await collect(events(stream, "id-1", "m", include_usage=True, cancel=lambda s: None))
+        return await collect(events([stream], "id-1", "m", include_usage=True, cancel=lambda s: None))
 
     writes = asyncio.run(run())
     if kind == "chat":

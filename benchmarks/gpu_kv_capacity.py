@@ -1,0 +1,77 @@
+"""H200: how many concurrent 1k-token requests the paged KV pool admits at the Qwen3-8B shape.
+
+Random bf16 weights, ``--max-context`` 32k, the pool sized by ``--gpu-memory-utilization``, plain
+and DDTree (the z-lab Qwen3-8B-DFlash-b16 shape's drafter shares the pages). Submits more
+``--prompt-tokens`` requests (``--max-tokens`` each) than fit, steps the engine a few times, and
+reports the pool's pages, the requests it promised pages to (running) and what the arithmetic says
+fits, and the KV bytes in use against the bytes of the tokens held (target entries).
+
+    python benchmarks/gpu_kv_capacity.py --out benchmarks/results/gpu_kv_capacity_h200.json
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
+
+from flashtree import SamplingParams  # noqa: E402
+from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
+from flashtree.engine.engine import LLMEngine  # noqa: E402
+
+
+def measure(spec: SpeculationConfig, args) -> dict:
+    target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
+    engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device="cuda",
+                                       max_running=args.max_running, max_context=args.max_context,
+                                       gpu_memory_utilization=args.gpu_memory_utilization, adaptive_spec=False,
+                                       max_waiting=4 * args.max_running, prefill_chunk=args.prompt_tokens,
+                                       max_prefill_tokens=16 * args.prompt_tokens))
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    for _ in range(args.max_running):
+        engine.add_request(torch.randint(0, 150000, (args.prompt_tokens,), generator=gen).tolist(), params)
+    for _ in range(args.steps):
+        engine.step()
+    running = [r for r in engine.scheduler.active if not r.finished]
+    pool, budget = engine.pages.pool, engine.scheduler.pages
+    cfg = engine.model.config
+    entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    held = sum(r.committed_length if r.output_ids else r.prefilled for r in running)
+    page_bytes = (entry + engine.proposer.context_entry_bytes()) * engine.pages.page_size
+    row = {"method": spec.method, "pool_pages": pool.capacity, "page_size": engine.pages.page_size,
+           "pool_gib": pool.num_pages * page_bytes / 2**30, "pages_per_request": budget.need(running[0], args.max_context),
+           "fits_by_arithmetic": budget.capacity // budget.need(running[0], args.max_context),
+           "running": len(running), "waiting": len(engine.scheduler.waiting),
+           "kv_bytes_in_use": pool.used_pages * page_bytes, "token_bytes_held": held * (entry + engine.proposer.context_entry_bytes()),
+           "one_page_per_request_bytes": len(running) * page_bytes}
+    print(json.dumps(row), flush=True)
+    del engine
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-context", type=int, default=32768)
+    parser.add_argument("--max-running", type=int, default=1024)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
+    rows = [measure(SpeculationConfig(method="none"), args),
+            measure(SpeculationConfig(method="ddtree", draft=str(drafter), budget=16), args)]
+    out = {"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
