@@ -139,7 +139,9 @@ def main():
     parser.add_argument("--tree-budgets", default="16,64,256,1024")
     parser.add_argument("--triton-tree", action=argparse.BooleanOptionalAction, default=True,
                         help="DDTree kept lists from the Triton kernel (the engine's default)")
-    parser.add_argument("--triton-attention", action="store_true", help="Triton tree attention instead of SDPA")
+    parser.add_argument("--attention", choices=("auto", "triton", "sdpa"), default="auto",
+                        help="auto: the engine's default (Triton paged attention for plain steps, SDPA over gathered "
+                             "pages for wider forwards); triton: Triton for every forward; sdpa: SDPA for every forward")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time each method with profile_stages (eager, synchronized) for the stage split")
     args = parser.parse_args()
@@ -154,7 +156,7 @@ def main():
             engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device="cuda",
                                                max_running=max(batches), max_context=2048, profile_stages=profile,
                                                adaptive_spec=False,  # every round at the method's size
-                                               triton_tree=args.triton_tree, triton_attention=args.triton_attention))
+                                               triton_tree=args.triton_tree, triton_attention={"auto": None, "triton": True, "sdpa": False}[args.attention]))
             for batch in batches:
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
                 row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages}

@@ -154,8 +154,9 @@ class KernelConfig:
     quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 32 rows straight from the GGUF blocks
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (kernels/gpu/)
     cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (kernels/cpu/; AVX-512 or AVX2)
-    triton_attention: bool = False  # with gpu_kernels: Triton tree attention instead of SDPA (reads K/V by
-    # slot, one graph for every context length; faster for scattered rows, slower than cuDNN for trees)
+    triton_attention: bool | None = None  # with gpu_kernels: the Triton paged attention (reads K/V through
+    # the block tables: no gather, one graph for every context length) instead of SDPA over gathered pages;
+    # None: for plain steps (one new token per row) only; True: for every forward; False: never
     triton_tree: bool = True  # with gpu_kernels: DDTree tree work in Triton kernels (same trees, walks, cache)
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
     plain_fast_path: bool = True  # plain rounds skip the root-only tree and its accept walk (same values)
@@ -165,7 +166,10 @@ class KernelConfig:
     # stages, so rounds run eagerly (no CUDA graphs); a profiling mode, not for serving
 
     def __post_init__(self) -> None:
-        _check_bools(self, *(f.name for f in dataclasses.fields(self)))
+        _check_bools(self, *(f.name for f in dataclasses.fields(self) if f.name != "triton_attention"))
+        if self.triton_attention not in (None, True, False):
+            raise ConfigError(f"triton_attention must be True, False or None (plain steps only), "
+                              f"got {self.triton_attention!r}")
 
 
 @dataclasses.dataclass(frozen=True)

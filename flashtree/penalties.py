@@ -7,9 +7,9 @@ tokens a plain decoder would have emitted before that position. Plain and specul
 therefore choose from the same distributions, and stay lossless.
 
 Glossary
-- counts: per slot, how often each token occurs in the output so far ``[slots, V]``.
-- seen: per slot, the tokens of the prompt or the output so far ``[slots, V]`` (repetition penalty).
-- stop mask: per slot, the tokens that end the request (eos, end of turn, stop_token_ids), which
+- counts: per row, how often each token occurs in the output before the round ``[B, V]``.
+- seen: per row, the tokens of the prompt or of the output before the round ``[B, V]`` (repetition penalty).
+- stop mask: per row, the tokens that end the request (eos, end of turn, stop_token_ids), which
   min_tokens forbids before that many output tokens ``[slots, V]``.
 - path tokens: per tree node, the drafted tokens from the root's child down to the node itself
   ``[B, N, D]`` (-1 padding); empty for the root (whose token is already in ``counts``).
@@ -29,7 +29,7 @@ import torch
 class SlotAdjustments(NamedTuple):
     """The per-slot adjustment state gathered for a round's rows (``[B, ...]`` each)."""
 
-    counts: torch.Tensor  # [B, V] int32
+    counts: torch.Tensor  # [B, V] float32
     seen: torch.Tensor  # [B, V] bool
     stop_mask: torch.Tensor  # [B, V] bool
     min_tokens: torch.Tensor  # [B] int64, 0 = off

@@ -16,6 +16,8 @@ TINY_FAMILIES = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     "qwen2_bias": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     "qwen3_qknorm": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1]),
 }
 
 
@@ -25,7 +27,7 @@ def tiny_hf_config(family: str, vocab_size: int = 97, layers: int = 3):
     extra = dict(TINY_FAMILIES[family])
     model_type = extra.pop("model_type")
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[model_type]
+           "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[model_type]
     return cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, **extra)
 

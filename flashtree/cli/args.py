@@ -96,8 +96,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _on_off(kernels, "cpu_kernels", KernelConfig.cpu_kernels,
             "CPU: norms, rotary, KV writes and short attention as fused C++ kernels (AVX-512 / AVX2)")
     _on_off(kernels, "triton_attention", KernelConfig.triton_attention,
-            "CUDA: attention with the Triton kernel that reads the KV cache by slot (no gather of scattered "
-            "rows; one CUDA graph for every context length) instead of SDPA")
+            "CUDA: attention with the Triton kernel that reads the KV pages through the block tables (no gather; "
+            "one CUDA graph for every context length) instead of SDPA; None: for plain steps only")
     _on_off(kernels, "triton_tree", KernelConfig.triton_tree,
             "CUDA: DDTree tree work (kept lists, node selection, accept walk, KV commit) in Triton kernels (same trees)")
     _on_off(kernels, "cuda_graphs", KernelConfig.cuda_graphs, "CUDA: replay decode rounds as CUDA graphs")

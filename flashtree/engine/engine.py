@@ -159,7 +159,8 @@ class LLMEngine:
                       after=after if self.prefix_cache is not None else None)
         self.scheduler.add(req)
         if params.adjusts and self.token_state is None:
-            self.token_state = SlotTokenState(self.config.scheduler.max_running + 1, vocab, self.device)
+            self.token_state = SlotTokenState(self.config.scheduler.max_running + 1, vocab, self.config.cache.max_context,
+                                              self.device)
             self.runner.round_program.token_state = self.prefill.token_state = self.token_state
         return req
 

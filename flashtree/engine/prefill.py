@@ -75,11 +75,11 @@ class Prefill:
         logits = out.logits
         adjust = any(r.params.adjusts for r in rows)
         if adjust:
-            logits = adjust_logits(logits, torch.zeros_like(last), self.token_state.gather(slots))
+            logits = adjust_logits(logits, torch.zeros_like(last), self.token_state.gather(slots, torch.zeros_like(slots)))
         chosen = choose_tokens(logits, sampling, torch.zeros_like(last))  # [B, 1]
         done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
         if adjust:  # the first output token of the rows whose prompt completed
-            self.token_state.count(slots, chosen, self._tensor([int(d) for d in done]))
+            self.token_state.record(slots, chosen, self._tensor([int(d) for d in done]), torch.zeros_like(slots))
         first = chosen[:, 0].tolist()  # the one sync
         logprobs = self._logprobs(rows, out.logits, chosen, first)
         self.timer.add("prefill", t0)

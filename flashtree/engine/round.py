@@ -116,7 +116,7 @@ class DeviceRound:
         logits = out.logits
         if shape.adjust:  # each node's distribution given the output so far and its own path
             paths = path_tokens(tokens, tree.parents, min(self.proposer.max_depth, nodes))  # [B, N, D]
-            logits = adjust_logits(logits, out_index, self.token_state.gather(rows.slots), paths)
+            logits = adjust_logits(logits, out_index, self.token_state.gather(rows.slots, rows.generated), paths)
         choice = choose_tokens(logits, sampling_of(shape, rows), out_index)  # [B, N]
         t2 = timer.add("verify", t1) if timer else 0.0
 
@@ -137,7 +137,7 @@ class DeviceRound:
             self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
         packed = pack(walk, tree.valid)
         if shape.adjust:
-            self.token_state.count(rows.slots, packed[:, 2:], walk.accept_lengths)
+            self.token_state.record(rows.slots, packed[:, 2:], walk.accept_lengths, rows.generated)
         if timer:
             timer.add("commit", t2)
         trace = (tokens, tree.parents, tree.valid, walk.path) if self.tracing else None
@@ -162,12 +162,12 @@ class DeviceRound:
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers, feature_sink=sink)
         logits = out.logits
         if shape.adjust:
-            logits = adjust_logits(logits, rows.generated[:, None], self.token_state.gather(rows.slots))
+            logits = adjust_logits(logits, rows.generated[:, None], self.token_state.gather(rows.slots, rows.generated))
         next_bonus = choose_tokens(logits, sampling_of(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
         t1 = timer.add("verify", t0) if timer else 0.0
         ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root
         if shape.adjust:
-            self.token_state.count(rows.slots, next_bonus[:, None], ones)
+            self.token_state.record(rows.slots, next_bonus[:, None], ones, rows.generated)
         self.cache.commit_prefix(rows.slots, rows.starts, ones)
         if out.hidden is not None:  # (no sink)
             self.proposer.defer(rows.slots, out.hidden, rows.lags)  # [B, 1, F]

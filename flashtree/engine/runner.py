@@ -79,7 +79,8 @@ class ModelRunner:
         self.model, self.cache, self.proposer, self.timer = model, cache, proposer, timer
         self.device = model.lm_head.weight.device
         self.tracer = tracer
-        use_graphs = kernels.cuda_graphs and self.device.type == "cuda" and not timer.sync
+        # (MoE targets route on the host: models/moe.py; no graphs until a grouped-GEMM kernel)
+        use_graphs = kernels.cuda_graphs and self.device.type == "cuda" and not timer.sync and model.config.moe is None
         self.graphs = GraphCache() if use_graphs else None
         self.pad_slot = pad_slot
         self.span = round_span(proposer)

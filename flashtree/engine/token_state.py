@@ -2,7 +2,10 @@
 
 Made when the first request that needs it (min_tokens, a penalty) arrives; from then on every
 request that starts in a slot resets the slot's row (neutral settings unless it asks), and rounds
-that hold an adjusting row add their emitted tokens to the counts.
+that hold an adjusting row record what they emit. The output tokens are kept by output index
+(``history``) and counted when a round reads them, up to the round's own output index: writing a
+token is setting its place, and reading never sees a later one, so a round that runs twice (a
+CUDA-graph capture's warm-up, then its replay) computes what it computes once.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from flashtree.penalties import SlotAdjustments
 
 
 class SlotTokenState:
-    def __init__(self, max_slots: int, vocab: int, device: torch.device):
-        self.device, self.vocab = device, vocab
-        self.counts = torch.zeros(max_slots, vocab, dtype=torch.int32, device=device)  # [S, V]
+    def __init__(self, max_slots: int, vocab: int, max_outputs: int, device: torch.device):
+        self.device, self.vocab, self.width = device, vocab, max_outputs
+        # [S, W + 1]: output token k of a slot at column k; the last column takes the writes of padding
+        self.history = torch.zeros(max_slots, max_outputs + 1, dtype=torch.long, device=device)
         self.prompt = torch.zeros(max_slots, vocab, dtype=torch.bool, device=device)  # [S, V] prompt tokens
         self.stop_mask = torch.zeros(max_slots, vocab, dtype=torch.bool, device=device)  # [S, V]
         self.min_tokens = torch.zeros(max_slots, dtype=torch.long, device=device)  # [S]
@@ -27,15 +31,13 @@ class SlotTokenState:
         self.settings[2] = 1.0
 
     def start(self, requests: Sequence[Request]) -> None:
-        """Reset the slots of requests starting their prefill: counts empty, the prompt seen, their
-        stop tokens and settings (neutral for a request that adjusts nothing)."""
+        """Reset the slots of requests starting their prefill: the prompt seen, their stop tokens and
+        settings (neutral for a request that adjusts nothing)."""
         for req in requests:
-            p = req.params
             slot = req.slot
-            self.counts[slot] = 0
             self.prompt[slot] = False
             self.stop_mask[slot] = False
-            if p.adjusts:
+            if req.params.adjusts:
                 self.prompt[slot, self._ids(req.prompt_ids)] = True
                 self.stop_mask[slot, self._ids(sorted(t for t in req.stop_token_ids if t < self.vocab))] = True
         slots = [r.slot for r in requests]
@@ -46,17 +48,19 @@ class SlotTokenState:
     def _ids(self, values: Sequence[int]) -> torch.Tensor:
         return to_device(torch.tensor(list(values), dtype=torch.long), self.device)
 
-    def gather(self, slots: torch.Tensor) -> SlotAdjustments:
-        """The rows' state ``[B, ...]`` (capturable)."""
+    def gather(self, slots: torch.Tensor, generated: torch.Tensor) -> SlotAdjustments:
+        """The rows' state ``[B, ...]`` before output index ``generated[b]`` (capturable)."""
+        tokens = self.history[slots, :self.width]  # [B, W]
+        before = torch.arange(self.width, device=slots.device)[None, :] < generated[:, None]  # [B, W]
+        counts = torch.zeros(slots.shape[0], self.vocab, dtype=torch.float32, device=slots.device)
+        counts.scatter_add_(1, tokens, before.float())  # [B, V]
         settings = self.settings[:, slots]  # [3, B]
-        counts = self.counts[slots]  # [B, V]
         return SlotAdjustments(counts, self.prompt[slots] | (counts > 0), self.stop_mask[slots], self.min_tokens[slots],
                                settings[0], settings[1], settings[2])
 
-    def count(self, slots: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Add each row's first ``lengths[b]`` of ``tokens [B, P]`` (emitted output) to its slot's
-        counts (capturable)."""
-        emitted = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths[:, None]  # [B, P]
-        rows = slots[:, None].expand_as(tokens)
-        ids = tokens.clamp(min=0)
-        self.counts.index_put_((rows, ids), emitted.int(), accumulate=True)
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor) -> None:
+        """Each row's first ``lengths[b]`` of ``tokens [B, P]`` are its output tokens ``first[b] + j``
+        (capturable; setting them twice is harmless)."""
+        j = torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [1, P]
+        at = torch.where(j < lengths[:, None], first[:, None] + j, self.width).clamp(max=self.width)  # [B, P]
+        self.history[slots[:, None].expand_as(tokens), at] = tokens.clamp(min=0)

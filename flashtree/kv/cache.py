@@ -118,10 +118,12 @@ class KVCache:
 
     @staticmethod
     def _gather(layer_pages: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One copy, straight into ``[B, KVH, P * page_size, D]`` (cut to ``kv_len``)."""
         b, p = pages.shape
         _, heads, size, dim = layer_pages.shape
-        picked = layer_pages[pages]  # [B, P, KVH, page_size, D]
-        return picked.transpose(1, 2).reshape(b, heads, p * size, dim)[:, :, :kv_len]
+        head = torch.arange(heads, device=pages.device)[None, :, None]  # [1, KVH, 1]
+        picked = layer_pages[pages[:, None, :], head]  # [B, KVH, P, page_size, D]
+        return picked.view(b, heads, p * size, dim)[:, :, :kv_len]
 
     def commit(self, slots: torch.Tensor, starts: torch.Tensor, keep: torch.Tensor,
                keep_counts: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ from flashtree.config import EngineConfig
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.gguf_blocks import maybe_attach_quantized
+from flashtree.models.moe import per_expert_weights
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.transformer import CausalLM
 
@@ -92,6 +93,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def _load_weights(model: CausalLM, weights: dict[str, torch.Tensor]) -> None:
+    weights = per_expert_weights(weights)
     expected = dict(model.named_parameters())
     missing = sorted(set(expected) - set(weights))
     if missing:

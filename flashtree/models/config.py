@@ -2,7 +2,8 @@
 Hugging Face ``config.json`` dict (either the older or the newer transformers layout).
 
 Supported families (``model_type``): ``llama`` (Llama 2/3.x incl. ``llama3`` rope scaling,
-SmolLM2), ``qwen2`` (qkv bias), ``qwen3`` (per-head q/k RMSNorm).
+SmolLM2), ``qwen2`` (qkv bias), ``qwen3`` (per-head q/k RMSNorm), ``qwen3_moe`` (Qwen3 attention,
+sparse mixture-of-experts MLPs: ``models/moe.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,33 @@ from typing import Any, Mapping
 
 from flashtree.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _ARCHITECTURE_TO_TYPE = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Qwen3-MoE routing: which layers are sparse and how tokens pick experts."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False  # renormalize the chosen experts' weights to sum 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                              f"got {self.num_experts_per_tok}")
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +74,7 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # qwen3_moe: the experts and their routing
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -159,7 +182,19 @@ def _parse(raw: Mapping[str, Any]) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw),
+        moe=_moe(raw) if model_type == "qwen3_moe" else None,
     )
+
+
+def _moe(raw: Mapping[str, Any]) -> MoeConfig | None:
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)  # (newer transformers' name)
+    if not experts:
+        return None
+    return MoeConfig(num_experts=experts, num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                     moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                     decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
+                     mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()))

@@ -23,6 +23,7 @@ from flashtree.kv.cache import KVCache
 from flashtree.models.attention import attention_bias, masked_attention
 from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
+from flashtree.models.moe import SparseMoE
 from flashtree.models.rope import RotaryTable, apply_rotary
 
 
@@ -97,6 +98,10 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """Concatenate gate and up so one matmul computes both (fewer launches per layer)."""
         self.gate_up = fuse_rows(self.gate_proj, self.up_proj)
+
+    @property
+    def fused(self) -> bool:
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
@@ -187,7 +192,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_index)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        moe = cfg.moe
+        if moe is not None and moe.sparse(layer_index):
+            self.mlp = SparseMoE(cfg.hidden_size, moe.moe_intermediate_size, moe.num_experts, moe.num_experts_per_tok,
+                                 moe.norm_topk_prob, MLP)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -239,20 +249,22 @@ class FusedKernelSwitch:
 
     kernels = None  # the backend module, or None
     fused_attention = False  # the backend's attention replaces SDPA (for the widths it handles)
+    kernel_attention_max_tokens: int | None = None  # ... and at most this many new tokens per row (None: any)
 
-    def use_fused_kernels(self, gpu: bool, cpu: bool, attention: bool = False) -> bool:
-        """The Triton kernels where they run (``attention``: their tree attention too), else the
-        C++ ones where they run; returns whether either is on."""
+    def use_fused_kernels(self, gpu: bool, cpu: bool, attention: bool | None = False) -> bool:
+        """The Triton kernels where they run (``attention``: their paged attention too; None: for
+        forwards of one new token per row), else the C++ ones where they run; returns whether either is on."""
         return self.use_gpu_kernels(gpu, attention) or self.use_cpu_kernels(cpu)
 
-    def use_gpu_kernels(self, enabled: bool = True, attention: bool = False) -> bool:
+    def use_gpu_kernels(self, enabled: bool = True, attention: bool | None = False) -> bool:
         """Switch the Triton kernels on where they can run (CUDA with Triton, a power-of-two
-        head_dim); returns whether they are on. ``attention`` also swaps SDPA for the Triton tree
-        attention (slower than cuDNN for trees and small contiguous batches on the H200)."""
+        head_dim); returns whether they are on. ``attention`` also swaps SDPA over gathered pages
+        for the Triton paged attention (None: in forwards of one new token per row only)."""
         head_dim = self.config.head_dim
         on = (enabled and gpu_kernels.usable_on(self._kernel_weight()) and head_dim & (head_dim - 1) == 0
               and self._ready_for_kernels())
-        self._set_kernels(gpu_fused if on else None, on and attention and attention_kernel_fits(self.config))
+        self._set_kernels(gpu_fused if on else None, on and attention is not False and attention_kernel_fits(self.config))
+        self.kernel_attention_max_tokens = 1 if attention is None else None
         return on
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
@@ -260,6 +272,7 @@ class FusedKernelSwitch:
         attention of up to 32 new tokens included; returns whether they are on."""
         on = enabled and cpu_fused.usable_on(self._kernel_weight()) and self._ready_for_kernels()
         self._set_kernels(cpu_fused if on else None, on)
+        self.kernel_attention_max_tokens = None
         return on
 
     @property
@@ -269,7 +282,8 @@ class FusedKernelSwitch:
     def uses_kernel_attention(self, new_tokens: int) -> bool:
         """A forward of ``new_tokens`` per row attends with the backend's kernel (it needs no mask,
         key range or slot range) rather than SDPA."""
-        return self.fused_attention and self.kernels.handles_attention(new_tokens)
+        widest = self.kernel_attention_max_tokens
+        return self.fused_attention and self.kernels.handles_attention(new_tokens) and (widest is None or new_tokens <= widest)
 
     def _set_kernels(self, kernels, attention: bool) -> None:
         self.kernels, self.fused_attention = kernels, attention
@@ -308,8 +322,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
 
     def _ready_for_kernels(self) -> bool:
         """fuse() ran (the kernels read the fused qkv and gate-up outputs)."""
-        return all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up is not None
-                   for layer in self.model.layers)
+        return all(layer.self_attn.qkv_weight is not None and layer.mlp.fused for layer in self.model.layers)
 
     def setup_rope(self, max_positions: int) -> None:
         p = self.lm_head.weight

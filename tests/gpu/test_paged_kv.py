@@ -10,7 +10,7 @@ from flashtree import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("triton_attention", [False, True])
+@pytest.mark.parametrize("triton_attention", [None, False, True])
 @pytest.mark.parametrize("spec,page_size", [("none", 5), ("dflash", 16), ("ddtree", 4), ("ddtree", 16)])
 def test_paged_graphed_rounds_equal_plain(tmp_path, spec, page_size, triton_attention):
     from tests.dflash_helpers import tiny_pair

@@ -56,15 +56,17 @@ def test_adaptive_spec_flags():
 
 
 def test_triton_switches_reach_the_engine_config():
-    """--triton-tree is on by default and --no-triton-tree turns it off; --triton-attention is off
-    except in regenerate (plain decoding of many rows on scattered slots), for every subcommand."""
+    """--triton-tree is on by default and --no-triton-tree turns it off; --triton-attention is None (plain
+    steps only) except in regenerate (on for every forward), and --[no-]triton-attention sets it, for every
+    subcommand."""
     from flashtree.cli import build_parser
     from flashtree.cli.bench import setup_from_args
     from flashtree.cli.serve import config_from_args
 
-    assert (KernelConfig().triton_tree, KernelConfig().triton_attention) == (True, False)
+    assert (KernelConfig().triton_tree, KernelConfig().triton_attention) == (True, None)
     parser = build_parser()
-    for flags, tree, attention in (([], True, False), (["--no-triton-tree", "--triton-attention"], False, True)):
+    for flags, tree, attention in (([], True, None), (["--no-triton-tree", "--triton-attention"], False, True),
+                                   (["--no-triton-attention"], True, False)):
         kernels = config_from_args(parser.parse_args(["serve", *flags])).engine.kernels
         assert (kernels.triton_tree, kernels.triton_attention) == (tree, attention)
         bench = setup_from_args(parser.parse_args(["bench", "--methods", "ar", "--dataset", "humaneval", *flags]),

@@ -29,7 +29,7 @@ def test_logits_match_transformers(family):
     assert (out.hidden - expected_hidden).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "qwen3_qknorm"])
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen3_qknorm", "qwen3_moe"])
 def test_incremental_decode_matches_full_forward(family):
     hf = tiny_hf_model(family)
     ours = ours_from_hf(hf)
