@@ -10,6 +10,7 @@ from flashtree.config import EngineConfig
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.gguf_blocks import maybe_attach_quantized
+from flashtree.models.fp8 import dequantized
 from flashtree.models.moe import per_expert_weights
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.transformer import CausalLM
@@ -102,10 +103,11 @@ def _load_weights(model: CausalLM, weights: dict[str, torch.Tensor]) -> None:
 
 
 def copy_weights(params: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``weights[name]`` into every parameter, refusing a shape the ``source`` does not imply."""
+    """Copy ``weights[name]`` into every parameter (FP8 ones dequantized: ``models/fp8.py``), refusing a
+    shape the ``source`` does not imply."""
     for name, param in params.items():
         tensor = weights[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"tensor {name} has shape {list(tensor.shape)}, {source} implies {list(param.shape)}")
-        param.data.copy_(tensor.to(param.dtype))
+        param.data.copy_(dequantized(name, weights, param.dtype))

@@ -28,6 +28,7 @@ import torch
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.embedded import EMBEDDED_MODELS, embedded_gguf_path
+from flashtree.models.fp8 import check_quantization
 
 if TYPE_CHECKING:
     import transformers
@@ -154,6 +155,7 @@ def load_model_dir(directory: Path, *, random_weights: bool = False) -> Checkpoi
         )
     raw_config = read_json(config_path, ConfigError)
     config = ModelConfig.from_dict(raw_config, source=str(config_path))
+    check_quantization(raw_config.get("quantization_config"), str(config_path))
     weights = None if random_weights else select_weights(read_weights(directory), config, directory)
     return Checkpoint(config, weights, load_tokenizer(directory), directory, raw_config)
 
