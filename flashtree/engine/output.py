@@ -90,6 +90,7 @@ def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_con
         added.append(token)
         if token in req.stop_token_ids:
             _finish(req, "stop")
+            req.stopped_by = token
             break
         if params.stop and len(req.output_ids) >= params.min_tokens and _hit_stop_string(req, tracker):
             text_final = True
@@ -128,7 +129,9 @@ def _hit_stop_string(req: Request, tracker: TextTracker) -> bool:
     if not hits:
         req.text = _without_stop_prefix(text, req.params.stop)
         return False
-    req.text = text[:min(hits)]
+    first = min(hits)
+    req.text = text[:first]
+    req.stopped_by = next(s for s in req.params.stop if text.find(s, search_from) == first)
     _finish(req, "stop")
     return True
 

@@ -76,6 +76,7 @@ class Request:
     text: str = ""
     decoded: DecodeState = dataclasses.field(default_factory=DecodeState)  # see TextTracker
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stopped_by: str | int | None = None  # the stop string or stop token id that finished it (reason "stop")
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     budget: int | None = None  # per-request DDTree budget (None: the method's default)
     after: "Request | None" = dataclasses.field(default=None, repr=False)  # admitted only once this one's

@@ -75,6 +75,7 @@ class GenerationDelta:
     full_text: str | None = None  # the whole output text, on the last delta
     error: str | None = None  # the engine failed this request
     logprobs: tuple[LogprobText, ...] | None = None  # one per token, when the request asked
+    stopped_by: str | int | None = None  # on the last delta: the stop string or token id that ended it
 
     @property
     def finished(self) -> bool:
@@ -301,7 +302,8 @@ class AsyncEngine:
         del self._tracked[req.request_id]
         self.metrics.finished.labels(finish_reason=req.finish_reason).inc()
         return GenerationDelta(tuple(event.new_token_ids), event.new_text, RequestUsage.of(req),
-                               finish_reason=req.finish_reason, full_text=req.text, logprobs=logprobs)
+                               finish_reason=req.finish_reason, full_text=req.text, logprobs=logprobs,
+                               stopped_by=req.stopped_by)
 
     def _observe_token_times(self, tracked: _Tracked, count: int, now: float) -> None:
         if count == 0:

@@ -35,6 +35,12 @@ _TYPE_OF_STATUS = {401: "invalid_request_error", 404: "invalid_request_error", 4
                    500: "server_error", 503: "service_unavailable"}
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error"}
+
+
 class APIError(Exception):
     """An error the client sees as OpenAI's error JSON with ``status``."""
 
@@ -52,8 +58,15 @@ class APIError(Exception):
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in the shape of Anthropic's API (``/v1/messages``)."""
+        return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(self.status, "invalid_request_error"),
+                                           "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The JSON response; in Anthropic's shape for a ``path`` of its API."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def from_engine_error(err: Exception, prompt_field: str) -> APIError:
@@ -132,18 +145,18 @@ def _is_type_tag(part: str) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return err.response()
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+        return err.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        return validation_error(err.errors()).response()
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return validation_error(err.errors()).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if err.status_code == 404 else None
-        return APIError(err.status_code, str(err.detail), code=code).response()
+        return APIError(err.status_code, str(err.detail), code=code).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
-        return internal_error(err).response()
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+        return internal_error(err).response(request.url.path)

@@ -121,12 +121,17 @@ def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str, m
                             f"got {body.top_k}", param="top_k")
     stop_token_ids = tuple(body.stop_token_ids or ())
     model.check_token_ids(list(stop_token_ids), "stop_token_ids")
+    return sampling_from(prompt_field, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                         max_tokens=max_tokens, stop=body.stop_strings, stop_token_ids=stop_token_ids,
+                         seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs_count,
+                         min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
+                         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
+
+
+def sampling_from(prompt_field: str, **settings) -> SamplingParams:
+    """``SamplingParams(**settings)``, a refusal answered with a 400 naming the field."""
     try:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                              max_tokens=max_tokens, stop=body.stop_strings, stop_token_ids=stop_token_ids,
-                              seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs_count,
-                              min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
-                              frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
+        return SamplingParams(**settings)
     except RequestError as err:
         raise APIError(400, str(err), param=param_named_in(str(err), prompt_field)) from None
 

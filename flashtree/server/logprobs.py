@@ -18,7 +18,12 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from flashtree.sampling import TokenLogprob
-from flashtree.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from flashtree.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
 
 FLOOR = -9999.0
 

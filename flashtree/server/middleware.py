@@ -33,14 +33,14 @@ class Gate:
         if scope["type"] == "http" and (scope["path"].startswith(API_PREFIX) or scope["path"] in TOKENIZER_PATHS):
             error = self._refusal(scope)
             if error is not None:
-                await error.response()(scope, receive, send)
+                await error.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> APIError | None:
         if self.api_key is not None and not self._key_matches(scope):
-            return APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                            code="invalid_api_key")
+            return APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' "
+                                 "(or 'x-api-key: <key>')", code="invalid_api_key")
         reason = self.not_ready_reason()
         if reason is not None:
             return APIError(503, reason, code="model_not_ready", headers={"Retry-After": "5"})
@@ -50,7 +50,8 @@ class Gate:
         headers = dict(scope.get("headers") or ())
         value = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = value.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+        key = token.strip() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").decode("latin-1").strip()
+        return bool(key) and secrets.compare_digest(key.encode(), self.api_key.encode())
 
 
 class BodyLimit:
@@ -64,7 +65,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(int(declared)).response()(scope, receive, send)
+            await self._too_large(int(declared)).response(scope["path"])(scope, receive, send)
             return
         seen = 0
 

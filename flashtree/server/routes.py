@@ -11,7 +11,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from flashtree.server.async_engine import AsyncEngine, EngineFailure, EngineState, GenerationDelta, RequestStream
+from flashtree.server.anthropic import (
+    MessagesRequest,
+    message_events,
+    message_id,
+    message_response,
+    messages_input,
+)
+from flashtree.server.async_engine import (
+    AsyncEngine,
+    EngineFailure,
+    EngineState,
+    GenerationDelta,
+    RequestStream,
+)
 from flashtree.server.errors import APIError, from_engine_error
 from flashtree.server.generation import (
     GenerationInput,
@@ -156,6 +169,23 @@ def build_router(ctx: ServerContext) -> APIRouter:
     @router.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         return await serve(body, request, completion_input, "prompt", "cmpl", completion_events, completion_response)
+
+    @router.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request):
+        """Anthropic's Messages API over the same request path (``server/anthropic.py``)."""
+        arrival = time.monotonic()
+        model = ctx.model(body.model)
+        generation = await ctx.tokenize(messages_input, body, model)
+        streams = await ctx.submit(generation, 1, "messages", arrival)
+        response_id, stops = message_id(), tuple(body.stop_sequences or ())
+        if body.stream:
+            events = message_events(streams[0], response_id, model.name, len(generation.prompt_ids), stops,
+                                    ctx.engine.cancel)
+            return event_stream(events, ctx, streams)
+        finals = await ctx.finish(streams, request)
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(message_response(response_id, model.name, finals[0], stops))
 
     @router.get("/v1/models")
     async def list_models() -> ModelList:
