@@ -34,6 +34,8 @@ def register(subparsers) -> None:
     serve.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--responses-store-size", type=int, default=ServerConfig.responses_store_size,
+                       help="responses /v1/responses keeps for previous_response_id and GET (the most recent; 0: none)")
     serve.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                        help="a request body larger than this is refused with 413 before it is read")
     serve.add_argument("--threads", type=int, default=None,
@@ -54,7 +56,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(engine=engine, model_name=args.served_model_name or args.model, host=args.host,
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         log_level=args.log_level, freeze_gc=True, http=args.http, loop=args.loop,
-                        switch_interval_ms=args.switch_interval_ms, max_request_bytes=args.max_request_bytes)
+                        switch_interval_ms=args.switch_interval_ms, max_request_bytes=args.max_request_bytes,
+                        responses_store_size=args.responses_store_size)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

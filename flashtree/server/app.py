@@ -39,7 +39,7 @@ def create_app(config: ServerConfig, *,
         return engine
 
     async_engine = AsyncEngine(load, metrics, on_load_failure)
-    ctx = ServerContext(async_engine, config.model_name)
+    ctx = ServerContext(async_engine, config.model_name, config.responses_store_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

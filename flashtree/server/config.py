@@ -27,6 +27,7 @@ class ServerConfig:
     # the event loop may keep the interpreter lock from the engine thread that waits for it (None: Python's 5 ms)
     switch_interval_ms: float | None = None
     max_request_bytes: int = 8 * 1024 * 1024  # a larger request body is refused (413) before it is read
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id and GET (most recent first)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -44,5 +45,8 @@ class ServerConfig:
         if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) \
                 or self.max_request_bytes < 1024:
             raise ConfigError(f"--max-request-bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+        if isinstance(self.responses_store_size, bool) or not isinstance(self.responses_store_size, int) \
+                or self.responses_store_size < 0:
+            raise ConfigError(f"--responses-store-size must be an integer >= 0, got {self.responses_store_size!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")

@@ -35,6 +35,14 @@ from flashtree.server.generation import (
     tokenize_input,
 )
 from flashtree.server.metrics import CONTENT_TYPE
+from flashtree.server.openai_responses import (
+    ResponseIds,
+    ResponsesRequest,
+    ResponseStore,
+    finished_response,
+    response_events,
+    responses_input,
+)
 from flashtree.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,9 +70,10 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody rea
 class ServerContext:
     """What the endpoints share: the async engine and the served model's name."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, responses_store_size: int = 1024):
         self.engine = engine
         self.model_name = model_name
+        self.responses = ResponseStore(responses_store_size)  # stored /v1/responses
         self.served: ServedModel | None = None  # set on the engine thread once loaded, before ready
         # requests are tokenized here, one at a time (the HTTP side's tokenizer is not shared across threads)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashtree-tokenize")
@@ -186,6 +195,31 @@ def build_router(ctx: ServerContext) -> APIRouter:
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(message_response(response_id, model.name, finals[0], stops))
+
+    @router.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API over the same request path (``server/openai_responses.py``)."""
+        arrival = time.monotonic()
+        model = ctx.model(body.model)
+        generation, conversation = await ctx.tokenize(lambda b, m: responses_input(b, m, ctx.responses), body, model)
+        streams = await ctx.submit(generation, 1, "input", arrival)
+        ids = ResponseIds()
+        if body.stream:
+            events = response_events(streams[0], ids, body, model.name, conversation, ctx.responses, ctx.engine.cancel)
+            return event_stream(events, ctx, streams)
+        finals = await ctx.finish(streams, request)
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(finished_response(ids, body, model.name, finals[0], conversation, ctx.responses))
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return JSONResponse(ctx.responses.get(response_id)[0])
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        ctx.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @router.get("/v1/models")
     async def list_models() -> ModelList:
