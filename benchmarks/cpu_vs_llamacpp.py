@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--pp-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
     parser.add_argument("--requantize", choices=("q8_0",), help="compare on the GGUF's Q8_0 twin (made with llama.cpp)")
     parser.add_argument("--out")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -149,10 +150,12 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
     runs = []
     for repeat in range(args.repeats):
         for prompt in [-1, *range(len(PROMPTS))]:
-            order = SYSTEMS[(prompt + repeat) % 3:] + SYSTEMS[:(prompt + repeat) % 3]
+            turn = (prompt + repeat) % len(systems)
+            order = systems[turn:] + systems[:turn]
             for system in order:
                 command = [sys.executable, __file__, "--gguf", args.model, "--threads", str(args.threads),
                            "--new-tokens", str(args.new_tokens), "--pp-tokens", str(args.pp_tokens),
@@ -162,19 +165,19 @@ def main() -> None:
                              **json.loads(done.stdout.strip().splitlines()[-1])})
                 print(system, prompt, {k: v for k, v in runs[-1].items() if k != "tokens"}, flush=True)
     summary = {}
-    for system in SYSTEMS:
+    for system in systems:
         mine = [r for r in runs if r["system"] == system]
         decode = [(len(r["tokens"]) - 1) / r["decode_s"] for r in mine if r["prompt"] >= 0]
         pp = [r["prompt_tokens"] / r["prefill_s"] for r in mine if r["prompt"] < 0]
         summary[system] = {"decode_tok_s": statistics.median(decode), "pp_tok_s": statistics.median(pp),
                            "peak_rss_mib": max(r["peak_rss_mib"] for r in mine)}
     plain = {(r["prompt"], r["repeat"]): r["tokens"] for r in runs if r["system"] == "flashtree" and r["prompt"] >= 0}
-    for system in SYSTEMS:
+    for system in systems:
         summary[system]["first_difference_from_flashtree_plain"] = [
             first_difference(r["tokens"], plain[(r["prompt"], r["repeat"])]) for r in runs
             if r["system"] == system and r["prompt"] >= 0]
     base = summary["llama.cpp"]["decode_tok_s"]
-    for system in SYSTEMS:
+    for system in systems:
         summary[system]["decode_vs_llamacpp"] = summary[system]["decode_tok_s"] / base
     out = {"cpu": platform.processor() or platform.machine(), "gguf": args.gguf, "threads": args.threads,
            "new_tokens": args.new_tokens, "pp_tokens": args.pp_tokens, "summary": summary, "runs": runs}

@@ -1,0 +1,108 @@
+"""A GGUF of a Qwen3-1.7B-shaped model with random Q4_0 weights, for CPU speed comparisons.
+
+The body has Qwen3-1.7B's shape (``qwen3`` architecture: 28 layers, hidden 2048, 16 heads, 8 KV
+heads of 128, MLP 6144, q/k norms, tied embeddings); the vocabulary and tokenizer are SmolLM2's,
+copied from the embedded GGUF (no Qwen tokenizer is available offline), so the embedding is
+49,152 rows instead of 151,936. Q4_0 blocks are written directly (random nibbles, one fp16 scale
+per 32 weights), norms are ones: a model that runs, not one that says anything.
+
+    python benchmarks/make_random_gguf.py --out /tmp/qwen3-1.7b-shape.q4_0.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import gguf
+import numpy as np
+
+SHAPE = dict(layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=6144)
+COPIED_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+               "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+               "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.chat_template",
+               "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix")
+
+
+def q4_0(rows: int, cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Random Q4_0 bytes of a ``[rows, cols]`` weight (cols a multiple of 32): per block of 32, an
+    fp16 scale then 16 bytes of 4-bit values."""
+    blocks = rows * cols // 32
+    raw = np.empty((blocks, 18), dtype=np.uint8)
+    raw[:, :2] = np.frombuffer(np.full(blocks, scale, dtype=np.float16).tobytes(), dtype=np.uint8).reshape(-1, 2)
+    raw[:, 2:] = rng.integers(0, 256, size=(blocks, 16), dtype=np.uint8)
+    return raw.reshape(rows, cols // 32 * 18)
+
+
+def copy_field(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, key: str) -> None:
+    field = reader.fields.get(key)
+    if field is None:
+        return
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        values = [field.parts[i].tobytes().decode() if field.types[1] == gguf.GGUFValueType.STRING
+                  else field.parts[i].tolist()[0] for i in field.data]
+        writer.add_array(key, values)
+    elif kind == gguf.GGUFValueType.STRING:
+        writer.add_string(key, field.parts[field.data[0]].tobytes().decode())
+    elif kind == gguf.GGUFValueType.BOOL:
+        writer.add_bool(key, bool(field.parts[field.data[0]][0]))
+    else:
+        writer.add_uint32(key, int(field.parts[field.data[0]][0]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from flashtree.models.embedded import EMBEDDED_MODELS, embedded_gguf_path
+
+    donor = gguf.GGUFReader(str(embedded_gguf_path(EMBEDDED_MODELS["smollm2"])))
+    vocab = len(donor.fields["tokenizer.ggml.tokens"].data)
+    s, rng = SHAPE, np.random.default_rng(args.seed)
+    writer = gguf.GGUFWriter(args.out, "qwen3")
+    writer.add_block_count(s["layers"])
+    writer.add_context_length(4096)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["intermediate"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_quantization_version(2)
+    for key in COPIED_KEYS:
+        copy_field(writer, donor, key)
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    ones = np.ones(s["hidden"], dtype=np.float32)
+
+    def matrix(name: str, rows: int, cols: int, scale: float = 0.004) -> None:
+        writer.add_tensor(name, q4_0(rows, cols, rng, scale), raw_dtype=q4)  # (its shape: bytes per row)
+
+    matrix("token_embd.weight", vocab, s["hidden"], 0.02)
+    writer.add_tensor("output_norm.weight", ones)
+    q_width, kv_width = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones)
+        writer.add_tensor(p + "ffn_norm.weight", ones)
+        writer.add_tensor(p + "attn_q_norm.weight", np.ones(s["head_dim"], dtype=np.float32))
+        writer.add_tensor(p + "attn_k_norm.weight", np.ones(s["head_dim"], dtype=np.float32))
+        matrix(p + "attn_q.weight", q_width, s["hidden"])
+        matrix(p + "attn_k.weight", kv_width, s["hidden"])
+        matrix(p + "attn_v.weight", kv_width, s["hidden"])
+        matrix(p + "attn_output.weight", s["hidden"], q_width)
+        matrix(p + "ffn_gate.weight", s["intermediate"], s["hidden"])
+        matrix(p + "ffn_up.weight", s["intermediate"], s["hidden"])
+        matrix(p + "ffn_down.weight", s["hidden"], s["intermediate"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
