@@ -61,7 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     for command in (serve, bench, train):
         command.register(sub)
+    for subcommand in sub.choices.values():
+        show_every_default(subcommand)
     return parser
+
+
+def show_every_default(parser: argparse.ArgumentParser) -> None:
+    """Options without help text get one that shows their default (as the formatter adds to the others)."""
+    for action in parser._actions:
+        if action.option_strings and action.help is None:
+            action.help = "(default: %(default)s)"
+
 
 
 def main(argv: list[str] | None = None) -> int:

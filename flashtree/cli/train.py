@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from flashtree.cli.args import HELP_FORMAT
 from flashtree.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -23,7 +24,8 @@ def _register_train(subparsers) -> None:
 
     d = TrainConfig()
     p = subparsers.add_parser("train-drafter", help="train a DFlash drafter for a target model",
-                              description="Train a DFlash block-diffusion drafter (z-lab checkpoint format).")
+                              description="Train a DFlash block-diffusion drafter (z-lab checkpoint format).",
+                              formatter_class=HELP_FORMAT)
     p.add_argument("--model", default=d.model, help="target: HF directory, hub id, .gguf file, or 'smollm2'")
     p.add_argument("--data", default=d.data, help="'sharegpt', or a .jsonl of {messages} / {conversations}")
     p.add_argument("--output", default=d.output, help="checkpoint directory to write")
@@ -107,7 +109,7 @@ def cmd_train(args) -> None:
 
 # ---------------------------------------------------------------------------- regenerate
 def _register_regenerate(subparsers) -> None:
-    from flashtree.cli.args import HELP_FORMAT, add_model_args
+    from flashtree.cli.args import add_model_args
     from flashtree.train.regenerate import RegenerateConfig
 
     d = RegenerateConfig()
@@ -157,7 +159,8 @@ def cmd_regenerate(args) -> None:
 def _register_export(subparsers) -> None:
     p = subparsers.add_parser("export-prompts", help="write first-turn prompts as a small JSONL",
                               description="Extract first-turn prompts (e.g. from ShareGPT) into a portable JSONL "
-                                          "that `flashtree regenerate --prompts FILE` reads.")
+                                          "that `flashtree regenerate --prompts FILE` reads.",
+                              formatter_class=HELP_FORMAT)
     p.add_argument("--data", default="sharegpt", help="'sharegpt' or a .jsonl / .json of chats")
     p.add_argument("--output", required=True)
     p.add_argument("--split", default="train", choices=["train", "heldout", "all"])

@@ -118,3 +118,17 @@ def test_serve_switch_interval_is_validated_and_set_only_while_serving():
     assert sys.getswitchinterval() == before
     with switch_interval(None):
         assert sys.getswitchinterval() == before
+
+
+def test_every_option_of_every_subcommand_shows_its_default():
+    import re
+
+    from flashtree.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        text = sub.format_help()
+        options = re.split(r"\n  (?=-)", text)[1:]
+        missing = [o.split()[0] for o in options if "default" not in o and not o.startswith("-h")]
+        assert options and not missing, (name, missing)
