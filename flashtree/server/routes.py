@@ -4,10 +4,12 @@ version, metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -146,6 +148,33 @@ async def _client_left(request: Request) -> None:
         pass
 
 
+LARGE_BODY_BYTES = 1 << 20  # a JSON body larger than this is parsed on a worker thread
+
+
+class OffLoopJSONRequest(Request):
+    """A request whose large JSON body is parsed on a worker thread: decoding megabytes on the event
+    loop would hold up every stream for that long."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            if len(body) > LARGE_BODY_BYTES:
+                self._json = await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
+            else:
+                self._json = json.loads(body)
+        return self._json
+
+
+class OffLoopJSONRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(OffLoopJSONRequest(request.scope, request.receive))
+
+        return route
+
+
 def event_stream(events, ctx: ServerContext, streams: list[RequestStream]) -> StreamingResponse:
     """An SSE response; the background cancel covers a client that left before the first event."""
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS,
@@ -153,7 +182,7 @@ def event_stream(events, ctx: ServerContext, streams: list[RequestStream]) -> St
 
 
 def build_router(ctx: ServerContext) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=OffLoopJSONRoute)
 
     async def serve(body, request: Request, make_input, prompt_field: str, id_prefix: str, events, respond):
         """One generation endpoint: submit, then stream the events or answer with the whole result."""
