@@ -61,7 +61,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
             "pick each round's draft size (down to plain decoding) for the most tokens/s; the budget becomes a maximum")
 
     cache = parser.add_argument_group("KV cache (CacheConfig)")
-    cache.add_argument("--max-context", type=int, default=CacheConfig.max_context,
+    cache.add_argument("--max-context", "--max-model-len", type=int, default=CacheConfig.max_context,
                        help="prompt + output tokens per request")
     cache.add_argument("--page-size", type=int, default=CacheConfig.page_size, help="KV entries per page")
     cache.add_argument("--kv-pages", type=int, default=CacheConfig.kv_pages, metavar="N",
@@ -74,13 +74,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
             "reuse the KV pages of prompt prefixes seen before (a shared system prompt is prefilled once; on in serve)")
 
     scheduler = parser.add_argument_group("scheduling (SchedulerConfig)")
-    scheduler.add_argument("--max-running", type=int, default=SchedulerConfig.max_running,
+    scheduler.add_argument("--max-running", "--max-num-seqs", type=int, default=SchedulerConfig.max_running,
                            help="requests decoded together")
     scheduler.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting,
                            help="queued requests before new ones are refused (HTTP 429)")
     scheduler.add_argument("--prefill-chunk", type=int, default=SchedulerConfig.prefill_chunk,
                            help="prompt tokens per request per step")
-    scheduler.add_argument("--max-prefill-tokens", type=int, default=SchedulerConfig.max_prefill_tokens,
+    scheduler.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", type=int,
+                           default=SchedulerConfig.max_prefill_tokens,
                            help="padded prompt tokens per step over all prefilling requests (at least one chunk runs)")
     _on_off(scheduler, "queue_plain_rounds", SchedulerConfig.queue_plain_rounds,
             "queue the next plain round on the device before reading this one's results, so the host's work "

@@ -132,3 +132,11 @@ def test_every_option_of_every_subcommand_shows_its_default():
         options = re.split(r"\n  (?=-)", text)[1:]
         missing = [o.split()[0] for o in options if "default" not in o and not o.startswith("-h")]
         assert options and not missing, (name, missing)
+
+
+def test_vllm_names_of_the_engine_limits_are_accepted():
+    from flashtree.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-model-len", "4096", "--max-num-seqs", "32",
+                                      "--max-num-batched-tokens", "8192"])
+    assert (args.max_context, args.max_running, args.max_prefill_tokens) == (4096, 32, 8192)
