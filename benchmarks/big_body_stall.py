@@ -23,21 +23,17 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_stream_overhead import wait_healthy  # noqa: E402
+
 
 def serve(model: str, port: int, body_mb: float, accept: bool) -> subprocess.Popen:
     limit = ["--max-request-bytes", str(int((body_mb + 2) * 1024 * 1024))] if accept else []
     command = [sys.executable, "-m", "flashtree.cli", "serve", "--model", model, "--device", "cpu", "--port", str(port),
                *limit, "--max-running", "8", "--log-level", "warning", "--spec", "none"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    server.kill()
-    raise RuntimeError(f"the server did not become ready: {server.stderr.read()[-2000:]}")
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_healthy(port, server, timeout=300)
+    return server
 
 
 async def stream(client: httpx.AsyncClient, url: str, stamps: list[float], stop: asyncio.Event) -> None:

@@ -38,7 +38,7 @@ from flashtree.engine.traces import PolicyTracer, StepTracer, TreeTracer
 from flashtree.errors import ConfigError, RequestError
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kv.cache import KVCache, KVCacheSpec
-from flashtree.kv.pages import PagePool, PageTable
+from flashtree.kv.pages import PagePool, PageTable, pages_for
 from flashtree.kv.prefix_cache import PrefixCache
 from flashtree.models.build import (
     LoadedTarget,
@@ -79,9 +79,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, kernels, tree_tracer,
                                   pad_slot=scheduling.max_running)
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)
+        # requests are promised the pages the pad slot left free
         self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
-            self.pages.pool.capacity - self.pages.pages_for(self.runner.span), config.cache.page_size, self.runner.span),
-            on_admit=self._admitted)
+            self.pages.pool.free_pages, config.cache.page_size, self.runner.span), on_admit=self._admitted)
         self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain)
         queue = scheduling.queue_plain_rounds if scheduling.queue_plain_rounds is not None else self.runner.runs_ahead
         self.overlap = QueuedRounds(self.runner, self.lag, config.cache.max_context, enabled=queue)
@@ -104,9 +104,9 @@ class LLMEngine:
         proposer, cache, scheduling = self.proposer, self.config.cache, self.config.scheduler
         span = round_span(proposer)
         widest = max(scheduling.prefill_chunk, proposer.max_nodes + 1, proposer.max_depth + 1, proposer.lag.capacity)
-        per_request = -(-(cache.max_context + span) // cache.page_size)
+        per_request = pages_for(cache.max_context + span, cache.page_size)
         requests = cache.kv_pages or self._pages_in_memory() or scheduling.max_running * per_request
-        pool = PagePool(1 + -(-span // cache.page_size) + requests)
+        pool = PagePool(1 + pages_for(span, cache.page_size) + requests)
         pages = PageTable(pool, scheduling.max_running + 1, cache.max_context + widest, cache.page_size, self.device)
         pages.ensure([scheduling.max_running], [span])
         return pages

@@ -251,7 +251,7 @@ class ModelRunner:
                            any_filtered=any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params),
                            nodes=nodes, logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else None,
                            adjust=any(p.adjusts for p in params))
-        if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and slots itself: one graph for all
+        if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and block tables itself: one graph for all
             shape = shape._replace(kv_len=self.cache.spec.capacity)
         if self.graphs is not None:
             shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))  # (capacity stays capacity)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 from flashtree.config import CacheConfig, SchedulerConfig
 from flashtree.engine.request import Request, Status
 from flashtree.errors import FlashtreeError, RequestError
+from flashtree.kv.pages import pages_for
 
 
 class QueueFullError(FlashtreeError):
@@ -45,8 +46,7 @@ class PageBudget:
 
     def need(self, req: Request, max_context: int) -> int:
         """Pages ``req`` may reach: its prompt and output (at most ``max_context``) and a round's scratch."""
-        tokens = min(len(req.prompt_ids) + req.params.max_tokens, max_context) + self.span
-        return -(-tokens // self.page_size)
+        return pages_for(min(len(req.prompt_ids) + req.params.max_tokens, max_context) + self.span, self.page_size)
 
 
 class ScheduledStep(NamedTuple):

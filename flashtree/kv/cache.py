@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from flashtree.kernels.gpu import tree as tree_kernels
-from flashtree.kv.pages import PageTable
+from flashtree.kv.pages import PageTable, pages_for
 
 DEFAULT_PAGE_SIZE = 16
 
@@ -54,7 +54,7 @@ class KVCacheSpec:
     def bytes(self, dtype: torch.dtype, num_pages: int | None = None) -> int:
         """Bytes of ``num_pages`` pages (default: every slot fully mapped, and the null page)."""
         if num_pages is None:
-            num_pages = self.max_slots * -(-self.capacity // self.page_size) + 1
+            num_pages = self.max_slots * pages_for(self.capacity, self.page_size) + 1
         return num_pages * self.page_bytes(dtype)
 
 
@@ -113,7 +113,7 @@ class KVCache:
     def view(self, layer: int, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[B, kv_heads, kv_len, head_dim]`` of the rows' slots, gathered page by page
         (positions past a slot's mapped pages read the null page: the caller masks them)."""
-        pages = self.block_table[slots, :-(-kv_len // self.spec.page_size)]  # [B, P]
+        pages = self.block_table[slots, :pages_for(kv_len, self.spec.page_size)]  # [B, P]
         return self._gather(self.k[layer], pages, kv_len), self._gather(self.v[layer], pages, kv_len)
 
     @staticmethod

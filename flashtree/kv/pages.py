@@ -30,6 +30,11 @@ from flashtree.errors import FlashtreeError
 NULL_PAGE = 0
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` positions."""
+    return -(-tokens // page_size)
+
+
 class OutOfPagesError(FlashtreeError):
     """The page pool has fewer free pages than a slot needs (the scheduler's reservation prevents it)."""
 
@@ -116,7 +121,7 @@ class PageTable:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.pool, self.page_size = pool, page_size
-        self.pages_per_slot = -(-max_tokens // page_size)
+        self.pages_per_slot = pages_for(max_tokens, page_size)
         self.device = torch.device(device)
         self.block_table = torch.full((max_slots, self.pages_per_slot), NULL_PAGE, dtype=torch.long,
                                       device=self.device)  # [max_slots, pages_per_slot]
@@ -126,8 +131,8 @@ class PageTable:
     def fully_mapped(cls, max_slots: int, max_tokens: int, page_size: int, device: torch.device | str) -> PageTable:
         """A table whose every slot maps ``max_tokens`` entries from the start (a pool of exactly
         that many pages): a cache used without an allocator (tests, drafter training)."""
-        pages = -(-max_tokens // page_size)
-        table = cls(PagePool(max_slots * pages + 1), max_slots, max_tokens, page_size, device)
+        table = cls(PagePool(max_slots * pages_for(max_tokens, page_size) + 1), max_slots, max_tokens, page_size,
+                    device)
         table.ensure(range(max_slots), [max_tokens] * max_slots)
         return table
 
@@ -138,17 +143,13 @@ class PageTable:
     def pages_of(self, slot: int) -> list[int]:
         return list(self._pages[slot])
 
-    def pages_for(self, tokens: int) -> int:
-        """Pages that hold ``tokens`` entries."""
-        return -(-tokens // self.page_size)
-
     def ensure(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
         """Map pages so slot ``slots[i]`` holds at least ``tokens[i]`` entries; new table entries
         go to the device in one copy (queued behind earlier device work, see ``device_copy``)."""
         rows, cols, pages = [], [], []
         for slot, wanted in zip(slots, tokens):
             mapped = self._pages[slot]
-            missing = self.pages_for(wanted) - len(mapped)
+            missing = pages_for(wanted, self.page_size) - len(mapped)
             if missing <= 0:
                 continue
             if len(mapped) + missing > self.pages_per_slot:

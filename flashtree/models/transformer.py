@@ -136,7 +136,7 @@ class Attention(nn.Module):
         self.o_quant: QuantizedLinear | None = None
         self.qk_norm_weight: torch.Tensor | None = None  # [2, D]: q_norm then k_norm (fused kernel)
         self.kernels = None  # fused-kernel backend for q/k norm + rotary + KV write, or None
-        self.fused_attention = False  # Triton attention read from the cache by slot and length
+        self.fused_attention = False  # Triton attention read from the KV pages through the block table
 
     def fuse(self) -> None:
         fuse_attention_projections(self)
@@ -281,7 +281,7 @@ class FusedKernelSwitch:
 
     def uses_kernel_attention(self, new_tokens: int) -> bool:
         """A forward of ``new_tokens`` per row attends with the backend's kernel (it needs no mask,
-        key range or slot range) rather than SDPA."""
+        key range or gathered pages) rather than SDPA."""
         widest = self.kernel_attention_max_tokens
         return self.fused_attention and self.kernels.handles_attention(new_tokens) and (widest is None or new_tokens <= widest)
 

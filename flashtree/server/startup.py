@@ -17,6 +17,7 @@ from flashtree.config import EngineConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import ConfigError
 from flashtree.kv.cache import KVCacheSpec
+from flashtree.kv.pages import pages_for
 from flashtree.models.build import resolve_device, resolve_dtype
 from flashtree.models.config import ModelConfig
 from flashtree.models.loader import resolve_model_dir
@@ -65,7 +66,7 @@ def check_kv_cache_fits(config: EngineConfig) -> None:
     device = resolve_device(config.target.device)
     dtype = resolve_dtype(config.target.dtype, device)
     spec = estimated_kv_spec(config)
-    pages = None if config.cache.kv_pages is None else config.cache.kv_pages + 1 + -(-spec.scratch // spec.page_size)
+    pages = None if config.cache.kv_pages is None else config.cache.kv_pages + 1 + pages_for(spec.scratch, spec.page_size)
     need = spec.bytes(dtype, pages)
     have, what = device_memory(device)
     if need > have:

@@ -3,9 +3,9 @@
 - ``fused.py``: a decoder layer's small ops (residual add + RMSNorm, q/k norm + rotary + KV-cache
   write, silu * up), the GPU backend of :mod:`flashtree.kernels.fused_ops`;
 - ``attention.py``: tree attention, each row's new tokens over its committed context and the new
-  tokens its mask allows, read straight from the KV cache by slot and length (lengths are device
-  tensors, so one CUDA graph serves every context length; long contexts are split across programs
-  and merged);
+  tokens its mask allows, read straight from the KV pages through the block table (lengths are
+  device tensors, so one CUDA graph serves every context length; long contexts are split across
+  programs and merged);
 - ``tree.py``: DDTree's tree work, per-depth kept lists, node selection with the ancestor mask, the
   accept walk and the KV commit, one program per row instead of dozens of small kernels;
 - ``topk.py``: the drafter logits' per-depth top-k with log-probabilities (an exact radix select);

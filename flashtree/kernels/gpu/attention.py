@@ -1,4 +1,4 @@
-"""Tree attention on CUDA: each row's N new tokens over its KV-cache entries, read by slot and length."""
+"""Tree attention on CUDA: each row's N new tokens over its KV-cache entries, read through the block table."""
 
 from __future__ import annotations
 
