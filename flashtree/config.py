@@ -7,7 +7,7 @@
 | :class:`TargetConfig` | which target model, on which device, in which dtype |
 | :class:`SpeculationConfig` | the decoding method, its drafter and budget, the adaptive policy |
 | :class:`CacheConfig` | the KV cache: how many tokens a request may hold |
-| :class:`SchedulerConfig` | continuous batching: running and waiting requests, prefill chunks, queued rounds |
+| :class:`SchedulerConfig` | continuous batching: running and waiting requests, prefill chunks, queued rounds, grammars |
 | :class:`KernelConfig` | which kernels and execution paths run (each one can be switched off to compare) |
 | :class:`TraceConfig` | trace files; tracing observes and never changes what runs |
 
@@ -23,6 +23,7 @@ import dataclasses
 from flashtree.errors import ConfigError
 
 SPEC_METHODS = ("none", "dflash", "ddtree")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")  # flashtree/grammar/backends.py
 
 
 def _check_positive_ints(config, *names: str) -> None:
@@ -141,9 +142,12 @@ class SchedulerConfig:
     # results (engine/overlap.py); None: where the device runs ahead of the host (CUDA)
     incremental_text: bool = True  # keep each request's text current every step (streaming); False:
     # decode it once when the request finishes (batch jobs: regenerate, bench), unless it has stop strings
+    grammar_backend: str = "xgrammar"  # what follows requests with structured output: xgrammar | llguidance
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, "max_running", "max_waiting", "prefill_chunk", "max_prefill_tokens")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ConfigError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         if self.queue_plain_rounds not in (None, True, False):
             raise ConfigError(f"queue_plain_rounds must be True, False or None (auto), got {self.queue_plain_rounds!r}")
         _check_bools(self, "incremental_text")

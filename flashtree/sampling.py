@@ -18,6 +18,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from flashtree.errors import RequestError
+from flashtree.structured import StructuredOutput
 
 _MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs bound)
@@ -38,6 +39,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    structured: StructuredOutput | None = None  # the output's required form (a schema, regex, ...: structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +68,8 @@ class SamplingParams:
                 raise RequestError(f"{name} must be a number in [-2, 2], got {value!r}")
         if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 2):
             raise RequestError(f"repetition_penalty must be a number in (0, 2], got {self.repetition_penalty!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise RequestError(f"structured must be a StructuredOutput or None, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:
@@ -136,7 +140,14 @@ def keyed_uniform(seed: torch.Tensor, out_index: torch.Tensor, vocab: int) -> to
     key = _mix(seed[:, None] * _C1 + out_index * _C2 + 0x632BE59BD9B4E019)  # [B, M]
     ids = torch.arange(vocab, device=seed.device, dtype=torch.long)  # [V]
     bits = _mix(key[:, :, None] + (ids + 1) * _C1)  # [B, M, V]
-    return (_shift_right(bits, 40).float() + 0.5) / float(1 << 24)
+    return unit_interval(bits)
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """Random int64 bits -> float32 strictly inside (0, 1): the top 23 bits, centred in their step.
+    (24 bits would round the largest value up to exactly 1.0 in float32, and a Gumbel noise of
+    +inf would then pick that token whatever its probability, even a masked one.)"""
+    return (_shift_right(bits, 41).float() + 0.5) / float(1 << 23)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

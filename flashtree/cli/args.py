@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 
 from flashtree.config import (
+    GRAMMAR_BACKENDS,
     SPEC_METHODS,
     CacheConfig,
     EngineConfig,
@@ -88,6 +89,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
             "between rounds overlaps the device's (same tokens; None: on CUDA)")
     _on_off(scheduler, "incremental_text", SchedulerConfig.incremental_text,
             "keep each request's text current every step (streaming); off: decode it once at the end")
+    scheduler.add_argument("--grammar-backend", "--guided-decoding-backend", choices=GRAMMAR_BACKENDS,
+                           default=SchedulerConfig.grammar_backend,
+                           help="the grammar engine that follows requests with structured output")
 
     kernels = parser.add_argument_group("kernels (KernelConfig)")
     _on_off(kernels, "quant_kernels", KernelConfig.quant_kernels,
@@ -125,7 +129,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "max_context", "page_size",
                 "kv_pages", "gpu_memory_utilization", "prefix_caching", "max_running",
                 "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
-                *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps")
+                "grammar_backend", *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps")
 
 
 def speculation_from_args(args: argparse.Namespace) -> SpeculationConfig:

@@ -26,6 +26,7 @@ import torch
 
 from flashtree.config import EngineConfig
 from flashtree.device_copy import to_device
+from flashtree.engine.constraint import advance_grammar
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.overlap import QueuedRounds
 from flashtree.engine.prefill import FirstToken, Prefill
@@ -36,6 +37,7 @@ from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.token_state import SlotTokenState
 from flashtree.engine.traces import PolicyTracer, StepTracer, TreeTracer
 from flashtree.errors import ConfigError, RequestError
+from flashtree.grammar.backends import Grammars
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.kv.pages import PagePool, PageTable, pages_for
@@ -73,6 +75,7 @@ class LLMEngine:
         self.proposer.attach_pages(self.pages)
         self.prefix_cache = PrefixCache(self.pages.pool, config.cache.page_size) if config.cache.prefix_caching else None
         self.token_state: SlotTokenState | None = None  # made when a request first adjusts its logits
+        self.grammars: Grammars | None = None  # made when a request first asks for structured output
         self.model.setup_rope(self.cache.spec.capacity + 1)
         self.timer = StageTimer(self.device, kernels.profile_stages)
         tree_tracer = TreeTracer(config.trace.trees) if config.trace.trees else None
@@ -157,12 +160,21 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.default_stop_ids))
         req = Request(prompt_ids=list(prompt_ids), params=params, stop_token_ids=frozenset(stop_ids), budget=budget,
                       after=after if self.prefix_cache is not None else None)
+        if params.structured is not None:
+            req.grammar = self._grammars().matcher(params.structured)
         self.scheduler.add(req)
         if params.adjusts and self.token_state is None:
             self.token_state = SlotTokenState(self.config.scheduler.max_running + 1, vocab, self.config.cache.max_context,
                                               self.device)
             self.runner.round_program.token_state = self.prefill.token_state = self.token_state
         return req
+
+    def _grammars(self) -> Grammars:
+        """The grammar compiler for this tokenizer (made for the first request with structured output)."""
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.default_stop_ids,
+                                     self.config.scheduler.grammar_backend)
+        return self.grammars
 
     def abort(self, request_id: str) -> Request | None:
         return self.scheduler.abort(request_id)
@@ -221,7 +233,9 @@ class LLMEngine:
         if catches_up:  # the queued round's catch-up projects them all
             self.lag.caught_up(launched.rows)
         wall = self._last_round_end - started
-        self._record(launched, result, None if result.captured_graph or untimed else wall, wall)
+        # (an eager round with grammar work says little about the graphed rounds the policy weighs)
+        untimed = untimed or result.captured_graph or (launched.constrained and self.runner.graphs is not None)
+        self._record(launched, result, None if untimed else wall, wall)
         return launched, result
 
     def _append_round(self, launched: LaunchedRound, result: RoundResult) -> list[StepEvent]:
@@ -234,8 +248,17 @@ class LLMEngine:
             req.stats.rounds += 1
             req.stats.acceptance_lengths.append(len(tokens))
             req.stats.tree_sizes.append(size)
-            events.append(append_tokens(req, tokens, self.tracker, self.config.cache.max_context, row_logprobs))
+            events.append(self._append(req, tokens, row_logprobs))
         return events
+
+    def _append(self, req: Request, tokens: list[int], logprobs) -> StepEvent:
+        """``tokens`` appended to ``req`` (stop conditions); a grammar that refuses one ends the request."""
+        accepted = advance_grammar(req, tokens)
+        event = append_tokens(req, accepted, self.tracker, self.config.cache.max_context, logprobs)
+        if len(accepted) < len(tokens) and not req.finished:
+            req.finish_reason, req.status = "abort", Status.FINISHED
+            event = event._replace(finished=True)
+        return event
 
     def _take_or_launch(self, rows: Sequence[Request]) -> tuple[LaunchedRound, float, bool]:
         """The round queued for ``rows`` in the last step, or a new one with the policy's node count
@@ -336,7 +359,7 @@ class LLMEngine:
             if first is not None:
                 req.status = Status.RUNNING
                 logprobs = None if first.logprob is None else [first.logprob]
-                events.append(append_tokens(req, [first.token], self.tracker, self.config.cache.max_context, logprobs))
+                events.append(self._append(req, [first.token], logprobs))
         return events
 
     def close_traces(self) -> None:

@@ -66,9 +66,11 @@ class QueuedRounds:
         return catches_up and self.ahead is not None
 
     def _may_queue_after(self, launched: LaunchedRound, policy: Policy) -> bool:
-        """``launched`` is plain, the policy is settled on plain rounds (its choice then hardly depends
-        on this round's measurement) and every row has room for two more tokens."""
+        """``launched`` is plain and has no grammar rows, the policy is settled on plain rounds (its choice
+        then hardly depends on this round's measurement) and every row has room for two more tokens."""
         if not self.enabled or launched.nodes != 0 or not policy.settled_on_plain(len(launched.rows)):
+            return False
+        if launched.constrained:  # its grammar rows' masks need the tokens it chooses
             return False
         limit = self.max_context - 2
         return all(r.committed_length < limit for r in launched.rows)

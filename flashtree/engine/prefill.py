@@ -12,6 +12,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from flashtree.engine.constraint import GrammarRound
 from flashtree.engine.request import Request
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.token_state import SlotTokenState
@@ -76,6 +77,9 @@ class Prefill:
         adjust = any(r.params.adjusts for r in rows)
         if adjust:
             logits = adjust_logits(logits, torch.zeros_like(last), self.token_state.gather(slots, torch.zeros_like(slots)))
+        if GrammarRound.needed(rows):  # a first token the grammar allows
+            grammar = GrammarRound(rows, len(rows), logits.shape[-1], self.device)
+            logits = logits.masked_fill(~grammar.allowed, float("-inf"))
         chosen = choose_tokens(logits, sampling, torch.zeros_like(last))  # [B, 1]
         done = [r.prefilled + len(p) == len(r.prompt_ids) for r, p in zip(rows, pieces)]
         if adjust:  # the first output token of the rows whose prompt completed

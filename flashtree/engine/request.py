@@ -16,6 +16,7 @@ import enum
 import itertools
 from collections import Counter
 
+from flashtree.grammar.backends import GrammarMatcher
 from flashtree.sampling import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
@@ -79,6 +80,8 @@ class Request:
     stopped_by: str | int | None = None  # the stop string or stop token id that finished it (reason "stop")
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     budget: int | None = None  # per-request DDTree budget (None: the method's default)
+    grammar: GrammarMatcher | None = dataclasses.field(default=None, repr=False)  # with structured output: at
+    # the state after every output token so far (engine/constraint.py)
     after: "Request | None" = dataclasses.field(default=None, repr=False)  # admitted only once this one's
     # prompt is in (a sibling of the same prompt, which then maps its cached pages instead of prefilling them)
 

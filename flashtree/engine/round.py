@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from flashtree.config import KernelConfig
+from flashtree.engine.constraint import GrammarRound
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.token_state import SlotTokenState
 from flashtree.kv.cache import KVCache
@@ -95,15 +96,19 @@ class DeviceRound:
         self.kernels, self.tracing = kernels, tracing
         self.token_state: SlotTokenState | None = None  # the engine's, once a request adjusts its logits
 
-    def __call__(self, shape: RoundShape, *tensors: torch.Tensor, timer: StageTimer | None = None) -> RoundOutput:
+    def __call__(self, shape: RoundShape, *tensors: torch.Tensor, timer: StageTimer | None = None,
+                 grammar: GrammarRound | None = None) -> RoundOutput:
+        """``grammar``: the round's rows with structured output (eager rounds only: it reads the trees
+        on the host); their trees hold only what the grammar allows, and each node's choice is masked."""
         rows = RoundInputs(*tensors)
         nodes = shape.nodes
         if nodes == 0 and self.kernels.plain_fast_path:
-            return self._plain(shape, rows, timer)
+            return self._plain(shape, rows, timer, grammar)
         t0 = timer.mark() if timer else 0.0
 
         # 1. propose: N = nodes + 1 entries per tree, the root first
-        tree = self.proposer.propose(rows, nodes) if nodes else root_only_tree(rows.bonus)
+        refine = grammar.refine if grammar is not None else None
+        tree = self.proposer.propose(rows, nodes, refine) if nodes else root_only_tree(rows.bonus)
         tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, N]
         t1 = timer.add("draft", t0) if timer else 0.0
 
@@ -117,6 +122,8 @@ class DeviceRound:
         if shape.adjust:  # each node's distribution given the output so far and its own path
             paths = path_tokens(tokens, tree.parents, min(self.proposer.max_depth, nodes))  # [B, N, D]
             logits = adjust_logits(logits, out_index, self.token_state.gather(rows.slots, rows.generated), paths)
+        if grammar is not None:  # each node's choice among what the grammar allows after its path
+            logits = logits.masked_fill(~grammar.allowed, float("-inf"))
         choice = choose_tokens(logits, sampling_of(shape, rows), out_index)  # [B, N]
         t2 = timer.add("verify", t1) if timer else 0.0
 
@@ -147,7 +154,8 @@ class DeviceRound:
             logprobs = token_logprobs(path_logits, choice.gather(1, path), shape.logprobs)
         return RoundOutput(packed, trace, logprobs)
 
-    def _plain(self, shape: RoundShape, rows: RoundInputs, timer: StageTimer | None) -> RoundOutput:
+    def _plain(self, shape: RoundShape, rows: RoundInputs, timer: StageTimer | None,
+               grammar: GrammarRound | None = None) -> RoundOutput:
         """A plain round without the tree machinery: the root-only tree's walk always accepts the
         root and nothing else, so the round is forward -> choose -> commit the one token. Same values
         as the general path, without the tree's tensors and the accept walk's ops."""
@@ -163,6 +171,8 @@ class DeviceRound:
         logits = out.logits
         if shape.adjust:
             logits = adjust_logits(logits, rows.generated[:, None], self.token_state.gather(rows.slots, rows.generated))
+        if grammar is not None:
+            logits = logits.masked_fill(~grammar.allowed, float("-inf"))
         next_bonus = choose_tokens(logits, sampling_of(shape, rows), rows.generated[:, None])[:, 0].long()  # [B]
         t1 = timer.add("verify", t0) if timer else 0.0
         ones = torch.ones_like(rows.slots)  # [B] accept length 1: the root

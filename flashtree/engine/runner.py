@@ -21,6 +21,7 @@ import torch
 
 from flashtree.config import KernelConfig
 from flashtree.device_copy import to_device
+from flashtree.engine.constraint import GrammarRound
 from flashtree.engine.graphs import GraphCache
 from flashtree.engine.request import Request
 from flashtree.engine.round import INT_FIELDS, DeviceRound, RoundInputs, RoundShape
@@ -68,6 +69,7 @@ class LaunchedRound(NamedTuple):
     done: object  # a torch.cuda.Event recorded after those copies (None on a CPU: already done)
     captured_graph: bool  # launching it captured a CUDA graph
     launched_at: float  # perf_counter() when its device work was queued
+    constrained: bool = False  # a row has a grammar: the round ran eagerly, with host work in it
 
 
 class ModelRunner:
@@ -106,7 +108,11 @@ class ModelRunner:
         pads = self._pad_rows(len(rows))
         shape = self._shape(rows, nodes)
         ints, floats = self._round_inputs(rows, nodes, pads)
-        return self._launch(list(rows), shape, len(rows) + pads, ints, floats)
+        grammar = None
+        if GrammarRound.needed(rows):
+            grammar = GrammarRound(rows, len(rows) + pads, self.model.config.vocab_size, self.device, nodes,
+                                   self.proposer.chain, min(nodes, self.proposer.max_depth))
+        return self._launch(list(rows), shape, len(rows) + pads, ints, floats, grammar)
 
     def launch_plain_after(self, previous: LaunchedRound, catch_up: bool = False) -> LaunchedRound | None:
         """Queue the plain round that follows the plain round ``previous`` for the same rows, before
@@ -167,12 +173,13 @@ class ModelRunner:
         return self.graphs.has((len(rows) + self._pad_rows(len(rows)), self._shape(rows, nodes)))
 
     def _launch(self, rows: list[Request], shape: RoundShape, width: int, ints: torch.Tensor,
-                floats: torch.Tensor) -> LaunchedRound:
+                floats: torch.Tensor, grammar: GrammarRound | None = None) -> LaunchedRound:
+        """``grammar``: the rows with structured output (the round then runs eagerly)."""
         launched_at = self.timer.mark()
         captures = self.graphs.captures if self.graphs is not None else 0
         inputs = RoundInputs.of(ints, floats)
-        if self.graphs is None:
-            out = self.round_program(shape, *inputs, timer=self.timer)
+        if self.graphs is None or grammar is not None:
+            out = self.round_program(shape, *inputs, timer=self.timer, grammar=grammar)
         else:
             out = self.graphs.run((width, shape), lambda *t: self.round_program(shape, *t), inputs)
         host, trace, logprobs, done = out.packed, out.trace, out.logprobs, None
@@ -184,7 +191,7 @@ class ModelRunner:
             done.record()
         captured = self.graphs is not None and self.graphs.captures != captures
         return LaunchedRound(rows, shape.nodes, ints, floats, out.packed, host, trace, logprobs, done, captured,
-                             launched_at)
+                             launched_at, grammar is not None)
 
     def _map_pages(self, rows: Sequence[Request]) -> None:
         """Map the KV pages every position a round of ``rows`` may write lies on (a queued round's rows

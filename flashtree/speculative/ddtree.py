@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from flashtree.speculative.drafter import DrafterProposer, DrafterRunner
-from flashtree.speculative.proposer import RoundRows
+from flashtree.speculative.proposer import CANDIDATES, Refine, RoundRows
 from flashtree.speculative.tree import build_tree
 from flashtree.speculative.tree.draft_tree import DraftTree
 
@@ -34,8 +34,11 @@ class DDTreeProposer(DrafterProposer):
         super().__init__(runner, max_nodes=budget)
         self.tree_kernel = tree_kernel  # the tree build and the accept walk in Triton kernels (same trees)
 
-    def propose(self, rows: RoundRows, nodes: int) -> DraftTree:
+    def propose(self, rows: RoundRows, nodes: int, refine: Refine | None = None) -> DraftTree:
         depth = min(nodes, self.max_depth)  # a tree of n nodes is at most n deep
         logits = self.runner.draft_logits(rows, depth=depth)  # [B, depth, V] (V: the draft vocabulary's N)
         tree = build_tree(logits, rows.budgets.clamp(max=nodes), nodes, kernel=self.tree_kernel)  # [B, nodes + 1]
-        return self.runner.tree_token_ids(tree)
+        tree = self.runner.tree_token_ids(tree)
+        if refine is not None:
+            tree = refine(tree, self.runner.candidates(logits, max(nodes, CANDIDATES)))
+        return tree

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flashtree.speculative.drafter import DrafterProposer, DrafterRunner
-from flashtree.speculative.proposer import RoundRows
+from flashtree.speculative.proposer import CANDIDATES, Refine, RoundRows
 from flashtree.speculative.tree.draft_tree import DraftTree, chain_tree
 
 
@@ -16,6 +16,9 @@ class DFlashProposer(DrafterProposer):
     def __init__(self, runner: DrafterRunner):
         super().__init__(runner, max_nodes=runner.drafter.config.block_size - 1)
 
-    def propose(self, rows: RoundRows, nodes: int) -> DraftTree:
-        draft = self.runner.draft_logits(rows, depth=nodes).argmax(dim=-1)  # [B, nodes] draft indices
-        return chain_tree(self.runner.token_ids(draft))  # [B, nodes + 1] nodes
+    def propose(self, rows: RoundRows, nodes: int, refine: Refine | None = None) -> DraftTree:
+        logits = self.runner.draft_logits(rows, depth=nodes)  # [B, nodes, V]
+        tree = chain_tree(self.runner.token_ids(logits.argmax(dim=-1)))  # [B, nodes + 1] nodes
+        if refine is not None:
+            tree = refine(tree, self.runner.candidates(logits, CANDIDATES))
+        return tree

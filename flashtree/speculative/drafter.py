@@ -30,7 +30,7 @@ from flashtree.kernels.feature_sink import FeatureSink
 from flashtree.kv.cache import KVCache
 from flashtree.kv.pages import PageTable
 from flashtree.models.dflash import DFlashDrafter
-from flashtree.speculative.proposer import RoundRows
+from flashtree.speculative.proposer import DraftCandidates, RoundRows
 from flashtree.speculative.tree.draft_tree import ROOT, DraftTree
 
 LAG_CAPACITY = 64  # committed tokens a slot's drafter context may lag behind (see "lag")
@@ -131,6 +131,11 @@ class DrafterRunner:
             return tree
         drafted = tree.valid & (torch.arange(tree.tokens.shape[1], device=tree.tokens.device) != ROOT)  # [B, N]
         return tree._replace(tokens=torch.where(drafted, self.vocab_ids[tree.tokens.clamp(min=0)], tree.tokens))
+
+    def candidates(self, logits: torch.Tensor, k: int) -> DraftCandidates:
+        """The ``k`` likeliest tokens per depth of draft logits ``[B, L, V]`` (target ids), best first."""
+        top = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)  # [B, L, K] x2
+        return DraftCandidates(top.values, self.token_ids(top.indices))
 
     def defer(self, slots: torch.Tensor, features: torch.Tensor, lags: torch.Tensor,
               counts: torch.Tensor | None = None) -> None:

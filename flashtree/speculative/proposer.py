@@ -15,7 +15,7 @@ engine builds the root-only tree itself and never calls ``propose``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -36,6 +36,18 @@ class RoundRows(Protocol):
     budgets: torch.Tensor  # [B] int64, per-row tree budget (DDTree), at most the round's nodes
 
 
+class DraftCandidates(NamedTuple):
+    """The drafter's best tokens per depth, for trees built under a constraint (``flashtree/grammar/``)."""
+
+    log_probs: torch.Tensor  # [B, L, K] float32 log-probabilities, best first
+    tokens: torch.Tensor  # [B, L, K] int64 target token ids
+
+
+# a round's trees rebuilt from the candidates for the rows with a grammar: (trees, candidates) -> trees
+Refine = Callable[[DraftTree, DraftCandidates], DraftTree]
+CANDIDATES = 32  # candidates per depth a refined tree chooses from (DDTree: at least its node count)
+
+
 class Proposer(Protocol):
     name: str
     capture_layers: tuple[int, ...]  # target layers whose outputs the proposer reads (empty: none)
@@ -45,9 +57,10 @@ class Proposer(Protocol):
     tree_kernel: bool  # the accept walk may run as one Triton kernel per row
     lag: "DrafterLag"  # the host's count of each slot's deferred features (capacity 0: nothing deferred)
 
-    def propose(self, rows: RoundRows, nodes: int) -> DraftTree:
+    def propose(self, rows: RoundRows, nodes: int, refine: Refine | None = None) -> DraftTree:
         """The round's trees with ``nodes`` drafted nodes per row (1 <= nodes <= max_nodes):
-        every tensor has ``nodes + 1`` entries on the node axis."""
+        every tensor has ``nodes + 1`` entries on the node axis. ``refine``: passed the trees and the
+        drafter's candidates, it returns the trees to verify (rows with a grammar rebuilt)."""
 
     def context_entry_bytes(self) -> int:
         """Bytes of the proposer's own KV context per cached position (0: it keeps none)."""

@@ -143,7 +143,7 @@ def test_accept_walk_takes_first_of_duplicate_siblings() -> None:
     parents = torch.tensor([[NO_PARENT, 0, 0, 1, 2]])
     depths = torch.tensor([[0, 1, 1, 2, 2]])
     valid = torch.ones(1, 5, dtype=torch.bool)
-    mask = tree_module._ancestor_mask(parents, valid, 2)
+    mask = tree_module.ancestor_mask(parents, valid, 2)
     tree = DraftTree(tokens, parents, depths, valid, mask, torch.zeros(1, 5))
     for choice in ([5, 7, 8, 0, 0], [5, 8, 8, 0, 0], [5, 7, 7, 0, 0]):
         choice = torch.tensor([choice])

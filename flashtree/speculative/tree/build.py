@@ -323,11 +323,11 @@ def _assemble(
     valid = torch.cat([ones.bool(), valid], 1)  # [R, B+1]
     root_w = torch.zeros(num_rows, 1, dtype=log_weights.dtype, device=device)  # [R, 1]
     log_weights = torch.cat([root_w, log_weights.masked_fill(~valid[:, 1:], float("-inf"))], 1)
-    mask = _ancestor_mask(parents, valid, max_depth)  # [R, B+1, B+1]
+    mask = ancestor_mask(parents, valid, max_depth)  # [R, B+1, B+1]
     return DraftTree(tokens, parents, depths, valid, mask, log_weights)
 
 
-def _ancestor_mask(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
+def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
     """mask[r, i, j] = j == i or j is an ancestor of i; invalid nodes see only themselves.
 
     parents, valid: [R, N]. Pointer doubling: ``path[:, i, t]`` is the t-th ancestor of i
