@@ -50,5 +50,5 @@ class StructuredOutput:
         object.__setattr__(self, "value", json.dumps(schema))  # (key order kept: properties come out in it)
 
     @classmethod
-    def json_schema(cls, schema: dict | str) -> "StructuredOutput":
+    def json_schema(cls, schema: dict | str) -> StructuredOutput:
         return cls("json", schema)

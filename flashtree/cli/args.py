@@ -160,6 +160,16 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                           help="sampling seed (None: a random one per request)")
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    shape = sampling.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE_OR_JSON", default=None,
+                       help="structured output: answers follow this JSON schema (a file, or the schema itself)")
+    shape.add_argument("--json-object", action="store_true", help="structured output: answers are a JSON object")
+    shape.add_argument("--regex", default=None, help="structured output: answers match this regular expression")
+    shape.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                       help="structured output: the answer is one of these (repeatable)")
+    shape.add_argument("--grammar", metavar="FILE_OR_TEXT", default=None,
+                       help="structured output: answers follow this EBNF grammar (xgrammar's GBNF dialect; Lark with "
+                            "--grammar-backend llguidance)")
 
 
 def sampling_from_args(args):
@@ -167,7 +177,39 @@ def sampling_from_args(args):
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens, seed=args.sampling_seed, stop=tuple(args.stop),
-                          ignore_eos=args.ignore_eos)
+                          ignore_eos=args.ignore_eos, structured=structured_from_args(args))
+
+
+def structured_from_args(args):
+    """The structured output the flags ask for (None: free text)."""
+    from flashtree.structured import StructuredOutput
+
+    if args.json_schema is not None:
+        return StructuredOutput("json", _file_or_text(args.json_schema, "--json-schema"))
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.regex is not None:
+        return StructuredOutput("regex", args.regex)
+    if args.choice:
+        return StructuredOutput("choice", tuple(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput("grammar", _file_or_text(args.grammar, "--grammar"))
+    return None
+
+
+def _file_or_text(value: str, flag: str) -> str:
+    """The file's text when ``value`` names a file, else ``value`` itself."""
+    from pathlib import Path
+
+    from flashtree.errors import ConfigError
+
+    path = Path(value)
+    if len(value) < 4096 and "\n" not in value and path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{flag}: cannot read {value}: {err}") from None
+    return value
 
 
 def llm_from_args(args, **overrides):

@@ -14,7 +14,7 @@ vocabulary, W int32 words per token bitmask.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,12 @@ import torch
 from flashtree.device_copy import to_device
 from flashtree.engine.request import Request
 from flashtree.grammar.backends import bitmask_words
-from flashtree.grammar.tree import ALL_ALLOWED, allowed_tokens, grammar_tree, root_bitmask
+from flashtree.grammar.tree import (
+    ALL_ALLOWED,
+    allowed_tokens,
+    grammar_tree,
+    root_bitmask,
+)
 from flashtree.speculative.proposer import DraftCandidates
 from flashtree.speculative.tree.build import ancestor_mask
 from flashtree.speculative.tree.draft_tree import DraftTree
@@ -73,8 +78,8 @@ class GrammarRound:
                 continue
             budget = self.nodes if self.chain or req.budget is None else min(req.budget, self.nodes)
             row = grammar_tree(req.grammar, log_probs[b], tokens[b], budget, size, self.words, chain=self.chain)
-            for name in arrays:
-                arrays[name][b] = getattr(row, name)
+            for name, values in arrays.items():
+                values[b] = getattr(row, name)
             bitmask[b] = row.bitmask
         parents, valid = torch.from_numpy(arrays["parents"]), torch.from_numpy(arrays["valid"])
         rebuilt = DraftTree(tokens=torch.from_numpy(arrays["tokens"]), parents=parents,

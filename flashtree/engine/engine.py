@@ -18,6 +18,7 @@ before the next probe. A drafter that never matches then costs no captures after
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from typing import Sequence
@@ -51,6 +52,7 @@ from flashtree.models.build import (
 from flashtree.models.tokenizer import stop_token_ids_for
 from flashtree.policy import make_policy, rows_bucket
 from flashtree.sampling import SamplingParams
+from flashtree.structured import StructuredOutput
 from flashtree.speculative.registry import make_proposer
 
 # The first round after a pause of this long between engine steps (the engine sat idle: no
@@ -76,6 +78,7 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.pages.pool, config.cache.page_size) if config.cache.prefix_caching else None
         self.token_state: SlotTokenState | None = None  # made when a request first adjusts its logits
         self.grammars: Grammars | None = None  # made when a request first asks for structured output
+        self._grammars_made = threading.Lock()
         self.model.setup_rope(self.cache.spec.capacity + 1)
         self.timer = StageTimer(self.device, kernels.profile_stages)
         tree_tracer = TreeTracer(config.trace.trees) if config.trace.trees else None
@@ -171,10 +174,16 @@ class LLMEngine:
 
     def _grammars(self) -> Grammars:
         """The grammar compiler for this tokenizer (made for the first request with structured output)."""
-        if self.grammars is None:
-            self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.default_stop_ids,
-                                     self.config.scheduler.grammar_backend)
+        with self._grammars_made:
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.default_stop_ids,
+                                         self.config.scheduler.grammar_backend)
         return self.grammars
+
+    def compile_structured(self, structured: StructuredOutput) -> None:
+        """Compile ``structured`` now (any thread: a server compiles off its engine thread, whose
+        request then finds it compiled); a RequestError names what does not compile."""
+        self._grammars().matcher(structured)
 
     def abort(self, request_id: str) -> Request | None:
         return self.scheduler.abort(request_id)

@@ -107,8 +107,12 @@ class DeviceRound:
         t0 = timer.mark() if timer else 0.0
 
         # 1. propose: N = nodes + 1 entries per tree, the root first
-        refine = grammar.refine if grammar is not None else None
-        tree = self.proposer.propose(rows, nodes, refine) if nodes else root_only_tree(rows.bonus)
+        if nodes == 0:
+            tree = root_only_tree(rows.bonus)
+        elif grammar is not None:  # grammar rows' trees rebuilt from the drafter's candidates
+            tree = self.proposer.propose(rows, nodes, refine=grammar.refine)
+        else:
+            tree = self.proposer.propose(rows, nodes)
         tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, N]
         t1 = timer.add("draft", t0) if timer else 0.0
 

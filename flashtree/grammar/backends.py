@@ -13,7 +13,8 @@ emit it forever.
 from __future__ import annotations
 
 import json
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -58,7 +59,7 @@ class Grammars:
         try:
             self._make: Callable[[StructuredOutput], GrammarMatcher] = make(tokenizer, vocab_size,
                                                                             sorted(stop_token_ids))
-        except Exception as exc:  # (a tokenizer the backend cannot read: its own error types)
+        except Exception as exc:  # noqa: BLE001 (a tokenizer the backend cannot read: its own error types)
             others = [b for b in BACKENDS if b != backend]
             raise RequestError(f"structured output: the {backend} grammar backend cannot read this model's "
                                f"tokenizer ({_first_line(exc)}); try --grammar-backend {others[0]}") from None
@@ -69,7 +70,7 @@ class Grammars:
             return self._make(spec)
         except RequestError:
             raise
-        except Exception as exc:  # the backends raise their own types (RuntimeError, ValueError, ...)
+        except Exception as exc:  # noqa: BLE001 (the backends raise their own types: RuntimeError, ValueError...)
             raise RequestError(f"structured output: the {spec.kind} does not compile with {self.backend}: "
                                f"{_first_line(exc)}") from None
 

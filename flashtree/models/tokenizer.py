@@ -37,6 +37,13 @@ class ChatTemplateOptions:
     continue_final_message: bool = False  # leave the final (assistant) message open, to be continued
     chat_template: str | None = None  # a Jinja template instead of the tokenizer's
     variables: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # more template variables (enable_thinking, ...)
+    tools: tuple[Mapping[str, Any], ...] | None = None  # function tools, as transformers' templates read them
+
+
+def template_reads_tools(tokenizer, options: ChatTemplateOptions = ChatTemplateOptions()) -> bool:
+    """The chat template (the request's, or the tokenizer's) refers to ``tools``."""
+    template = options.chat_template or getattr(tokenizer, "chat_template", None) or ""
+    return isinstance(template, str) and "tools" in template
 
 
 def encode_chat(tokenizer, messages: Iterable[dict], options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
@@ -57,7 +64,7 @@ def encode_chat(tokenizer, messages: Iterable[dict], options: ChatTemplateOption
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=options.add_generation_prompt,
         continue_final_message=options.continue_final_message, chat_template=options.chat_template,
-        tokenize=True, **options.variables)
+        tokenize=True, **({"tools": list(options.tools)} if options.tools else {}), **options.variables)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

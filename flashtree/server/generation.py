@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Callable
+
+from pydantic import BaseModel
 
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import RequestError
-from flashtree.models.tokenizer import ChatTemplateOptions, encode_chat, encode_prompt
+from flashtree.models.tokenizer import (
+    ChatTemplateOptions,
+    encode_chat,
+    encode_prompt,
+    template_reads_tools,
+)
 from flashtree.sampling import SamplingParams
 from flashtree.server.errors import APIError, param_named_in
 from flashtree.server.protocol import (
@@ -23,6 +30,9 @@ from flashtree.server.protocol import (
     SamplingRequest,
     TokenizeRequest,
 )
+from flashtree.server.structured_fields import requested
+from flashtree.server.tools import ToolPlan, tool_plan
+from flashtree.structured import StructuredOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +43,15 @@ class ServedModel:
     max_context: int
     vocab_size: int
     tokenizer: Any  # None when the checkpoint has no tokenizer (token-id prompts only)
+    # compiles a request's structured output (the engine's compiler: its cache then serves the engine
+    # thread), raising a RequestError for one that does not compile; None: no structured output
+    compile_structured: Callable[[StructuredOutput], None] | None = None
 
     @classmethod
     def of(cls, engine: LLMEngine, name: str) -> "ServedModel":
         tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        return cls(name, engine.config.cache.max_context, engine.model.config.vocab_size, tokenizer)
+        return cls(name, engine.config.cache.max_context, engine.model.config.vocab_size, tokenizer,
+                   engine.compile_structured)
 
     def check_token_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -52,6 +66,7 @@ class GenerationInput:
     params: SamplingParams
     budget: int | None
     echo: str = ""  # text the answer starts with (completions' echo: the prompt)
+    tools: ToolPlan | None = None  # chat with tools: how the answer is read (server/tools.py)
 
     def choice(self, index: int) -> "GenerationInput":
         """The input of choice ``index`` of an n > 1 request: its seed, when the request gave one, is
@@ -63,12 +78,21 @@ class GenerationInput:
 
 def chat_input(body: ChatCompletionRequest, model: ServedModel) -> GenerationInput:
     messages = [m.as_template_dict() for m in body.messages]
+    plan = tool_plan([t.model_dump() for t in body.tools or ()],
+                     body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice,
+                     body.parallel_tool_calls)
+    offered = plan is not None and plan.mode != "none"
     options = ChatTemplateOptions(add_generation_prompt=body.add_generation_prompt,
                                   continue_final_message=body.continue_final_message,
-                                  chat_template=body.chat_template, variables=body.chat_template_kwargs or {})
+                                  chat_template=body.chat_template, variables=body.chat_template_kwargs or {},
+                                  tools=tuple(plan.template_tools()) if offered else None)
+    if offered and model.tokenizer is not None and not template_reads_tools(model.tokenizer, options):
+        messages = [{"role": "system", "content": plan.system_preamble()}] + messages
     prompt_ids = truncated(_tokenize(lambda: encode_chat(model.tokenizer, messages, options), "messages"), body)
     max_tokens = body.max_new_tokens or max(1, model.max_context - len(prompt_ids))
-    return GenerationInput(prompt_ids, sampling_params(body, max_tokens, "messages", model), body.budget)
+    forced = plan.structured if plan is not None else None
+    return GenerationInput(prompt_ids, sampling_params(body, max_tokens, "messages", model, forced), body.budget,
+                           tools=plan)
 
 
 def completion_input(body: CompletionRequest, model: ServedModel) -> GenerationInput:
@@ -115,17 +139,39 @@ def prompt_text(prompt_ids: list[int], body: CompletionRequest, model: ServedMod
     return model.tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str, model: ServedModel) -> SamplingParams:
+def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str, model: ServedModel,
+                    forced: StructuredOutput | None = None) -> SamplingParams:
+    """The request's sampling fields; ``forced``: the structured output a forced tool call needs."""
     if body.top_k > model.vocab_size:
         raise APIError(400, f"top_k: must be -1, 0 (off) or at most the vocabulary's {model.vocab_size} tokens, "
                             f"got {body.top_k}", param="top_k")
     stop_token_ids = tuple(body.stop_token_ids or ())
     model.check_token_ids(list(stop_token_ids), "stop_token_ids")
+    structured = requested(body)
+    if forced is not None and structured is not None:
+        raise APIError(400, "tool_choice: a forced tool call (required or a named function) cannot be combined "
+                            "with response_format or guided fields", param="tool_choice")
+    structured = checked(forced, model, "tools") if forced is not None else checked(structured, model,
+                                                                                    "response_format")
     return sampling_from(prompt_field, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                          max_tokens=max_tokens, stop=body.stop_strings, stop_token_ids=stop_token_ids,
                          seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs_count,
                          min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
-                         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
+                         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                         structured=structured)
+
+
+def checked(structured: StructuredOutput | None, model: ServedModel, field: str) -> StructuredOutput | None:
+    """``structured``, compiled here (off the event loop and the engine thread), or a 400 naming ``field``."""
+    if structured is None:
+        return None
+    if model.compile_structured is None:
+        raise APIError(400, f"{field}: structured output is not served for this model", param=field)
+    try:
+        model.compile_structured(structured)
+    except RequestError as err:
+        raise APIError(400, f"{field}: {err}", param=field) from None
+    return structured
 
 
 def sampling_from(prompt_field: str, **settings) -> SamplingParams:

@@ -32,9 +32,11 @@ from flashtree.server.generation import (
     GenerationInput,
     ServedModel,
     _tokenize,
+    checked,
     sampling_from,
 )
-from flashtree.server.protocol import PositiveInt, Temperature, UnitInterval, _Request
+from flashtree.server.protocol import PositiveInt, Temperature, TextOptions, UnitInterval, _Request
+from flashtree.server.structured_fields import from_text_options
 
 
 class InputText(_Request):
@@ -56,7 +58,6 @@ class ResponsesRequest(_Request):
     not_honoured = {
         "tools": ((None, []), "tools are not served yet"),
         "tool_choice": ((None, "none", "auto"), "tools are not served yet"),
-        "text": ((None, {"format": {"type": "text"}}), "structured output (text.format) is not served yet"),
         "reasoning": ((None,), "reasoning settings are not served"),
         "background": ((None, False), "background responses are not served"),
         "truncation": ((None, "disabled"), "only truncation 'disabled' is served"),
@@ -76,6 +77,7 @@ class ResponsesRequest(_Request):
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
+    text: TextOptions | None = None  # text.format: structured output (json_schema, json_object)
 
     def input_messages(self) -> list[dict[str, str]]:
         if isinstance(self.input, str):
@@ -123,9 +125,17 @@ def responses_input(body: ResponsesRequest, model: ServedModel, store: ResponseS
     head = [{"role": "system", "content": body.instructions}] if body.instructions else []
     prompt_ids = _tokenize(lambda: encode_chat(model.tokenizer, head + conversation), "input")
     max_tokens = body.max_output_tokens or max(1, model.max_context - len(prompt_ids))
+    structured = checked(from_text_options(body.text), model, "text.format")
     params = sampling_from("input", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                           max_tokens=max_tokens, seed=body.seed, ignore_eos=body.ignore_eos)
+                           max_tokens=max_tokens, seed=body.seed, ignore_eos=body.ignore_eos, structured=structured)
     return GenerationInput(prompt_ids, params, None), conversation
+
+
+def _text_options(body: ResponsesRequest) -> dict[str, Any]:
+    """The ``text`` field a response echoes: the request's format (text by default)."""
+    if body.text is None or body.text.format is None:
+        return {"format": {"type": "text"}}
+    return {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
 
 
 class ResponseIds:
@@ -146,7 +156,7 @@ def response_object(ids: ResponseIds, body: ResponsesRequest, model: str, status
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
         "parallel_tool_calls": False, "previous_response_id": body.previous_response_id, "store": body.store,
-        "temperature": body.temperature, "top_p": body.top_p, "text": {"format": {"type": "text"}},
+        "temperature": body.temperature, "top_p": body.top_p, "text": _text_options(body),
         "tool_choice": "none", "tools": [], "truncation": "disabled", "user": body.user,
         "usage": None if usage is None else {
             "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,

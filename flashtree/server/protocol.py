@@ -19,6 +19,7 @@ Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -59,12 +60,10 @@ NOT_HONOURED_COMMON: dict[str, tuple[tuple, str]] = {
     "logits_processors": ((None, []), "logits processors are not served"),
     "return_tokens_as_token_ids": ((None, False), "tokens are returned as text"),
     "priority": ((None, 0), "requests have no priorities here"),
-    "response_format": ((None, {"type": "text"}), "structured output (response_format) is not served yet"),
-    "guided_json": ((None,), "structured output (guided_json) is not served yet"),
-    "guided_regex": ((None,), "structured output (guided_regex) is not served yet"),
-    "guided_choice": ((None,), "structured output (guided_choice) is not served yet"),
-    "guided_grammar": ((None,), "structured output (guided_grammar) is not served yet"),
-    "structural_tag": ((None,), "structured output (structural_tag) is not served yet"),
+    "structural_tag": ((None,), "structured output by structural tags is not served; use response_format, "
+                                "guided_json, guided_regex, guided_choice or guided_grammar"),
+    "guided_decoding_backend": ((None,), "the grammar backend is the server's (--grammar-backend)"),
+    "guided_whitespace_pattern": ((None,), "JSON comes out compact; a whitespace pattern is not served"),
 }
 
 
@@ -86,6 +85,44 @@ class _Request(BaseModel):
 def _same(value: Any, off: Any) -> bool:
     """``value`` is the "off" value ``off`` (``0`` is ``0.0``, but ``False`` is not ``0``)."""
     return isinstance(value, bool) == isinstance(off, bool) and value == off
+
+
+class JSONSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    name: StrictStr = "response"
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # (always enforced: the grammar allows nothing else)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class TextFormat(_Request):
+    """The Responses API's ``text.format``: the json_schema fields sit beside ``type``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr = "response"
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextOptions(_Request):
+    format: TextFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs`` object (server/structured_fields.py reads these)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
 
 
 class StreamOptions(_Request):
@@ -115,6 +152,13 @@ class SamplingRequest(_Request):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Field(strict=True, gt=0, le=2, allow_inf_nan=False)] = 1.0
+    # structured output (at most one; server/structured_fields.py)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[StrictStr, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -137,26 +181,77 @@ class TextPart(_Request):
     text: StrictStr
 
 
+class FunctionCall(_Request):
+    name: StrictStr
+    arguments: StrictStr  # JSON text
+
+
+class MessageToolCall(_Request):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
+    name: StrictStr | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The message as a chat template reads it (text parts joined)."""
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it (text parts joined; a call's arguments as an
+        object when they are JSON, as transformers' templates expect)."""
         if self.content is None:
-            return {"role": self.role, "content": ""}
-        if isinstance(self.content, str):
-            return {"role": self.role, "content": self.content}
-        return {"role": self.role, "content": "".join(part.text for part in self.content)}
+            message: dict[str, Any] = {"role": self.role, "content": ""}
+        elif isinstance(self.content, str):
+            message = {"role": self.role, "content": self.content}
+        else:
+            message = {"role": self.role, "content": "".join(part.text for part in self.content)}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[StrictStr, Any] | None = None  # a JSON schema of the arguments (object)
+    strict: StrictBool | None = None  # (a forced call always follows the schema)
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
     not_honoured = {
         **NOT_HONOURED_COMMON,
-        "tools": ((None, []), "tool calls are not served yet"),
-        "tool_choice": ((None, "none"), "tool calls are not served yet"),
-        "functions": ((None, []), "function calls are not served yet"),
-        "function_call": ((None, "none"), "function calls are not served yet"),
+        "functions": ((None, []), "the legacy functions field is not served; use tools"),
+        "function_call": ((None, "none"), "the legacy function_call field is not served; use tool_choice"),
         "echo": ((None, False), "echo is served for completions only"),
         "documents": ((None, []), "documents are not served"),
     }
@@ -168,6 +263,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[StrictStr, Any] | None = None
     logprobs: StrictBool | None = None  # each output token's log-probability
     top_logprobs: LogprobCount | None = None  # with logprobs: this many likeliest alternatives per token
+    tools: list[ToolDefinition] | None = None  # function tools (server/tools.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
     def _final_message_options(self) -> "ChatCompletionRequest":
@@ -276,7 +374,8 @@ class Usage(_Response):
 
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # {"id", "type": "function", "function": {"name", "arguments"}}
 
 
 class TopLogprob(_Response):
@@ -318,7 +417,7 @@ class ChatCompletionResponse(_Response):
 
 class ChatChunkChoice(_Response):
     index: int = 0
-    delta: dict[str, str]  # {"role", "content"} on the first chunk, {"content"} after, {} at the end
+    delta: dict[str, Any]  # {"role", "content"} on the first chunk, {"content"} after ({"tool_calls"}), {} at the end
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
 

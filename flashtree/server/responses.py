@@ -37,6 +37,7 @@ from flashtree.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from flashtree.server.tools import AutoCallText, ToolCall, ToolPlan
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -79,19 +80,27 @@ async def last_delta(stream: RequestStream) -> GenerationDelta:
     return final if final.logprobs is None else dataclasses.replace(final, logprobs=tuple(logprobs))
 
 
-def chat_response(response_id: str, model: str, finals: list[GenerationDelta], echo: str = ""
-                  ) -> ChatCompletionResponse:
-    """The whole answer: a choice per request (``finals``: each one's last delta)."""
-    choices = [ChatChoice(index=index, message=AssistantMessage(content=final.full_text or ""),
-                          finish_reason=final.finish_reason,
-                          logprobs=None if final.logprobs is None else chat_logprobs(final.logprobs))
-               for index, final in enumerate(finals)]
+def chat_response(response_id: str, model: str, finals: list[GenerationDelta], echo: str = "",
+                  tools: ToolPlan | None = None) -> ChatCompletionResponse:
+    """The whole answer: a choice per request (``finals``: each one's last delta; ``tools``: how
+    tool calls are read from it)."""
+    choices = []
+    for index, final in enumerate(finals):
+        content, calls = (final.full_text or "", []) if tools is None else tools.read(final.full_text or "")
+        message = AssistantMessage(content=content, tool_calls=[c.as_dict() for c in calls] or None)
+        choices.append(ChatChoice(index=index, message=message, finish_reason=_finish_reason(final, calls),
+                                  logprobs=None if final.logprobs is None else chat_logprobs(final.logprobs)))
     usage = combined_usage([final.usage for final in finals])
     return ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage_of(usage))
 
 
-def completion_response(response_id: str, model: str, finals: list[GenerationDelta], echo: str = ""
-                        ) -> CompletionResponse:
+def _finish_reason(final: GenerationDelta, calls: list[ToolCall]) -> str | None:
+    """``tool_calls`` for an answer that ended on its own with calls."""
+    return "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
+
+
+def completion_response(response_id: str, model: str, finals: list[GenerationDelta], echo: str = "",
+                        tools: ToolPlan | None = None) -> CompletionResponse:
     """The whole answer, a choice per request (``echo``: the text each starts with, the prompt when
     the request asked)."""
     choices = [CompletionChoice(index=index, text=echo + (final.full_text or ""), finish_reason=final.finish_reason,
@@ -131,8 +140,8 @@ class ChoiceEvents(NamedTuple):
 
 
 async def chat_events(streams: list[RequestStream], response_id: str, model: str, include_usage: bool,
-                      cancel: Callable[[RequestStream], None], echo: str = "", logprobs: bool = False
-                      ) -> AsyncIterator[str]:
+                      cancel: Callable[[RequestStream], None], echo: str = "", logprobs: bool = False,
+                      tools: ToolPlan | None = None) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chat_chunk(index: int, delta: dict, finish_reason: str | None = None, step: GenerationDelta | None = None
@@ -149,8 +158,33 @@ async def chat_events(streams: list[RequestStream], response_id: str, model: str
                 return sse(chat_chunk(index, {"content": step.text}, step=step)) if step.token_ids or step.text else None
             return text_event(step.text) if step.text else None
 
-        return ChoiceEvents([sse(chat_chunk(index, {"role": "assistant", "content": ""}))], step_event,
-                            lambda d: sse(chat_chunk(index, {}, d.finish_reason)))
+        opening = [sse(chat_chunk(index, {"role": "assistant", "content": ""}))]
+        if tools is not None and tools.mode != "none":
+            return tool_choice_events(index, opening)
+        return ChoiceEvents(opening, step_event, lambda d: sse(chat_chunk(index, {}, d.finish_reason)))
+
+    def tool_choice_events(index: int, opening: list[str]) -> ChoiceEvents:
+        """A choice that may call tools: content goes out while it cannot be a call (forced calls:
+        none); the calls, read from the whole answer, in one chunk at the end."""
+        held = AutoCallText()
+
+        def step_event(step: GenerationDelta) -> str | None:
+            if tools.mode != "auto" or not step.text:
+                return None
+            text = held.feed(step.text)
+            return sse(chat_chunk(index, {"content": text})) if text else None
+
+        def finish(final: GenerationDelta) -> str:
+            content, calls = tools.read(final.full_text or "")
+            if not calls:
+                rest = held.rest() if tools.mode == "auto" else (final.full_text or "")
+                events = [sse(chat_chunk(index, {"content": rest}))] if rest else []
+                return "".join(events + [sse(chat_chunk(index, {}, final.finish_reason))])
+            deltas = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
+            return (sse(chat_chunk(index, {"tool_calls": deltas}))
+                    + sse(chat_chunk(index, {}, _finish_reason(final, calls))))
+
+        return ChoiceEvents(opening, step_event, finish)
 
     def usage_chunk(usage: RequestUsage) -> str:
         return sse(ChatCompletionChunk(id=response_id, model=model, created=created, choices=[],
@@ -162,8 +196,8 @@ async def chat_events(streams: list[RequestStream], response_id: str, model: str
 
 
 async def completion_events(streams: list[RequestStream], response_id: str, model: str, include_usage: bool,
-                            cancel: Callable[[RequestStream], None], echo: str = "", logprobs: bool = False
-                            ) -> AsyncIterator[str]:
+                            cancel: Callable[[RequestStream], None], echo: str = "", logprobs: bool = False,
+                            tools: ToolPlan | None = None) -> AsyncIterator[str]:
     created = int(time.time())
 
     def completion_chunk(index: int, text: str, finish_reason: str | None = None, values=None) -> CompletionResponse:

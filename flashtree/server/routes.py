@@ -193,12 +193,12 @@ def build_router(ctx: ServerContext) -> APIRouter:
         response_id = new_id(id_prefix)
         if body.stream:
             return event_stream(events(streams, response_id, model.name, body.include_usage, ctx.engine.cancel,
-                                       echo=generation.echo, logprobs=generation.params.logprobs is not None),
-                                ctx, streams)
+                                       echo=generation.echo, logprobs=generation.params.logprobs is not None,
+                                       tools=generation.tools), ctx, streams)
         finals = await ctx.finish(streams, request)
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return respond(response_id, model.name, finals, echo=generation.echo)
+        return respond(response_id, model.name, finals, echo=generation.echo, tools=generation.tools)
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):

@@ -47,7 +47,7 @@ def post(server: ServerThread, path: str, body, **kwargs) -> httpx.Response:
 
 # ---------------------------------------------------------------------------- fields
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
+    ("structural_tag", {"type": "structural_tag"}), ("guided_decoding_backend", "outlines"),
     ("tool_choice", "auto"), ("prompt_logprobs", 1), ("echo", True),
     ("min_p", 0.1), ("include_stop_str_in_output", True), ("best_of", 2),
 ])
