@@ -6,8 +6,10 @@ JSON schema over SmolLM2's 49,152 tokens on a 2-core EPYC) and llguidance (about
 compile step, Lark grammars). Both fill the same token bitmask, int32 ``[W]`` per row with
 ``W = ceil(V / 32)``, bit ``t % 32`` of word ``t // 32`` set when token t is allowed.
 
-JSON comes out compact (no free whitespace between tokens): a small model given free whitespace can
-emit it forever.
+JSON has a fixed layout, never free whitespace (a small model given free whitespace can emit it
+forever): with xgrammar, indented by two spaces, the layout models write JSON in by themselves, so
+the drafter predicts it (SmolLM2, DDTree-4 on a 2-core EPYC: mean acceptance 2.47 against 1.95 for
+compact JSON and 2.1-2.2 for bounded free whitespace); with llguidance, compact.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class GrammarMatcher(Protocol):
     @property
     def terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted: nothing more may follow."""
+
+
+JSON_INDENT = 2  # xgrammar's JSON layout (see the module docstring)
 
 
 def bitmask_words(vocab: int) -> int:
@@ -94,9 +99,9 @@ def _xgrammar_factory(tokenizer, vocab_size: int, stop_ids: list[int]) -> Callab
 
     def compile_spec(spec: StructuredOutput):
         if spec.kind == "json":
-            return compiler.compile_json_schema(spec.value, any_whitespace=False)
+            return compiler.compile_json_schema(spec.value, any_whitespace=False, indent=JSON_INDENT)
         if spec.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, indent=JSON_INDENT)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.value)
         if spec.kind == "choice":

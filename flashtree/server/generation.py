@@ -81,18 +81,27 @@ def chat_input(body: ChatCompletionRequest, model: ServedModel) -> GenerationInp
     plan = tool_plan([t.model_dump() for t in body.tools or ()],
                      body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice,
                      body.parallel_tool_calls)
-    offered = plan is not None and plan.mode != "none"
     options = ChatTemplateOptions(add_generation_prompt=body.add_generation_prompt,
                                   continue_final_message=body.continue_final_message,
-                                  chat_template=body.chat_template, variables=body.chat_template_kwargs or {},
-                                  tools=tuple(plan.template_tools()) if offered else None)
-    if offered and model.tokenizer is not None and not template_reads_tools(model.tokenizer, options):
-        messages = [{"role": "system", "content": plan.system_preamble()}] + messages
+                                  chat_template=body.chat_template, variables=body.chat_template_kwargs or {})
+    messages, options = with_tools(messages, plan, options, model)
     prompt_ids = truncated(_tokenize(lambda: encode_chat(model.tokenizer, messages, options), "messages"), body)
     max_tokens = body.max_new_tokens or max(1, model.max_context - len(prompt_ids))
     forced = plan.structured if plan is not None else None
     return GenerationInput(prompt_ids, sampling_params(body, max_tokens, "messages", model, forced), body.budget,
                            tools=plan)
+
+
+def with_tools(messages: list[dict], plan: ToolPlan | None, options: ChatTemplateOptions, model: ServedModel
+               ) -> tuple[list[dict], ChatTemplateOptions]:
+    """The messages and template options that offer ``plan``'s tools: to the template's ``tools``,
+    and in a system message of ours when the template does not read them."""
+    if plan is None or plan.mode == "none":
+        return messages, options
+    options = dataclasses.replace(options, tools=tuple(plan.template_tools()))
+    if model.tokenizer is not None and not template_reads_tools(model.tokenizer, options):
+        messages = [{"role": "system", "content": plan.system_preamble()}, *messages]
+    return messages, options
 
 
 def completion_input(body: CompletionRequest, model: ServedModel) -> GenerationInput:

@@ -18,9 +18,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
-from flashtree.models.tokenizer import encode_chat
+from flashtree.models.tokenizer import ChatTemplateOptions, encode_chat
 from flashtree.server.async_engine import (
     EngineFailure,
     GenerationDelta,
@@ -34,9 +34,20 @@ from flashtree.server.generation import (
     _tokenize,
     checked,
     sampling_from,
+    with_tools,
 )
-from flashtree.server.protocol import PositiveInt, Temperature, TextOptions, UnitInterval, _Request
+from flashtree.server.protocol import (
+    ChatMessage,
+    FunctionCall,
+    MessageToolCall,
+    PositiveInt,
+    Temperature,
+    TextOptions,
+    UnitInterval,
+    _Request,
+)
 from flashtree.server.structured_fields import from_text_options
+from flashtree.server.tools import ToolCall, ToolPlan, tool_plan
 
 
 class InputText(_Request):
@@ -49,22 +60,73 @@ class InputMessage(_Request):
     role: Literal["user", "assistant", "system", "developer"]
     content: StrictStr | list[InputText]
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class FunctionCallItem(_Request):
+    """A call the model made, sent back in the conversation."""
+
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+
+    def as_template_dict(self) -> dict[str, Any]:
+        call = MessageToolCall(id=self.call_id, function=FunctionCall(name=self.name, arguments=self.arguments))
+        return ChatMessage(role="assistant", content=None, tool_calls=[call]).as_template_dict()
+
+
+class FunctionCallOutputItem(_Request):
+    """A call's result."""
+
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr
+
+    def as_template_dict(self) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": self.call_id, "content": self.output}
+
+
+def _item_type(value: Any) -> str:
+    """An input item's kind: its ``type`` (a message may leave it out)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind or "message"
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
+
+
+class FunctionTool(_Request):
+    """A Responses function tool: the chat tool's function fields, flat."""
+
+    type: Literal["function"]
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[StrictStr, Any] | None = None
+    strict: StrictBool | None = None
+
+    def as_chat_tool(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+class FunctionChoice(_Request):
+    type: Literal["function"]
+    name: StrictStr
+
+
 class ResponsesRequest(_Request):
     not_honoured = {
-        "tools": ((None, []), "tools are not served yet"),
-        "tool_choice": ((None, "none", "auto"), "tools are not served yet"),
         "reasoning": ((None,), "reasoning settings are not served"),
         "background": ((None, False), "background responses are not served"),
         "truncation": ((None, "disabled"), "only truncation 'disabled' is served"),
         "include": ((None, []), "include is not served"),
     }
     model: StrictStr
-    input: StrictStr | Annotated[list[InputMessage], Field(min_length=1)]
+    input: StrictStr | Annotated[list[InputItem], Field(min_length=1)]
     instructions: StrictStr | None = None
     max_output_tokens: PositiveInt | None = None
     temperature: Temperature = 1.0
@@ -78,8 +140,17 @@ class ResponsesRequest(_Request):
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
     text: TextOptions | None = None  # text.format: structured output (json_schema, json_object)
+    tools: list[FunctionTool] | None = None  # function tools only (server/tools.py)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
-    def input_messages(self) -> list[dict[str, str]]:
+    def tool_plan(self) -> ToolPlan | None:
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        return tool_plan([t.as_chat_tool() for t in self.tools or ()], choice, self.parallel_tool_calls)
+
+    def input_messages(self) -> list[dict[str, Any]]:
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         return [item.as_template_dict() for item in self.input]
@@ -117,18 +188,25 @@ class ResponseStore:
 
 
 def responses_input(body: ResponsesRequest, model: ServedModel, store: ResponseStore
-                    ) -> tuple[GenerationInput, list[dict[str, str]]]:
+                    ) -> tuple[GenerationInput, list[dict[str, Any]]]:
     """The engine input and the conversation (without instructions: they are not carried over)."""
     history = [] if body.previous_response_id is None else store.get(body.previous_response_id,
                                                                      "previous_response_id")[1]
     conversation = history + body.input_messages()
     head = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    prompt_ids = _tokenize(lambda: encode_chat(model.tokenizer, head + conversation), "input")
+    plan = body.tool_plan()
+    messages, options = with_tools(head + conversation, plan, ChatTemplateOptions(), model)
+    prompt_ids = _tokenize(lambda: encode_chat(model.tokenizer, messages, options), "input")
     max_tokens = body.max_output_tokens or max(1, model.max_context - len(prompt_ids))
-    structured = checked(from_text_options(body.text), model, "text.format")
+    forced = plan.structured if plan is not None else None
+    requested = from_text_options(body.text)
+    if forced is not None and requested is not None:
+        raise APIError(400, "tool_choice: a forced tool call (required or a named function) cannot be combined with "
+                            "text.format", param="tool_choice")
+    structured = checked(forced, model, "tools") if forced is not None else checked(requested, model, "text.format")
     params = sampling_from("input", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                            max_tokens=max_tokens, seed=body.seed, ignore_eos=body.ignore_eos, structured=structured)
-    return GenerationInput(prompt_ids, params, None), conversation
+    return GenerationInput(prompt_ids, params, None, tools=plan), conversation
 
 
 def _text_options(body: ResponsesRequest) -> dict[str, Any]:
@@ -145,25 +223,47 @@ class ResponseIds:
         self.created = int(time.time())
 
 
-def response_object(ids: ResponseIds, body: ResponsesRequest, model: str, status: str, text: str | None,
-                    usage: RequestUsage | None = None, finish_reason: str | None = None) -> dict[str, Any]:
-    """A ``response`` object; ``text`` None: no output yet (a stream's first events)."""
+def response_object(ids: ResponseIds, body: ResponsesRequest, model: str, status: str,
+                    output: list[dict[str, Any]] | None, usage: RequestUsage | None = None,
+                    finish_reason: str | None = None) -> dict[str, Any]:
+    """A ``response`` object with its output items (None: no output yet, a stream's first events)."""
     incomplete = status == "completed" and finish_reason == "length"
-    output = [] if text is None else [message_item(ids, text, "completed")]
+    output = output or []
     return {
         "id": ids.response, "object": "response", "created_at": ids.created, "model": model,
         "status": "incomplete" if incomplete else status, "output": output, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
-        "parallel_tool_calls": False, "previous_response_id": body.previous_response_id, "store": body.store,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id, "store": body.store,
         "temperature": body.temperature, "top_p": body.top_p, "text": _text_options(body),
-        "tool_choice": "none", "tools": [], "truncation": "disabled", "user": body.user,
+        "tool_choice": _tool_choice(body), "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+        "truncation": "disabled", "user": body.user,
         "usage": None if usage is None else {
             "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens_details": {"reasoning_tokens": 0}},
     }
+
+
+def _tool_choice(body: ResponsesRequest) -> Any:
+    choice = body.tool_choice
+    if isinstance(choice, FunctionChoice):
+        return choice.model_dump()
+    return choice or ("auto" if body.tools else "none")
+
+
+def function_call_item(call: ToolCall) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": "completed"}
+
+
+def output_items(ids: ResponseIds, text: str, tools: ToolPlan | None) -> tuple[list[dict[str, Any]], list[ToolCall]]:
+    """The answer as output items (a message for its content, a function_call per call), and the calls."""
+    content, calls = (text, []) if tools is None else tools.read(text)
+    items = [message_item(ids, content, "completed")] if content is not None and (content or not calls) else []
+    return items + [function_call_item(call) for call in calls], calls
 
 
 def message_item(ids: ResponseIds, text: str, status: str) -> dict[str, Any]:
@@ -176,12 +276,19 @@ def output_text(text: str) -> dict[str, Any]:
 
 
 def finished_response(ids: ResponseIds, body: ResponsesRequest, model: str, final: GenerationDelta,
-                      conversation: list[dict[str, str]], store: ResponseStore) -> dict[str, Any]:
+                      conversation: list[dict[str, Any]], store: ResponseStore, tools: ToolPlan | None = None
+                      ) -> dict[str, Any]:
     """The completed response object, stored with its conversation when the request asked."""
-    text = final.full_text or ""
-    response = response_object(ids, body, model, "completed", text, final.usage, final.finish_reason)
+    items, calls = output_items(ids, final.full_text or "", tools)
+    response = response_object(ids, body, model, "completed", items, final.usage, final.finish_reason)
     if body.store:
-        store.put(response, conversation + [{"role": "assistant", "content": text}])
+        content = next((i["content"][0]["text"] for i in items if i["type"] == "message"), None)
+        turn = {"role": "assistant", "content": content or ""}
+        if calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                 "arguments": c.arguments}}
+                                  for c in calls]
+        store.put(response, conversation + [turn])
     return response
 
 
@@ -198,33 +305,32 @@ class _Events:
 
 
 async def response_events(stream: RequestStream, ids: ResponseIds, body: ResponsesRequest, model: str,
-                          conversation: list[dict[str, str]], store: ResponseStore,
-                          cancel: Callable[[RequestStream], None]) -> AsyncIterator[str]:
+                          conversation: list[dict[str, Any]], store: ResponseStore,
+                          cancel: Callable[[RequestStream], None], tools: ToolPlan | None = None
+                          ) -> AsyncIterator[str]:
     """created, in_progress, output_item.added, content_part.added, output_text.delta..., then
-    output_text.done, content_part.done, output_item.done and completed."""
+    output_text.done, content_part.done, output_item.done and completed. With tools offered, the
+    output items (a message, function calls) are read from the whole answer and sent at its end."""
     event = _Events()
-    where = {"item_id": ids.message, "output_index": 0, "content_index": 0}
     yield (event("response.created", response=response_object(ids, body, model, "in_progress", None))
-           + event("response.in_progress", response=response_object(ids, body, model, "in_progress", None))
-           + event("response.output_item.added", output_index=0, item=message_item(ids, "", "in_progress"))
-           + event("response.content_part.added", **where, part=output_text("")))
-    text = ""
+           + event("response.in_progress", response=response_object(ids, body, model, "in_progress", None)))
+    incremental = tools is None or tools.mode == "none"
+    where = {"item_id": ids.message, "output_index": 0, "content_index": 0}
+    if incremental:
+        yield (event("response.output_item.added", output_index=0, item=message_item(ids, "", "in_progress"))
+               + event("response.content_part.added", **where, part=output_text("")))
     try:
         async for batch in stream.batches():
-            out = []
-            for delta in batch:
-                if delta.text:
-                    text += delta.text
-                    out.append(event("response.output_text.delta", **where, delta=delta.text, logprobs=[]))
+            out = [event("response.output_text.delta", **where, delta=d.text, logprobs=[])
+                   for d in batch if d.text and incremental]
             last = batch[-1]
             if last.finished:
-                final = finished_response(ids, body, model, last, conversation, store)
-                done_text = final["output"][0]["content"][0]["text"]
-                out += [event("response.output_text.done", **where, text=done_text, logprobs=[]),
-                        event("response.content_part.done", **where, part=output_text(done_text)),
-                        event("response.output_item.done", output_index=0, item=final["output"][0]),
-                        event("response.completed" if final["status"] == "completed" else "response.incomplete",
-                              response=final)]
+                final = finished_response(ids, body, model, last, conversation, store, tools)
+                items = final["output"]
+                out += _message_done(event, where, items[0]) if incremental else [
+                    e for index, item in enumerate(items) for e in _item_events(event, index, item)]
+                out.append(event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                                 response=final))
             if out:
                 yield "".join(out)
     except EngineFailure as err:
@@ -233,3 +339,28 @@ async def response_events(stream: RequestStream, ids: ResponseIds, body: Respons
         yield event("response.failed", response=failed)
     finally:
         cancel(stream)
+
+
+def _message_done(event: _Events, where: dict[str, Any], item: dict[str, Any]) -> list[str]:
+    text = item["content"][0]["text"]
+    return [event("response.output_text.done", **where, text=text, logprobs=[]),
+            event("response.content_part.done", **where, part=output_text(text)),
+            event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+
+def _item_events(event: _Events, index: int, item: dict[str, Any]) -> list[str]:
+    """The whole event sequence of one finished output item (a message or a function call)."""
+    if item["type"] == "message":
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        text = item["content"][0]["text"]
+        return [event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                              "content": []}),
+                event("response.content_part.added", **where, part=output_text("")),
+                event("response.output_text.delta", **where, delta=text, logprobs=[]),
+                *_message_done(event, where, item)]
+    where = {"item_id": item["id"], "output_index": index}
+    return [event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                          "arguments": ""}),
+            event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+            event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+            event("response.output_item.done", output_index=index, item=item)]

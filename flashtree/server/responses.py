@@ -175,7 +175,7 @@ async def chat_events(streams: list[RequestStream], response_id: str, model: str
             return sse(chat_chunk(index, {"content": text})) if text else None
 
         def finish(final: GenerationDelta) -> str:
-            content, calls = tools.read(final.full_text or "")
+            _, calls = tools.read(final.full_text or "")  # (auto: the content before the call went out already)
             if not calls:
                 rest = held.rest() if tools.mode == "auto" else (final.full_text or "")
                 events = [sse(chat_chunk(index, {"content": rest}))] if rest else []

@@ -9,8 +9,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
-from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
 from flashtree.server.anthropic import (
@@ -218,12 +218,12 @@ def build_router(ctx: ServerContext) -> APIRouter:
         response_id, stops = message_id(), tuple(body.stop_sequences or ())
         if body.stream:
             events = message_events(streams[0], response_id, model.name, len(generation.prompt_ids), stops,
-                                    ctx.engine.cancel)
+                                    ctx.engine.cancel, generation.tools)
             return event_stream(events, ctx, streams)
         finals = await ctx.finish(streams, request)
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(message_response(response_id, model.name, finals[0], stops))
+        return JSONResponse(message_response(response_id, model.name, finals[0], stops, generation.tools))
 
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
@@ -234,12 +234,14 @@ def build_router(ctx: ServerContext) -> APIRouter:
         streams = await ctx.submit(generation, 1, "input", arrival)
         ids = ResponseIds()
         if body.stream:
-            events = response_events(streams[0], ids, body, model.name, conversation, ctx.responses, ctx.engine.cancel)
+            events = response_events(streams[0], ids, body, model.name, conversation, ctx.responses, ctx.engine.cancel,
+                                     generation.tools)
             return event_stream(events, ctx, streams)
         finals = await ctx.finish(streams, request)
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(finished_response(ids, body, model.name, finals[0], conversation, ctx.responses))
+        return JSONResponse(finished_response(ids, body, model.name, finals[0], conversation, ctx.responses,
+                                              generation.tools))
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):

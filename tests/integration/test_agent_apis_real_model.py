@@ -157,3 +157,53 @@ def test_tool_choice_mistakes_are_400s(served):
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         api.chat.completions.create(model="tiny", messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], max_tokens=8,
                                     tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_responses_api_function_calls_and_their_outputs(served):
+    api = _client(served)
+    tools = [{"type": "function", **WEATHER_TOOL["function"]}, {"type": "function", **TIME_TOOL["function"]}]
+    choice = {"type": "function", "name": "get_weather"}
+    response = api.responses.create(model="tiny", input=WEATHER_QUESTION, tools=tools, tool_choice=choice,
+                                    max_output_tokens=60, temperature=0)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    arguments = _weather_arguments(call.arguments)
+    with api.responses.stream(model="tiny", input=WEATHER_QUESTION, tools=tools, tool_choice=choice,
+                              max_output_tokens=60, temperature=0) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert [json.loads(i.arguments) for i in streamed] == [arguments]
+    follow_up = api.responses.create(model="tiny", previous_response_id=response.id, tools=tools,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": '{"temperature": 21}'}], max_output_tokens=30, temperature=0)
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output
+
+
+def test_messages_api_tool_use_and_tool_results(served):
+    api = anthropic.Anthropic(base_url=served.url, api_key="none", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in (WEATHER_TOOL, TIME_TOOL)]
+    forced = {"type": "tool", "name": "get_weather"}
+    message = api.messages.create(model="tiny", max_tokens=60, messages=WEATHER_QUESTION, tools=tools,
+                                  tool_choice=forced, extra_body={"temperature": 0})
+    assert message.stop_reason == "tool_use"
+    (use,) = [block for block in message.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    assert set(use.input) == {"city", "unit"} and use.input["unit"] in ("celsius", "fahrenheit")
+    with api.messages.stream(model="tiny", max_tokens=60, messages=WEATHER_QUESTION, tools=tools,
+                             tool_choice=forced, extra_body={"temperature": 0}) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use" and [b.input for b in streamed.content if b.type == "tool_use"] == [
+        use.input]
+    any_tool = api.messages.create(model="tiny", max_tokens=80, messages=WEATHER_QUESTION, tools=tools,
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                   extra_body={"temperature": 0})
+    assert [b.name for b in any_tool.content if b.type == "tool_use"][0] in ("get_weather", "get_time")
+    history = WEATHER_QUESTION + [
+        {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C, clear"}]}]
+    answer = api.messages.create(model="tiny", max_tokens=30, messages=history, tools=tools,
+                                 extra_body={"temperature": 0})
+    assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")

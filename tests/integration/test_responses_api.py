@@ -103,7 +103,9 @@ def test_the_store_keeps_the_most_recent_and_forgets_the_rest(served):
 @pytest.mark.parametrize("body,param", [
     ({"model": "tiny"}, "input"),
     ({"model": "tiny", "input": []}, "input"),
-    ({"model": "tiny", "input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"model": "tiny", "input": "x", "tools": [{"type": "function", "name": "f"}],
+      "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"model": "tiny", "input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"model": "tiny", "input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": 3}}}},
      "text.format"),

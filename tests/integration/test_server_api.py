@@ -48,7 +48,7 @@ def post(server: ServerThread, path: str, body, **kwargs) -> httpx.Response:
 # ---------------------------------------------------------------------------- fields
 @pytest.mark.parametrize("field,value", [
     ("structural_tag", {"type": "structural_tag"}), ("guided_decoding_backend", "outlines"),
-    ("tool_choice", "auto"), ("prompt_logprobs", 1), ("echo", True),
+    ("functions", [{"name": "f"}]), ("prompt_logprobs", 1), ("echo", True),
     ("min_p", 0.1), ("include_stop_str_in_output", True), ("best_of", 2),
 ])
 def test_chat_fields_not_served_are_refused_by_name(served, field, value):
