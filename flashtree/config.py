@@ -181,6 +181,11 @@ class TraceConfig:
     trees: str | None = None  # JSON lines: per round, each request's tree and accepted path
     policy: str | None = None  # JSON lines: per round, the adaptive policy's choice, timing, estimates
     steps: str | None = None  # JSON lines: per engine step, its round, prefill and the gap before it (ms)
+    recent_trees: int = 0  # keep each request's last N draft trees in memory (the playground draws them)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recent_trees, bool) or not isinstance(self.recent_trees, int) or self.recent_trees < 0:
+            raise ConfigError(f"recent_trees must be an integer >= 0, got {self.recent_trees!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,13 +123,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="write each round's adaptive-speculation choice, time and estimates as JSON lines")
     trace.add_argument("--trace-steps", default=TraceConfig.steps, metavar="FILE",
                        help="write each engine step's round, prefill and the gap before it (ms) as JSON lines")
+    trace.add_argument("--recent-trees", type=int, default=TraceConfig.recent_trees, metavar="N",
+                       help="keep each request's last N draft trees in memory (serve's playground draws them; "
+                            "serve's default: 4)")
 
 
 # flag dest -> flat engine setting (EngineConfig.of); the speculation method and drafter go apart
 ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "max_context", "page_size",
                 "kv_pages", "gpu_memory_utilization", "prefix_caching", "max_running",
                 "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
-                "grammar_backend", *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps")
+                "grammar_backend", *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps",
+                "recent_trees")
 
 
 def speculation_from_args(args: argparse.Namespace) -> SpeculationConfig:

@@ -22,6 +22,7 @@ from flashtree.errors import AddressInUseError, FlashtreeError
 from flashtree.server.config import EVENT_LOOPS, HTTP_IMPLEMENTATIONS, LOOPBACK, ServerConfig
 
 API_KEY_ENV = "FLASHTREE_API_KEY"
+PLAYGROUND_TREES = 4  # each request's last draft trees kept for the playground (GET /)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -48,7 +49,7 @@ def register(subparsers) -> None:
     serve.add_argument("--switch-interval-ms", type=float, default=None,
                        help="the interpreter's thread switch interval while serving, in ms: the longest the HTTP "
                             "side keeps the interpreter lock from a waiting engine thread (default: Python's 5 ms)")
-    serve.set_defaults(func=cmd_serve, prefix_caching=True)
+    serve.set_defaults(func=cmd_serve, prefix_caching=True, recent_trees=PLAYGROUND_TREES)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -36,7 +36,7 @@ from flashtree.engine.runner import LaunchedRound, ModelRunner, RoundResult, rou
 from flashtree.engine.scheduler import PageBudget, Scheduler
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.token_state import SlotTokenState
-from flashtree.engine.traces import PolicyTracer, StepTracer, TreeTracer
+from flashtree.engine.traces import PolicyTracer, RecentTrees, StepTracer, TreeTracer
 from flashtree.errors import ConfigError, RequestError
 from flashtree.grammar.backends import Grammars
 from flashtree.kernels import gpu as gpu_kernels
@@ -82,6 +82,8 @@ class LLMEngine:
         self.model.setup_rope(self.cache.spec.capacity + 1)
         self.timer = StageTimer(self.device, kernels.profile_stages)
         tree_tracer = TreeTracer(config.trace.trees) if config.trace.trees else None
+        if config.trace.recent_trees:
+            tree_tracer = RecentTrees(config.trace.recent_trees, then=tree_tracer)
         self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, kernels, tree_tracer,
                                   pad_slot=scheduling.max_running)
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)

@@ -80,6 +80,8 @@ class Request:
     stopped_by: str | int | None = None  # the stop string or stop token id that finished it (reason "stop")
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     budget: int | None = None  # per-request DDTree budget (None: the method's default)
+    recent_trees: list[dict] | None = dataclasses.field(default=None, repr=False)  # its last draft trees, when
+    # it keeps them (engine/traces.py RecentTrees)
     grammar: GrammarMatcher | None = dataclasses.field(default=None, repr=False)  # with structured output: at
     # the state after every output token so far (engine/constraint.py)
     after: "Request | None" = dataclasses.field(default=None, repr=False)  # admitted only once this one's

@@ -26,7 +26,7 @@ from flashtree.engine.graphs import GraphCache
 from flashtree.engine.request import Request
 from flashtree.engine.round import INT_FIELDS, DeviceRound, RoundInputs, RoundShape
 from flashtree.engine.stage_timer import StageTimer
-from flashtree.engine.traces import TreeTracer
+from flashtree.engine.traces import RecentTrees, TreeTracer
 from flashtree.kv.cache import KVCache
 from flashtree.models.transformer import CausalLM
 from flashtree.sampling import (
@@ -74,7 +74,7 @@ class LaunchedRound(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, proposer: Proposer, timer: StageTimer,
-                 kernels: KernelConfig = KernelConfig(), tracer: TreeTracer | None = None,
+                 kernels: KernelConfig = KernelConfig(), tracer: TreeTracer | RecentTrees | None = None,
                  pad_slot: int | None = None):
         """``pad_slot``: a KV slot no request uses; graphed rounds pad their rows with it up to the
         next power of two (None: no padding)."""

@@ -3,7 +3,8 @@
 - ``--trace-trees FILE`` (:class:`TreeTracer`): one line per request per round with the verified tree
   (node tokens and parents, root first) and the accepted path (node indices, root first). The round
   returns its tree tensors beside its result (inside its CUDA graph too), and the host writes them
-  after the round's one sync.
+  after the round's one sync. :class:`RecentTrees` keeps the same records in memory instead, each
+  request's last few (``--recent-trees``: what the playground draws).
 - ``--trace-policy FILE`` (:class:`PolicyTracer`): one line per batched round with the speculation
   policy's choice, what the round measured, and the policy's estimates afterwards.
 - ``--trace-steps FILE`` (:class:`StepTracer`): one short line per engine step with where its time
@@ -58,26 +59,50 @@ class JsonLines:
             atexit.unregister(self.flush)
 
 
+def tree_records(rows: Sequence[Request], trace: Sequence[torch.Tensor]) -> list[tuple[Request, dict]]:
+    """Per row of a round whose results the host has read: its tree record. ``trace`` = (tokens,
+    parents, valid ``[B, N]``, path ``[B, P]``) on the host, pad rows after the real ones. A row that
+    finished after the round was queued gets none: its result is dropped."""
+    tokens, parents, valid, path = (t.tolist() for t in trace)
+    records = []
+    for b, req in enumerate(rows):
+        if req.finished:
+            continue
+        count = sum(valid[b])  # valid nodes are a leading run: root, then drafted nodes
+        records.append((req, {"request_id": req.request_id, "round": req.stats.rounds, "tokens": tokens[b][:count],
+                              "parents": parents[b][:count], "accepted_path": [n for n in path[b] if n >= 0]}))
+    return records
+
+
 class TreeTracer:
     def __init__(self, path: str | Path):
         self.out = JsonLines(path)  # a round's lines at once
 
     def write(self, rows: Sequence[Request], trace: Sequence[torch.Tensor]) -> None:
-        """One line per row of a round whose results the host has read: ``trace`` = (tokens, parents,
-        valid ``[B, N]``, path ``[B, P]``) on the host, pad rows after the real ones. A row that
-        finished after the round was queued gets none: its result is dropped."""
-        tokens, parents, valid, path = (t.tolist() for t in trace)
-        lines = []
-        for b, req in enumerate(rows):
-            if req.finished:
-                continue
-            count = sum(valid[b])  # valid nodes are a leading run: root, then drafted nodes
-            lines.append({"request_id": req.request_id, "round": req.stats.rounds, "tokens": tokens[b][:count],
-                          "parents": parents[b][:count], "accepted_path": [n for n in path[b] if n >= 0]})
-        self.out.write(*lines)
+        self.out.write(*(record for _, record in tree_records(rows, trace)))
 
     def close(self) -> None:
         self.out.close()
+
+
+class RecentTrees:
+    """The last ``keep`` tree records of each request that keeps them (``Request.recent_trees`` not
+    None), in memory."""
+
+    def __init__(self, keep: int, then: TreeTracer | None = None):
+        self.keep, self.then = keep, then  # ``then``: a trace file that gets every record too
+
+    def write(self, rows: Sequence[Request], trace: Sequence[torch.Tensor]) -> None:
+        for req, record in tree_records(rows, trace):
+            if req.recent_trees is not None:
+                req.recent_trees.append(record)
+                del req.recent_trees[:-self.keep]
+        if self.then is not None:
+            self.then.write(rows, trace)
+
+    def close(self) -> None:
+        if self.then is not None:
+            self.then.close()
 
 
 class StepTracer:

@@ -76,6 +76,9 @@ class GenerationDelta:
     error: str | None = None  # the engine failed this request
     logprobs: tuple[LogprobText, ...] | None = None  # one per token, when the request asked
     stopped_by: str | int | None = None  # on the last delta: the stop string or token id that ended it
+    # the speculation behind it, when the request asked: {"rounds": acceptance lengths of its rounds,
+    # "tree": the newest draft tree with its tokens' texts (absent when no new one)}
+    speculation: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -120,6 +123,7 @@ class _Submit:
     budget: int | None
     arrival: float  # time.monotonic() when the HTTP request arrived
     after: RequestStream | None = None  # a request with the same prompt to wait for (n > 1)
+    speculation: bool = False  # its deltas carry its rounds and draft trees
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +140,9 @@ class _Tracked:
     arrival: float
     last_token_at: float | None = None
     rounds_seen: int = 0
+    speculation: bool = False  # its deltas carry its rounds and draft trees (GenerationDelta.speculation)
+    rounds_shown: int = 0
+    tree_shown: int = -1  # the round of the last tree sent
 
 
 class AsyncEngine:
@@ -172,14 +179,16 @@ class AsyncEngine:
         return self.state is EngineState.READY
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, budget: int | None = None,
-                     arrival: float | None = None, after: RequestStream | None = None) -> RequestStream:
+                     arrival: float | None = None, after: RequestStream | None = None,
+                     speculation: bool = False) -> RequestStream:
         """Queue a request; returns its stream once the engine admitted it, or raises the
         engine's refusal (``RequestError``, ``QueueFullError``). ``after``: the stream of a request
-        with the same prompt (n > 1) whose prefill this one waits for (``LLMEngine.add_request``)."""
+        with the same prompt (n > 1) whose prefill this one waits for (``LLMEngine.add_request``);
+        ``speculation``: its deltas carry its rounds and draft trees."""
         if self.state is not EngineState.READY or self._stopping:
             raise EngineUnavailable(f"the engine is {'stopping' if self._stopping else self.state.value}")
         stream = RequestStream(asyncio.get_running_loop())
-        self._send(_Submit(stream, list(prompt_ids), params, budget, arrival or time.monotonic(), after))
+        self._send(_Submit(stream, list(prompt_ids), params, budget, arrival or time.monotonic(), after, speculation))
         try:
             await stream.admitted
         except asyncio.CancelledError:
@@ -260,7 +269,9 @@ class AsyncEngine:
             _post(stream.loop, _settle, stream.admitted, err)
             return
         stream.request_id = req.request_id
-        self._tracked[req.request_id] = _Tracked(req, stream, command.arrival)
+        if command.speculation:
+            req.recent_trees = []  # (kept by the engine's RecentTrees, when it keeps trees)
+        self._tracked[req.request_id] = _Tracked(req, stream, command.arrival, speculation=command.speculation)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         _post(stream.loop, _settle, stream.admitted, None)
 
@@ -297,13 +308,30 @@ class AsyncEngine:
         req = event.request
         self._observe_token_times(tracked, len(event.new_token_ids), now)
         logprobs = None if event.new_logprobs is None else self._token_texts.entries(event.new_logprobs)
+        speculation = self._speculation(tracked) if tracked.speculation else None
         if not event.finished:
-            return GenerationDelta(tuple(event.new_token_ids), event.new_text, None, logprobs=logprobs)
+            return GenerationDelta(tuple(event.new_token_ids), event.new_text, None, logprobs=logprobs,
+                                   speculation=speculation)
         del self._tracked[req.request_id]
         self.metrics.finished.labels(finish_reason=req.finish_reason).inc()
         return GenerationDelta(tuple(event.new_token_ids), event.new_text, RequestUsage.of(req),
                                finish_reason=req.finish_reason, full_text=req.text, logprobs=logprobs,
-                               stopped_by=req.stopped_by)
+                               stopped_by=req.stopped_by, speculation=speculation)
+
+    def _speculation(self, tracked: _Tracked) -> dict:
+        """The rounds since the last delta, and the newest draft tree if it is new (token texts added)."""
+        req = tracked.request
+        rounds = req.stats.acceptance_lengths[tracked.rounds_shown:]
+        tracked.rounds_shown = len(req.stats.acceptance_lengths)
+        info: dict = {"rounds": list(rounds)}
+        trees = req.recent_trees or []
+        if trees and trees[-1]["round"] != tracked.tree_shown:
+            tree = trees[-1]
+            tracked.tree_shown = tree["round"]
+            info["tree"] = {"tokens": tree["tokens"], "parents": tree["parents"],
+                            "accepted_path": tree["accepted_path"],
+                            "texts": [self._token_texts(t) for t in tree["tokens"]]}
+        return info
 
     def _observe_token_times(self, tracked: _Tracked, count: int, now: float) -> None:
         if count == 0:

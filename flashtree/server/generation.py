@@ -67,6 +67,7 @@ class GenerationInput:
     budget: int | None
     echo: str = ""  # text the answer starts with (completions' echo: the prompt)
     tools: ToolPlan | None = None  # chat with tools: how the answer is read (server/tools.py)
+    speculation: bool = False  # the stream carries the rounds and draft trees (the playground)
 
     def choice(self, index: int) -> "GenerationInput":
         """The input of choice ``index`` of an n > 1 request: its seed, when the request gave one, is
@@ -89,7 +90,7 @@ def chat_input(body: ChatCompletionRequest, model: ServedModel) -> GenerationInp
     max_tokens = body.max_new_tokens or max(1, model.max_context - len(prompt_ids))
     forced = plan.structured if plan is not None else None
     return GenerationInput(prompt_ids, sampling_params(body, max_tokens, "messages", model, forced), body.budget,
-                           tools=plan)
+                           tools=plan, speculation=body.speculation_trace)
 
 
 def with_tools(messages: list[dict], plan: ToolPlan | None, options: ChatTemplateOptions, model: ServedModel

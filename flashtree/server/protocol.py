@@ -13,7 +13,9 @@ rest of the context for chat; a max_tokens that runs past the context ends there
 Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``truncate_prompt_tokens``; for chat ``add_generation_prompt``, ``continue_final_message``,
 ``chat_template`` and ``chat_template_kwargs``; for completions ``add_special_tokens``. Ours:
-``budget`` (lowers the request's DDTree budget; 0 = no drafted tokens). ``usage`` carries
+``budget`` (lowers the request's DDTree budget; 0 = no drafted tokens) and, for streamed chat,
+``speculation_trace`` (each chunk carries ``speculation``: its rounds' acceptance lengths and the
+newest draft tree, as the playground at ``/`` draws them; trees need ``--recent-trees``, on in serve). ``usage`` carries
 ``rounds`` and ``mean_acceptance_length`` besides the token counts.
 """
 
@@ -263,6 +265,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[StrictStr, Any] | None = None
     logprobs: StrictBool | None = None  # each output token's log-probability
     top_logprobs: LogprobCount | None = None  # with logprobs: this many likeliest alternatives per token
+    speculation_trace: StrictBool = False  # ours: stream chunks carry "speculation" (rounds, newest draft tree)
     tools: list[ToolDefinition] | None = None  # function tools (server/tools.py)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None

@@ -154,6 +154,9 @@ async def chat_events(streams: list[RequestStream], response_id: str, model: str
         text_event = TextEvents(chat_chunk(index, {"content": TextEvents.TEXT_SLOT}))
 
         def step_event(step: GenerationDelta) -> str | None:
+            if step.speculation is not None and (step.speculation["rounds"] or step.text):
+                chunk = chat_chunk(index, {"content": step.text}, step=step if logprobs else None)
+                return sse({**chunk.model_dump(), "speculation": step.speculation})
             if logprobs:
                 return sse(chat_chunk(index, {"content": step.text}, step=step)) if step.token_ids or step.text else None
             return text_event(step.text) if step.text else None

@@ -7,9 +7,10 @@ import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 
@@ -67,6 +68,7 @@ from flashtree.server.responses import (
 from flashtree.version import __version__
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+PLAYGROUND_HTML = (Path(__file__).parent / "playground.html").read_text(encoding="utf-8")
 
 
 class ServerContext:
@@ -107,7 +109,8 @@ class ServerContext:
             for index in range(choices):
                 choice = generation.choice(index)
                 streams.append(await self.engine.submit(choice.prompt_ids, choice.params, choice.budget, arrival,
-                                                        after=streams[0] if streams else None))
+                                                        after=streams[0] if streams else None,
+                                                        speculation=choice.speculation))
         except Exception as err:  # refusals from add_request: 400 / 429
             for stream in streams:
                 self.engine.cancel(stream)
@@ -270,6 +273,11 @@ def build_router(ctx: ServerContext) -> APIRouter:
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         model = ctx.served if body.model is None else ctx.model(body.model)
         return DetokenizeResponse(prompt=await ctx.tokenize(detokenize_input, body, model))
+
+    @router.get("/", include_in_schema=False)
+    async def playground() -> HTMLResponse:
+        """A chat page that draws each answer's rounds and draft trees (``server/playground.html``)."""
+        return HTMLResponse(PLAYGROUND_HTML)
 
     @router.get("/version")
     async def version():

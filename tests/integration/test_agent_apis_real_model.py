@@ -12,6 +12,7 @@ import openai
 import pydantic
 import pytest
 
+from tests.support.browser import chat_in_playground
 from tests.support.server import ServerThread, server_config
 
 CONVERSATION = [{"role": "user", "content": "Name three colors of the rainbow."}]
@@ -22,7 +23,7 @@ def served():
     from flashtree.speculative.defaults import default_spec
 
     method, draft = default_spec("smollm2", None, None)
-    config = server_config("smollm2", method=method, draft=draft, max_running=4, max_context=512)
+    config = server_config("smollm2", method=method, draft=draft, max_running=4, max_context=512, recent_trees=4)
     with ServerThread(config) as running:
         yield running
 
@@ -207,3 +208,15 @@ def test_messages_api_tool_use_and_tool_results(served):
     answer = api.messages.create(model="tiny", max_tokens=30, messages=history, tools=tools,
                                  extra_body={"temperature": 0})
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_the_playground_in_a_browser(served, tmp_path):
+    """A real answer streams into the page beside its rounds and its last draft tree."""
+    question = "Name three colors of the rainbow."
+    expected = _client(served).chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}],
+                                                       max_tokens=256, temperature=0)
+    answer = chat_in_playground(served.url, question, tmp_path / "playground.png", "tiny")
+    assert answer.text == expected.choices[0].message.content and len(answer.text) > 10
+    # (the adaptive policy may split the same tokens into other rounds on another run)
+    assert answer.rounds and sum(answer.rounds) >= expected.usage.completion_tokens - 1
+    assert answer.tree_nodes >= 2 and not answer.page_errors

@@ -56,9 +56,9 @@ def save_tiny_chat_model(path: Path, family: str = "llama_gqa", vocab_size: int 
 
 
 def server_config(model: Path | str, *, method: str = "none", draft: str | None = None, api_key: str | None = None,
-                  **engine) -> ServerConfig:
+                  budget: int | None = None, **engine) -> ServerConfig:
     engine.setdefault("device", "cpu")
-    spec = SpeculationConfig(method=method, draft=draft)
+    spec = SpeculationConfig(method=method, draft=draft, budget=budget)
     return ServerConfig(engine=EngineConfig.of(model=str(model), spec=spec, **engine), model_name="tiny",
                         port=0, api_key=api_key, log_level="warning")
 
