@@ -7,7 +7,8 @@ clients, each sending greedy requests back to back (``--max-tokens`` each, promp
 ``--big-mb`` MB body a third of the way in. Checks and reports:
 - lost: requests that ended without a finish reason, or with an error other than the big one's;
 - corrupted: a greedy answer that differs from the first answer to the same prompt;
-- stalls: each stream's largest gap between chunks after its first (and the worst over all);
+- stalls: each stream's largest gap between chunks that carry text, from its first text on (the
+  wait for the first, behind other arrivals' prefills, is its time to first token, reported apart);
 - memory: the server's resident set every 5 s (start of the second minute, end, largest).
 Writes ``--out`` (JSON). CPU, 2 cores:
 
@@ -40,25 +41,32 @@ class Tally:
     def __init__(self):
         self.done = self.lost = self.corrupted = self.dropped = 0
         self.errors: list[str] = []
-        self.gaps: list[float] = []  # per finished stream: its largest gap between chunks
+        self.gaps: list[float] = []  # per finished stream: its largest gap between chunks with text
+        self.ttfts: list[float] = []  # per finished stream: sending -> its first text
         self.first_answer: dict[str, str] = {}
         self.big: str | None = None
 
 
 async def one_stream(client: openai.AsyncOpenAI, args, prompt: str, tally: Tally) -> None:
     largest, last, text, finish = 0.0, None, "", None
+    sent = time.perf_counter()
     try:
         stream = await client.chat.completions.create(
             model=args.model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
             temperature=0, stream=True)
         async for chunk in stream:
             now = time.perf_counter()
-            if last is not None:
-                largest = max(largest, now - last)
-            last = now
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                finish = chunk.choices[0].finish_reason or finish
+            if not chunk.choices:
+                continue
+            finish = chunk.choices[0].finish_reason or finish
+            piece = chunk.choices[0].delta.content or ""
+            if piece:
+                if last is None:
+                    tally.ttfts.append(now - sent)
+                else:
+                    largest = max(largest, now - last)
+                last = now
+                text += piece
     except openai.APIError as err:
         tally.lost += 1
         tally.errors.append(f"{type(err).__name__}: {err}"[:300])
@@ -131,11 +139,13 @@ async def soak(url: str, pid: int, args) -> dict:
             tasks.append(big_request(url, args, start + args.minutes * 20, tally))
         await asyncio.gather(*tasks)
     after_first_minute = next((mb for t, mb in samples if t >= 60), samples[0][1] if samples else None)
-    gaps = sorted(tally.gaps)
+    gaps, ttfts = sorted(tally.gaps), sorted(tally.ttfts)
     return {"finished": tally.done, "lost": tally.lost, "corrupted": tally.corrupted, "dropped_on_purpose": tally.dropped,
             "big_request": tally.big, "largest_gap_s": round(gaps[-1], 3) if gaps else None,
             "streams_with_gap_over_1s": sum(g > 1.0 for g in gaps),
             "p50_largest_gap_s": round(gaps[len(gaps) // 2], 3) if gaps else None,
+            "ttft_s": {"p50": round(ttfts[len(ttfts) // 2], 3), "p99": round(ttfts[int(len(ttfts) * 0.99)], 3),
+                       "max": round(ttfts[-1], 3)} if ttfts else None,
             "rss_mib": {"after_first_minute": after_first_minute, "end": samples[-1][1] if samples else None,
                         "largest": max((mb for _, mb in samples), default=None)},
             "errors": tally.errors[:20], "rss_samples": samples}

@@ -18,6 +18,7 @@ before the next probe. A drafter that never matches then costs no captures after
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -25,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from flashtree.config import EngineConfig
+from flashtree.config import EngineConfig, prefill_tokens_for
 from flashtree.device_copy import to_device
 from flashtree.engine.constraint import advance_grammar
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
@@ -88,6 +89,8 @@ class LLMEngine:
                                   pad_slot=scheduling.max_running)
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)
         # requests are promised the pages the pad slot left free
+        prefill_tokens = prefill_tokens_for(scheduling, self.device.type)
+        scheduling = dataclasses.replace(scheduling, max_prefill_tokens=prefill_tokens)
         self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
             self.pages.pool.free_pages, config.cache.page_size, self.runner.span), on_admit=self._admitted)
         self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain)

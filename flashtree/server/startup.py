@@ -112,7 +112,7 @@ def describe(engine: LLMEngine) -> str:
             f"draft={spec.draft} budget={spec.budget} adaptive={spec.adaptive} | device={engine.device} dtype={engine.dtype} | "
             f"max_running={scheduling.max_running} max_context={config.cache.max_context} "
             f"kv_pages={engine.pages.pool.capacity}x{config.cache.page_size} "
-            f"prefill_chunk={scheduling.prefill_chunk} max_prefill_tokens={scheduling.max_prefill_tokens} "
+            f"prefill_chunk={scheduling.prefill_chunk} max_prefill_tokens={engine.scheduler.config.max_prefill_tokens} "
             f"max_waiting={scheduling.max_waiting} | "
             f"weights {weight_bytes(engine) / GIB:.3f} GiB, KV cache {kv / GIB:.3f} GiB")
 
