@@ -18,7 +18,6 @@ before the next probe. A drafter that never matches then costs no captures after
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import Counter
@@ -26,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from flashtree.config import EngineConfig, prefill_tokens_for
+from flashtree.config import EngineConfig
 from flashtree.device_copy import to_device
 from flashtree.engine.constraint import advance_grammar
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
@@ -89,10 +88,9 @@ class LLMEngine:
                                   pad_slot=scheduling.max_running)
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)
         # requests are promised the pages the pad slot left free
-        prefill_tokens = prefill_tokens_for(scheduling, self.device.type)
-        scheduling = dataclasses.replace(scheduling, max_prefill_tokens=prefill_tokens)
         self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
-            self.pages.pool.free_pages, config.cache.page_size, self.runner.span), on_admit=self._admitted)
+            self.pages.pool.free_pages, config.cache.page_size, self.runner.span), on_admit=self._admitted,
+            device_type=self.device.type)
         self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain)
         queue = scheduling.queue_plain_rounds if scheduling.queue_plain_rounds is not None else self.runner.runs_ahead
         self.overlap = QueuedRounds(self.runner, self.lag, config.cache.max_context, enabled=queue)

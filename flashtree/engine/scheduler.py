@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from flashtree.config import CacheConfig, SchedulerConfig
+from flashtree.config import CacheConfig, SchedulerConfig, prefill_tokens_for
 from flashtree.engine.request import Request, Status
 from flashtree.errors import FlashtreeError, RequestError
 from flashtree.kv.pages import pages_for
@@ -56,11 +56,12 @@ class ScheduledStep(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig = CacheConfig(), pages: PageBudget | None = None,
-                 on_admit: Callable[[list[Request]], None] | None = None):
+                 on_admit: Callable[[list[Request]], None] | None = None, device_type: str = "cpu"):
         """``pages``: the page pool's budget (None: no page limit, the slots alone limit admission);
         ``on_admit``: called with the requests each step admits, once they have their slots and before
-        the step's prefill is chosen (the engine maps their cached prefixes there)."""
-        self.config = config
+        the step's prefill is chosen (the engine maps their cached prefixes there); ``device_type``:
+        where the engine runs (the prefill budget's default depends on it)."""
+        self.config = dataclasses.replace(config, max_prefill_tokens=prefill_tokens_for(config, device_type))
         self.on_admit = on_admit
         self.max_context = cache.max_context
         self.pages = pages

@@ -39,3 +39,10 @@ def test_one_request_always_prefills_and_the_budget_is_validated():
     assert scheduler.schedule().prefill == [first]  # over budget alone, but progress is guaranteed
     with pytest.raises(ConfigError):
         SchedulerConfig(max_prefill_tokens=0)
+
+
+def test_the_prefill_budget_defaults_by_device_and_keeps_a_given_one():
+    assert SchedulerConfig().max_prefill_tokens is None
+    assert Scheduler(SchedulerConfig(), device_type="cpu").config.max_prefill_tokens == 256
+    assert Scheduler(SchedulerConfig(), device_type="cuda").config.max_prefill_tokens == 2048
+    assert Scheduler(SchedulerConfig(max_prefill_tokens=4096), device_type="cpu").config.max_prefill_tokens == 4096
