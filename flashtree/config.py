@@ -69,6 +69,8 @@ class PolicyConfig:
     settled_batch: int = 8  # settled rounds (the best option, nothing due) folded into the estimates at a time
     probe_cost_share: float | None = 0.001  # most of a bucket's time a probe that changes nothing may cost
     # (its interval is stretched past max_probe_interval to keep it so; None: no such floor)
+    max_round_tokens: int | None = None  # a rows bucket's tree options verify at most this many tokens
+    # (bucket rows x (nodes + 1)); larger ones are never tried there. None: by device (round_tokens_for)
 
     def __post_init__(self) -> None:
         for name in ("smoothing", "acceptance_smoothing"):
@@ -81,6 +83,8 @@ class PolicyConfig:
         if self.max_probe_interval < self.probe_interval:
             raise ConfigError(f"max_probe_interval ({self.max_probe_interval}) must be >= probe_interval "
                               f"({self.probe_interval})")
+        if self.max_round_tokens is not None:
+            _check_positive_ints(self, "max_round_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +165,21 @@ class SchedulerConfig:
 # steps of up to 2 s and 512 of up to 1.1 s (streams stalled while arrivals prefilled), 256 kept every
 # gap under 1 s at the same throughput. On an H200 2,048 tokens are below the ridge.
 PREFILL_TOKENS_BY_DEVICE = {"cpu": 256, "cuda": 2048}
+
+
+# PolicyConfig.max_round_tokens by device: a 2-core CPU is compute-bound well below a hundred tokens per
+# forward, so a round of more tokens costs about its token count in plain steps and a tree cannot pay
+# there (DDTree 0.96-0.98x plain at 32 rows, benchmarks/README.md), while its probes stall every stream
+# for up to a second (benchmarks/soak_test.py at 64 rows); an H200's ridge is near 186 tokens but graphs
+# and the policy's measurements already handle it: no cap.
+ROUND_TOKENS_BY_DEVICE = {"cpu": 128, "cuda": None}
+
+
+def round_tokens_for(config: PolicyConfig, device_type: str) -> int | None:
+    """``config.max_round_tokens``, or the device's default when it is None."""
+    if config.max_round_tokens is not None:
+        return config.max_round_tokens
+    return ROUND_TOKENS_BY_DEVICE.get(device_type)
 
 
 def prefill_tokens_for(config: SchedulerConfig, device_type: str) -> int:

@@ -91,7 +91,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
             self.pages.pool.free_pages, config.cache.page_size, self.runner.span), on_admit=self._admitted,
             device_type=self.device.type)
-        self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain)
+        self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type)
         queue = scheduling.queue_plain_rounds if scheduling.queue_plain_rounds is not None else self.runner.runs_ahead
         self.overlap = QueuedRounds(self.runner, self.lag, config.cache.max_context, enabled=queue)
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count

@@ -1,16 +1,20 @@
 """Speculation policies: how many drafted nodes each round verifies (``base``: the interface and the
 fixed count; ``adaptive``: the throughput-maximizing choice over ``estimates`` of each option)."""
 
-from flashtree.config import SpeculationConfig
+import dataclasses
+
+from flashtree.config import SpeculationConfig, round_tokens_for
 from flashtree.policy.adaptive import AdaptivePolicy
 from flashtree.policy.base import PLAIN_NODES, FixedNodes, Policy, node_ladder, rows_bucket
 
 __all__ = ["AdaptivePolicy", "FixedNodes", "PLAIN_NODES", "Policy", "make_policy", "node_ladder", "rows_bucket"]
 
 
-def make_policy(config: SpeculationConfig, max_nodes: int, chain: bool) -> Policy:
+def make_policy(config: SpeculationConfig, max_nodes: int, chain: bool, device_type: str = "cuda") -> Policy:
     """The adaptive policy over the ladder of ``max_nodes`` (a chain: all or nothing), or every
-    round at ``max_nodes`` when adaptive speculation is off or there is nothing to draft."""
+    round at ``max_nodes`` when adaptive speculation is off or there is nothing to draft.
+    ``device_type``: where it runs (the default round-size cap depends on it)."""
     if not config.adaptive or max_nodes == 0:
         return FixedNodes(max_nodes)
-    return AdaptivePolicy(node_ladder(max_nodes, chain, config.policy.min_tree_nodes), config.policy)
+    policy = dataclasses.replace(config.policy, max_round_tokens=round_tokens_for(config.policy, device_type))
+    return AdaptivePolicy(node_ladder(max_nodes, chain, policy.min_tree_nodes), policy)

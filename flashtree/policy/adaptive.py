@@ -28,6 +28,8 @@ after every round (:meth:`AdaptivePolicy.record`).
   due, changes nothing but the estimates. Such measurements are held and folded ``settled_batch`` at
   a time (in order, the same EMA updates), earlier when anything else is about to happen; an engine
   whose device runs ahead of the host folds them while the next round runs (:meth:`fold_settled`).
+- Round size: in a bucket, options whose rounds would verify more than ``max_round_tokens`` tokens
+  (bucket rows x (nodes + 1)) are never explored, probed or chosen (on a CPU: trees past its ridge).
 - Declined probes: the engine may decline a neighbour probe whose round would capture a CUDA graph
   for an option that cannot beat the best one (:meth:`worth_a_graph`); the next probe then waits
   twice as long.
@@ -118,7 +120,8 @@ class AdaptivePolicy:
             self._probes[bucket] += 1
             displaced, recheck = self._recheck.pop(bucket, (None, NEIGHBOUR_PROBE))
             if displaced in (None, best):
-                displaced, recheck = self._neighbour(best, larger=self._probe_larger(bucket, best)), NEIGHBOUR_PROBE
+                larger = self._probe_larger(bucket, best)
+                displaced, recheck = self._neighbour(bucket, best, larger), NEIGHBOUR_PROBE
             self._probe = _Probe(displaced, bucket, best, rounds_left=self._probe_rounds(rows) - 1, recheck=recheck)
             return displaced
         return best
@@ -196,10 +199,10 @@ class AdaptivePolicy:
         smaller = self.estimates.timed_at(bucket, self.ladder[index + 1])
         return larger < smaller if larger != smaller else self._probes[bucket] % 2 == 1
 
-    def _neighbour(self, nodes: int, larger: bool) -> int:
-        """The ladder option next to ``nodes``: the larger one if asked and there is one."""
+    def _neighbour(self, bucket: int, nodes: int, larger: bool) -> int:
+        """The ladder option next to ``nodes`` that ``bucket`` allows: the larger one if asked and there is one."""
         index = self.ladder.index(nodes)
-        up = self.ladder[index - 1] if index > 0 else None
+        up = self.ladder[index - 1] if index > 0 and self.estimates.allowed(bucket, self.ladder[index - 1]) else None
         down = self.ladder[index + 1] if index + 1 < len(self.ladder) else None
         first, second = (up, down) if larger else (down, up)
         return first if first is not None else (second if second is not None else nodes)

@@ -106,7 +106,7 @@ class Estimates:
         if cached is not None and cached.version == self.version:
             return cached
         scores, bounds = self._scores_and_bounds(bucket)
-        known = [(score, -n) for n, score in scores.items() if score is not None]
+        known = [(score, -n) for n, score in scores.items() if score is not None and self.allowed(bucket, n)]
         best = -max(known)[1] if known else self.ladder[-1]
         cached = BucketEstimates(self.version, scores, best, bounds, [])
         cached.unexplored.extend(self._options_to_explore(bucket, cached))
@@ -120,6 +120,11 @@ class Estimates:
 
     def best(self, bucket: int) -> int:
         return self.of(bucket).best
+
+    def allowed(self, bucket: int, nodes: int) -> bool:
+        """``nodes`` may run in ``bucket``: plain, or a round of at most ``max_round_tokens`` tokens."""
+        cap = self.config.max_round_tokens
+        return nodes == PLAIN_NODES or cap is None or bucket * (nodes + 1) <= cap
 
     def score(self, bucket: int, nodes: int) -> float | None:
         """Tokens/s per row of the option, None while unmeasured (see "Monotone round times")."""
@@ -171,7 +176,8 @@ class Estimates:
             bound = estimates.bounds[n]
             return bound >= DOMINATED * top and (plain is None or bound > plain)
 
-        return [n for n in self.ladder if self.timed(bucket, n) < self.config.explore_rounds and worth_trying(n)]
+        return [n for n in self.ladder
+                if self.allowed(bucket, n) and self.timed(bucket, n) < self.config.explore_rounds and worth_trying(n)]
 
     # ------------------------------------------------------------------ feeding
     def measure(self, bucket: int, nodes: int, seconds: float | None, acceptance: float | None, weight: float,

@@ -566,3 +566,29 @@ def test_held_rounds_are_folded_before_anything_else_happens():
     assert len(policy._settled) == 3
     policy._next_probe[1] = policy._rounds[1] + 1  # a neighbour probe is due at the next round
     assert policy.choose(1) == 4 and policy._settled == []
+
+
+def test_rounds_over_the_token_cap_are_never_tried_in_that_bucket():
+    """max_round_tokens 160: at 32 rows only DDTree-4 fits (32 x 5), at 4 rows up to 32 nodes (4 x 33
+    = 132), at 1 row up to 128 (129); trees that always accept and cost little would be chosen otherwise."""
+    policy = AdaptivePolicy(LADDER, PolicyConfig(max_round_tokens=160, probe_interval=5))
+    accept_all = lambda nodes: min(nodes + 1, 9)  # noqa: E731
+    cheap = lambda rows, nodes: 0.01  # noqa: E731
+    assert set(drive(policy, 400, 32, accept_all, cheap)) == {0, 4}  # (plain is always an option)
+    assert max(drive(policy, 400, 4, accept_all, cheap)) == 32
+    assert max(drive(policy, 400, 1, accept_all, cheap)) == 128
+    uncapped = AdaptivePolicy(LADDER, PolicyConfig(probe_interval=5))
+    assert max(drive(uncapped, 400, 32, accept_all, cheap)) > 4
+
+
+def test_the_round_token_cap_defaults_by_device():
+    from flashtree.config import SpeculationConfig
+    from flashtree.policy import make_policy
+
+    spec = SpeculationConfig(method="ddtree", draft="drafter")
+    assert make_policy(spec, 64, chain=False, device_type="cpu").config.max_round_tokens == 128
+    assert make_policy(spec, 64, chain=False, device_type="cuda").config.max_round_tokens is None
+    given = SpeculationConfig(method="ddtree", draft="drafter", policy=PolicyConfig(max_round_tokens=512))
+    assert make_policy(given, 64, chain=False, device_type="cpu").config.max_round_tokens == 512
+    with pytest.raises(ConfigError, match="max_round_tokens"):
+        PolicyConfig(max_round_tokens=0)
