@@ -219,4 +219,5 @@ def test_the_playground_in_a_browser(served, tmp_path):
     assert answer.text == expected.choices[0].message.content and len(answer.text) > 10
     # (the adaptive policy may split the same tokens into other rounds on another run)
     assert answer.rounds and sum(answer.rounds) >= expected.usage.completion_tokens - 1
-    assert answer.tree_nodes >= 2 and not answer.page_errors
+    assert answer.tree_nodes >= 1 and not answer.page_errors  # (the adaptive default's last round may be plain:
+    # a root-only tree; tests/integration/test_playground.py checks drafted nodes with a fixed DDTree)
