@@ -175,18 +175,17 @@ PREFILL_TOKENS_BY_DEVICE = {"cpu": 256, "cuda": 2048}
 ROUND_TOKENS_BY_DEVICE = {"cpu": 128, "cuda": None}
 
 
+def _by_device(value, defaults: dict, device_type: str):
+    """``value``, or when it is None the default for ``device_type`` (CUDA's for other devices)."""
+    return value if value is not None else defaults.get(device_type, defaults["cuda"])
+
+
 def round_tokens_for(config: PolicyConfig, device_type: str) -> int | None:
-    """``config.max_round_tokens``, or the device's default when it is None."""
-    if config.max_round_tokens is not None:
-        return config.max_round_tokens
-    return ROUND_TOKENS_BY_DEVICE.get(device_type)
+    return _by_device(config.max_round_tokens, ROUND_TOKENS_BY_DEVICE, device_type)
 
 
 def prefill_tokens_for(config: SchedulerConfig, device_type: str) -> int:
-    """``config.max_prefill_tokens``, or the device's default when it is None."""
-    if config.max_prefill_tokens is not None:
-        return config.max_prefill_tokens
-    return PREFILL_TOKENS_BY_DEVICE.get(device_type, PREFILL_TOKENS_BY_DEVICE["cuda"])
+    return _by_device(config.max_prefill_tokens, PREFILL_TOKENS_BY_DEVICE, device_type)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,10 +93,11 @@ class RecentTrees:
         self.keep, self.then = keep, then  # ``then``: a trace file that gets every record too
 
     def write(self, rows: Sequence[Request], trace: Sequence[torch.Tensor]) -> None:
-        for req, record in tree_records(rows, trace):
-            if req.recent_trees is not None:
-                req.recent_trees.append(record)
-                del req.recent_trees[:-self.keep]
+        if any(req.recent_trees is not None for req in rows):  # (else nothing to read: most rounds)
+            for req, record in tree_records(rows, trace):
+                if req.recent_trees is not None:
+                    req.recent_trees.append(record)
+                    del req.recent_trees[:-self.keep]
         if self.then is not None:
             self.then.write(rows, trace)
 

@@ -29,12 +29,12 @@ from flashtree.server.generation import (
     GenerationInput,
     ServedModel,
     _tokenize,
-    checked,
     sampling_from,
+    structured_output,
     with_tools,
 )
 from flashtree.server.protocol import PositiveInt, _Request
-from flashtree.server.tools import ToolPlan, tool_plan
+from flashtree.server.tools import ToolPlan, read_answer, tool_plan
 
 
 class TextBlock(_Request):
@@ -144,7 +144,7 @@ def messages_input(body: MessagesRequest, model: ServedModel) -> GenerationInput
     plan = body.tool_plan()
     messages, options = with_tools(body.chat_messages(), plan, ChatTemplateOptions(), model)
     prompt_ids = _tokenize(lambda: encode_chat(model.tokenizer, messages, options), "messages")
-    structured = checked(plan.structured if plan is not None else None, model, "tools")
+    structured = structured_output(plan, None, model, "tools", "tools")
     params = sampling_from("messages", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                            max_tokens=body.max_tokens, stop=tuple(body.stop_sequences or ()), structured=structured)
     return GenerationInput(prompt_ids, params, None, tools=plan)
@@ -152,7 +152,7 @@ def messages_input(body: MessagesRequest, model: ServedModel) -> GenerationInput
 
 def content_blocks(final: GenerationDelta, tools: ToolPlan | None) -> tuple[list[dict[str, Any]], bool]:
     """The answer's content blocks (text, then tool_use blocks), and whether it called a tool."""
-    content, calls = (final.full_text or "", []) if tools is None else tools.read(final.full_text or "")
+    content, calls = read_answer(tools, final.full_text or "")
     blocks = [{"type": "text", "text": content}] if content is not None and (content or not calls) else []
     for call in calls:
         try:

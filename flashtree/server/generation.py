@@ -88,8 +88,7 @@ def chat_input(body: ChatCompletionRequest, model: ServedModel) -> GenerationInp
     messages, options = with_tools(messages, plan, options, model)
     prompt_ids = truncated(_tokenize(lambda: encode_chat(model.tokenizer, messages, options), "messages"), body)
     max_tokens = body.max_new_tokens or max(1, model.max_context - len(prompt_ids))
-    forced = plan.structured if plan is not None else None
-    return GenerationInput(prompt_ids, sampling_params(body, max_tokens, "messages", model, forced), body.budget,
+    return GenerationInput(prompt_ids, sampling_params(body, max_tokens, "messages", model, plan), body.budget,
                            tools=plan, speculation=body.speculation_trace)
 
 
@@ -150,25 +149,31 @@ def prompt_text(prompt_ids: list[int], body: CompletionRequest, model: ServedMod
 
 
 def sampling_params(body: SamplingRequest, max_tokens: int, prompt_field: str, model: ServedModel,
-                    forced: StructuredOutput | None = None) -> SamplingParams:
-    """The request's sampling fields; ``forced``: the structured output a forced tool call needs."""
+                    tools: ToolPlan | None = None) -> SamplingParams:
+    """The request's sampling fields; ``tools``: its tool plan (a forced call constrains the output)."""
     if body.top_k > model.vocab_size:
         raise APIError(400, f"top_k: must be -1, 0 (off) or at most the vocabulary's {model.vocab_size} tokens, "
                             f"got {body.top_k}", param="top_k")
     stop_token_ids = tuple(body.stop_token_ids or ())
     model.check_token_ids(list(stop_token_ids), "stop_token_ids")
-    structured = requested(body)
-    if forced is not None and structured is not None:
-        raise APIError(400, "tool_choice: a forced tool call (required or a named function) cannot be combined "
-                            "with response_format or guided fields", param="tool_choice")
-    structured = checked(forced, model, "tools") if forced is not None else checked(structured, model,
-                                                                                    "response_format")
+    structured = structured_output(tools, requested(body), model, "response_format", "response_format or guided fields")
     return sampling_from(prompt_field, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                          max_tokens=max_tokens, stop=body.stop_strings, stop_token_ids=stop_token_ids,
                          seed=body.seed, ignore_eos=body.ignore_eos, logprobs=body.logprobs_count,
                          min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                          frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                          structured=structured)
+
+
+def structured_output(tools: ToolPlan | None, asked: StructuredOutput | None, model: ServedModel, field: str,
+                      fields: str) -> StructuredOutput | None:
+    """What a request's output must follow, compiled: a forced tool call's schema, or what the request
+    asked for in ``field`` (its structured-output fields, named ``fields``); both at once is a 400."""
+    forced = tools.structured if tools is not None else None
+    if forced is not None and asked is not None:
+        raise APIError(400, f"tool_choice: a forced tool call (required or a named function) cannot be combined "
+                            f"with {fields}", param="tool_choice")
+    return checked(forced, model, "tools") if forced is not None else checked(asked, model, field)
 
 
 def checked(structured: StructuredOutput | None, model: ServedModel, field: str) -> StructuredOutput | None:

@@ -32,8 +32,8 @@ from flashtree.server.generation import (
     GenerationInput,
     ServedModel,
     _tokenize,
-    checked,
     sampling_from,
+    structured_output,
     with_tools,
 )
 from flashtree.server.protocol import (
@@ -47,7 +47,7 @@ from flashtree.server.protocol import (
     _Request,
 )
 from flashtree.server.structured_fields import from_text_options
-from flashtree.server.tools import ToolCall, ToolPlan, tool_plan
+from flashtree.server.tools import ToolCall, ToolPlan, read_answer, tool_plan
 
 
 class InputText(_Request):
@@ -198,12 +198,7 @@ def responses_input(body: ResponsesRequest, model: ServedModel, store: ResponseS
     messages, options = with_tools(head + conversation, plan, ChatTemplateOptions(), model)
     prompt_ids = _tokenize(lambda: encode_chat(model.tokenizer, messages, options), "input")
     max_tokens = body.max_output_tokens or max(1, model.max_context - len(prompt_ids))
-    forced = plan.structured if plan is not None else None
-    requested = from_text_options(body.text)
-    if forced is not None and requested is not None:
-        raise APIError(400, "tool_choice: a forced tool call (required or a named function) cannot be combined with "
-                            "text.format", param="tool_choice")
-    structured = checked(forced, model, "tools") if forced is not None else checked(requested, model, "text.format")
+    structured = structured_output(plan, from_text_options(body.text), model, "text.format", "text.format")
     params = sampling_from("input", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                            max_tokens=max_tokens, seed=body.seed, ignore_eos=body.ignore_eos, structured=structured)
     return GenerationInput(prompt_ids, params, None, tools=plan), conversation
@@ -261,7 +256,7 @@ def function_call_item(call: ToolCall) -> dict[str, Any]:
 
 def output_items(ids: ResponseIds, text: str, tools: ToolPlan | None) -> tuple[list[dict[str, Any]], list[ToolCall]]:
     """The answer as output items (a message for its content, a function_call per call), and the calls."""
-    content, calls = (text, []) if tools is None else tools.read(text)
+    content, calls = read_answer(tools, text)
     items = [message_item(ids, content, "completed")] if content is not None and (content or not calls) else []
     return items + [function_call_item(call) for call in calls], calls
 

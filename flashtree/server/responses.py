@@ -37,7 +37,7 @@ from flashtree.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from flashtree.server.tools import AutoCallText, ToolCall, ToolPlan
+from flashtree.server.tools import AutoCallText, ToolCall, ToolPlan, read_answer
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -86,7 +86,7 @@ def chat_response(response_id: str, model: str, finals: list[GenerationDelta], e
     tool calls are read from it)."""
     choices = []
     for index, final in enumerate(finals):
-        content, calls = (final.full_text or "", []) if tools is None else tools.read(final.full_text or "")
+        content, calls = read_answer(tools, final.full_text or "")
         message = AssistantMessage(content=content, tool_calls=[c.as_dict() for c in calls] or None)
         choices.append(ChatChoice(index=index, message=message, finish_reason=_finish_reason(final, calls),
                                   logprobs=None if final.logprobs is None else chat_logprobs(final.logprobs)))

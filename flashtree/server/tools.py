@@ -110,6 +110,11 @@ class ToolPlan:
         return content or None, calls
 
 
+def read_answer(tools: ToolPlan | None, text: str) -> tuple[str | None, list[ToolCall]]:
+    """An answer's content and tool calls (all content without tools)."""
+    return (text, []) if tools is None else tools.read(text)
+
+
 def tool_plan(tools: list | None, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
     """The plan of a request's ``tools`` / ``tool_choice`` (validated models' dumps); None: no tools."""
     if not tools:
