@@ -173,7 +173,9 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=60)
-    report = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "command": command,
+    from flashtree.bench.environment import cpu_name
+
+    report = {"machine": cpu_name() or platform.machine(), "cores": os.cpu_count(), "command": command,
               "minutes": args.minutes, "clients": args.clients, "max_tokens": args.max_tokens, **report}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "rss_samples"}, indent=1))
