@@ -32,7 +32,11 @@ from pathlib import Path
 PROMPTS = ["Write a short story about a robot who learns to paint.",
            "Explain how a hash map works and when to use one.",
            "What are three tips for staying focused while studying?",
-           "Write a Python function that checks whether a string is a palindrome."]
+           "Write a Python function that checks whether a string is a palindrome.",
+           "Describe the water cycle to a ten-year-old.",
+           "What is the difference between a list and a tuple in Python?",
+           "Give me a recipe for a simple tomato soup.",
+           "Summarize the plot of a detective story in five sentences."]
 SYSTEMS = ("flashtree", "flashtree_default", "llama.cpp")
 
 

@@ -140,8 +140,8 @@ def main():
     parser.add_argument("--triton-tree", action=argparse.BooleanOptionalAction, default=True,
                         help="DDTree kept lists from the Triton kernel (the engine's default)")
     parser.add_argument("--attention", choices=("auto", "triton", "sdpa"), default="auto",
-                        help="auto: the engine's default (Triton paged attention for plain steps, SDPA over gathered "
-                             "pages for wider forwards); triton: Triton for every forward; sdpa: SDPA for every forward")
+                        help="auto: the engine's default (Triton paged attention for decode rounds, SDPA for "
+                             "prefill); triton: Triton for every forward; sdpa: SDPA over gathered pages for every forward")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time each method with profile_stages (eager, synchronized) for the stage split")
     args = parser.parse_args()

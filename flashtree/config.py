@@ -193,9 +193,12 @@ class KernelConfig:
     quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 32 rows straight from the GGUF blocks
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (kernels/gpu/)
     cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (kernels/cpu/; AVX-512 or AVX2)
+    cpu_layer_stack: bool = True  # with cpu_kernels and GGUF blocks: every decoder layer of a forward of
+    # <= 32 tokens in one C++ call (same values as layer by layer)
     triton_attention: bool | None = None  # with gpu_kernels: the Triton paged attention (reads K/V through
     # the block tables: no gather, one graph for every context length) instead of SDPA over gathered pages;
-    # None: for plain steps (one new token per row) only; True: for every forward; False: never
+    # None: in decode forwards (plain steps, chains, trees, drafter blocks), prefill keeps SDPA; True: in
+    # every forward; False: never
     triton_tree: bool = True  # with gpu_kernels: DDTree tree work in Triton kernels (same trees, walks, cache)
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
     plain_fast_path: bool = True  # plain rounds skip the root-only tree and its accept walk (same values)
@@ -207,7 +210,7 @@ class KernelConfig:
     def __post_init__(self) -> None:
         _check_bools(self, *(f.name for f in dataclasses.fields(self) if f.name != "triton_attention"))
         if self.triton_attention not in (None, True, False):
-            raise ConfigError(f"triton_attention must be True, False or None (plain steps only), "
+            raise ConfigError(f"triton_attention must be True, False or None (None: decode forwards only), "
                               f"got {self.triton_attention!r}")
 
 

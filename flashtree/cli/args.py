@@ -101,9 +101,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
             "CUDA: norms, rotary and KV writes as fused Triton kernels (when Triton is installed)")
     _on_off(kernels, "cpu_kernels", KernelConfig.cpu_kernels,
             "CPU: norms, rotary, KV writes and short attention as fused C++ kernels (AVX-512 / AVX2)")
+    _on_off(kernels, "cpu_layer_stack", KernelConfig.cpu_layer_stack,
+            "CPU GGUF models: every decoder layer of a decode step or small tree in one C++ call (same values)")
     _on_off(kernels, "triton_attention", KernelConfig.triton_attention,
             "CUDA: attention with the Triton kernel that reads the KV pages through the block tables (no gather; "
-            "one CUDA graph for every context length) instead of SDPA; None: for plain steps only")
+            "one CUDA graph for every context length) instead of SDPA; None: in decode rounds, prefill keeps SDPA")
     _on_off(kernels, "triton_tree", KernelConfig.triton_tree,
             "CUDA: DDTree tree work (kept lists, node selection, accept walk, KV commit) in Triton kernels (same trees)")
     _on_off(kernels, "cuda_graphs", KernelConfig.cuda_graphs, "CUDA: replay decode rounds as CUDA graphs")

@@ -66,7 +66,7 @@ class Prefill:
             input_ids=ids, positions=starts[:, None] + torch.arange(width, device=self.device),
             slots=slots, cache_lengths=starts, new_mask=causal_mask(counts, width),
             kv_len=max(r.prefilled for r in rows) + width,
-            one_off_shape=self.planless)
+            one_off_shape=self.planless, prefill=True)
         last = (counts - 1)[:, None]  # [B, 1]
         out = self.model(batch, self.cache, logits_index=last, capture_layers=self.proposer.capture_layers)
         self.cache.advance(slots, counts)

@@ -21,6 +21,7 @@ class ForwardBatch(NamedTuple):
     new_mask: torch.Tensor  # [B, N, N] bool, new_mask[b, i, j]: new token i sees new token j
     kv_len: int  # keys attended per row; >= max(cache_lengths) + N
     one_off_shape: bool = False  # a prefill's shape, which seldom recurs: attention builds no plan for it
+    prefill: bool = False  # prompt chunks (not a decode round or a drafter block)
 
     @property
     def num_new(self) -> int:

@@ -30,6 +30,7 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=target.seed)
     maybe_attach_quantized(model, checkpoint, enabled=kernels.quant_kernels)  # CPU fp32 GGUF models
     model.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention)
+    model.use_layer_stack(kernels.cpu_layer_stack)
     return LoadedTarget(model, checkpoint.tokenizer)
 
 

@@ -141,6 +141,7 @@ def attach_quantized(model: "CausalLM", blocks: dict[str, QuantizedLinear]) -> i
 
 def detach_quantized(model: "CausalLM") -> None:
     """Back to the fp32 path everywhere."""
+    model.layer_stack = None  # (it reads the blocks)
     holders = [model] + [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
     for owner in holders:
         for attr in ("qkv_quant", "o_quant", "gate_up_quant", "down_quant", "lm_head_quant"):

@@ -16,6 +16,7 @@ from torch import nn
 
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kernels.cpu import fused as cpu_fused
+from flashtree.kernels.cpu.layer_stack import LayerDims, LayerStack, LayerWeights
 from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear
 from flashtree.kernels.feature_sink import FeatureSink, SinkSegment
 from flashtree.kernels.gpu import fused as gpu_fused
@@ -249,22 +250,22 @@ class FusedKernelSwitch:
 
     kernels = None  # the backend module, or None
     fused_attention = False  # the backend's attention replaces SDPA (for the widths it handles)
-    kernel_attention_max_tokens: int | None = None  # ... and at most this many new tokens per row (None: any)
+    kernel_attention_prefill: bool = True  # ... in prefill forwards too (else only in decode forwards)
 
     def use_fused_kernels(self, gpu: bool, cpu: bool, attention: bool | None = False) -> bool:
         """The Triton kernels where they run (``attention``: their paged attention too; None: for
-        forwards of one new token per row), else the C++ ones where they run; returns whether either is on."""
+        decode forwards, not prefill), else the C++ ones where they run; returns whether either is on."""
         return self.use_gpu_kernels(gpu, attention) or self.use_cpu_kernels(cpu)
 
     def use_gpu_kernels(self, enabled: bool = True, attention: bool | None = False) -> bool:
         """Switch the Triton kernels on where they can run (CUDA with Triton, a power-of-two
         head_dim); returns whether they are on. ``attention`` also swaps SDPA over gathered pages
-        for the Triton paged attention (None: in forwards of one new token per row only)."""
+        for the Triton paged attention (None: in decode forwards only, prefill keeps SDPA)."""
         head_dim = self.config.head_dim
         on = (enabled and gpu_kernels.usable_on(self._kernel_weight()) and head_dim & (head_dim - 1) == 0
               and self._ready_for_kernels())
         self._set_kernels(gpu_fused if on else None, on and attention is not False and attention_kernel_fits(self.config))
-        self.kernel_attention_max_tokens = 1 if attention is None else None
+        self.kernel_attention_prefill = attention is True
         return on
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
@@ -272,21 +273,23 @@ class FusedKernelSwitch:
         attention of up to 32 new tokens included; returns whether they are on."""
         on = enabled and cpu_fused.usable_on(self._kernel_weight()) and self._ready_for_kernels()
         self._set_kernels(cpu_fused if on else None, on)
-        self.kernel_attention_max_tokens = None
+        self.kernel_attention_prefill = True
         return on
 
     @property
     def fused_kernels(self) -> bool:
         return self.kernels is not None
 
-    def uses_kernel_attention(self, new_tokens: int) -> bool:
-        """A forward of ``new_tokens`` per row attends with the backend's kernel (it needs no mask,
-        key range or gathered pages) rather than SDPA."""
-        widest = self.kernel_attention_max_tokens
-        return self.fused_attention and self.kernels.handles_attention(new_tokens) and (widest is None or new_tokens <= widest)
+    def uses_kernel_attention(self, new_tokens: int, prefill: bool = False) -> bool:
+        """A forward of ``new_tokens`` per row (a prompt chunk's: ``prefill``) attends with the
+        backend's kernel (it needs no mask, key range or gathered pages) rather than SDPA."""
+        return (self.fused_attention and self.kernels.handles_attention(new_tokens)
+                and (self.kernel_attention_prefill or not prefill))
 
     def _set_kernels(self, kernels, attention: bool) -> None:
         self.kernels, self.fused_attention = kernels, attention
+        if getattr(self, "layer_stack", None) is not None:  # it calls the C++ kernels: rebuilt on request
+            self.layer_stack = None
         for layer in self._kernel_layers():
             layer.self_attn.kernels = layer.mlp.kernels = kernels
             layer.self_attn.fused_attention = attention
@@ -307,6 +310,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
         self.lm_head_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
+        self.layer_stack: LayerStack | None = None  # every layer in one C++ call (use_layer_stack)
 
     def fuse(self) -> None:
         """Fuse per-layer projections for inference (call after the weights are loaded)."""
@@ -323,6 +327,29 @@ class CausalLM(FusedKernelSwitch, nn.Module):
     def _ready_for_kernels(self) -> bool:
         """fuse() ran (the kernels read the fused qkv and gate-up outputs)."""
         return all(layer.self_attn.qkv_weight is not None and layer.mlp.fused for layer in self.model.layers)
+
+    def use_layer_stack(self, enabled: bool = True) -> bool:
+        """Run the decoder layers of CPU forwards of at most 32 tokens in one call into the kernel
+        library (``kernels/cpu/layer_stack.py``; the same values as layer by layer) where every layer
+        can: the C++ kernels on, every linear with GGUF blocks, no MoE. Returns whether it is on.
+        Call it again after the kernels or the blocks change."""
+        self.layer_stack = None
+        layers = self.model.layers
+        if not enabled or self.kernels is not cpu_fused or self.config.moe is not None:
+            return False
+        if not all(isinstance(layer.mlp, MLP) and None not in (
+                layer.self_attn.qkv_quant, layer.self_attn.o_quant, layer.mlp.gate_up_quant, layer.mlp.down_quant)
+                for layer in layers):
+            return False
+        attn = layers[0].self_attn
+        cfg = self.config
+        dims = LayerDims(cfg.hidden_size, attn.heads, attn.kv_heads, attn.head_dim, cfg.intermediate_size,
+                         cfg.rms_norm_eps, attn.q_norm.eps if attn.q_norm is not None else 0.0)
+        self.layer_stack = LayerStack([LayerWeights(
+            layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+            layer.self_attn.qk_norm_weight, layer.self_attn.qkv_bias, layer.self_attn.qkv_quant,
+            layer.self_attn.o_quant, layer.mlp.gate_up_quant, layer.mlp.down_quant) for layer in layers], dims)
+        return True
 
     def setup_rope(self, max_positions: int) -> None:
         p = self.lm_head.weight
@@ -341,7 +368,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         x = self.model.embed_tokens(batch.input_ids)  # [B, N, hidden]
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, N, head_dim]
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
-        if self.uses_kernel_attention(batch.num_new):
+        if self.uses_kernel_attention(batch.num_new, batch.prefill):
             mask = None
         else:
             mask = attention_bias(attention_mask(batch), x.dtype)  # [B, 1, N, kv_len]
@@ -349,12 +376,15 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         captured = {}
         keepers = self._keepers(capture_layers, feature_sink)
         last = len(self.model.layers) - 1
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            kept = keepers.get(i - 1)  # layer i - 1's output (HF hidden_states[i]) is layer i's input
-            x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.kernels, kept)
-            if isinstance(kept, list):
-                captured[i - 1] = kept[0]
+        if mask is None and self.layer_stack is not None and self.layer_stack.serves(batch.input_ids.numel()):
+            x, residual = self._run_layer_stack(x, batch, cache, write_index, keepers, captured)
+        else:
+            residual = None
+            for i, layer in enumerate(self.model.layers):
+                kept = keepers.get(i - 1)  # layer i - 1's output (HF hidden_states[i]) is layer i's input
+                x, residual = layer(x, residual, batch, cache, rope, mask, write_index, self.kernels, kept)
+                if isinstance(kept, list):
+                    captured[i - 1] = kept[0]
         x = residual + x  # [B, N, hidden], the last layer's output
         if last in keepers:  # HF takes the last one after the final norm
             final = self.model.norm(x)
@@ -367,6 +397,22 @@ class CausalLM(FusedKernelSwitch, nn.Module):
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]
         logits = linear(self.model.norm(x), self.lm_head.weight, None, self.lm_head_quant).float()
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _run_layer_stack(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
+                         write_index: tuple[torch.Tensor, torch.Tensor], keepers: dict,
+                         captured: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer loop of :meth:`forward` in one kernel call: (last MLP output, residual)."""
+        residual = x.clone()  # [B, N, hidden]; the kernel updates it layer by layer
+        h = self.model.layers[0].input_layernorm(x)
+        inputs = {i + 1: torch.empty_like(x) for i in keepers if i + 1 < len(self.model.layers)}
+        out = self.layer_stack(h, residual, inputs, (self.rope.cos, self.rope.sin), batch.positions, write_index,
+                               cache.storage, cache.block_table, batch.slots, batch.cache_lengths, batch.new_mask)
+        for layer, kept in inputs.items():  # layer l's input is layer l - 1's output
+            if isinstance(keepers[layer - 1], list):
+                captured[layer - 1] = kept
+            else:
+                keepers[layer - 1].write(kept)
+        return out, residual
 
     def _keepers(self, capture_layers: Sequence[int], sink: FeatureSink | None) -> dict:
         """Layer id -> where its output goes: a list to append it to, or the sink's segment."""

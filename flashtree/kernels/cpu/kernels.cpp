@@ -401,6 +401,73 @@ int flashtree_block_gemm(int type, const float* x, const uint8_t* w, const float
   return 1;
 }
 
+// The decoder layers of a forward of T <= 32 tokens in one call (see layer_stack.py): for each
+// layer, attention of the normed input h (qkv block product, q/k norm + rotary + KV write, tree
+// attention, o product), the fused residual add + norm, the MLP (gate-up product, silu * up, down
+// product) and the next layer's residual add + norm. Each step is the function the per-op path calls
+// with the same operands, so the results are bit-identical to it.
+// - layers [L * LAYER_FIELDS]: per layer the input-norm weight, the post-attention-norm weight, the
+//   qk-norm weight (or 0), the qkv bias (or 0), then (type, blocks) of qkv, o, gate-up and down;
+// - dims: hidden, heads, kv_heads, head_dim, intermediate; scale: the attention's score scale;
+// - K of layer l at k_cache + l * layer_stride, V at v_cache + l * layer_stride (page / head /
+//   position strides as in flashtree_tree_attention);
+// - h: layer 0's normed input [T, hidden]; residual: layer 0's input. On return mlp_out holds the
+//   last layer's MLP output and residual its residual (their sum is the last layer's output);
+// - capture[l] (or 0): where layer l's input goes ([T, hidden]), for l >= 1.
+constexpr int LAYER_FIELDS = 12;
+
+int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64_t* dims, float eps,
+                          float qk_eps, float scale, float* h, float* residual, float* mlp_out, float* const* capture,
+                          const float* cos_table, const float* sin_table, const int64_t* positions,
+                          const int64_t* write_pages, const int64_t* write_offsets, float* k_cache, float* v_cache,
+                          int64_t layer_stride, int64_t page_stride, int64_t head_stride, int64_t pos_stride,
+                          const int64_t* table, const int64_t* slots, const int64_t* lengths,
+                          const uint8_t* new_mask, int64_t table_stride, int64_t page_size, int64_t rows,
+                          int64_t new_tokens, int threads) {
+  const int64_t hidden = dims[0], heads = dims[1], kv_heads = dims[2], head_dim = dims[3], inter = dims[4];
+  const int64_t T = rows * new_tokens, qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;
+  std::vector<float> qkv(T * qkv_width), q(T * q_width), att(T * q_width), o(T * q_width), x(T * hidden);
+  std::vector<float> gate_up(T * 2 * inter), act(T * inter), sum(T * hidden);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const int64_t* f = layers + l * LAYER_FIELDS;
+    const float *input_norm = (const float*)f[0], *post_norm = (const float*)f[1];
+    const float *qk_norm = (const float*)f[2], *qkv_bias = (const float*)f[3];
+    float* k_layer = k_cache + l * layer_stride;
+    float* v_layer = v_cache + l * layer_stride;
+    if (l > 0) {  // this layer's input: previous MLP output + residual, normed
+      flashtree_add_rms_norm(mlp_out, residual, input_norm, sum.data(), h, T, hidden, eps);
+      memcpy(residual, sum.data(), T * hidden * sizeof(float));
+      if (capture[l]) memcpy(capture[l], residual, T * hidden * sizeof(float));
+    }
+    if (flashtree_block_gemm((int)f[4], h, (const uint8_t*)f[5], qkv_bias, qkv.data(), T, qkv_width, hidden, threads))
+      return 1;
+    flashtree_qkv_rope_write(qkv.data(), qk_norm, cos_table, sin_table, positions, write_pages, write_offsets,
+                             q.data(), k_layer, v_layer, T, new_tokens, heads, kv_heads, head_dim, qk_eps,
+                             page_stride, head_stride, pos_stride);
+    flashtree_tree_attention(q.data(), k_layer, v_layer, table, slots, lengths, new_mask, att.data(), rows,
+                             new_tokens, heads, kv_heads, head_dim, 0, scale, table_stride, page_size, page_stride,
+                             head_stride, pos_stride, threads);
+    for (int64_t b = 0; b < rows; ++b)  // [B, H, N, D] -> [B, N, H * D]
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t n = 0; n < new_tokens; ++n)
+          memcpy(o.data() + ((b * new_tokens + n) * heads + hh) * head_dim,
+                 att.data() + ((b * heads + hh) * new_tokens + n) * head_dim, head_dim * sizeof(float));
+    if (flashtree_block_gemm((int)f[6], o.data(), (const uint8_t*)f[7], nullptr, x.data(), T, hidden, q_width,
+                             threads))
+      return 1;
+    flashtree_add_rms_norm(x.data(), residual, post_norm, sum.data(), h, T, hidden, eps);
+    memcpy(residual, sum.data(), T * hidden * sizeof(float));
+    if (flashtree_block_gemm((int)f[8], h, (const uint8_t*)f[9], nullptr, gate_up.data(), T, 2 * inter, hidden,
+                             threads))
+      return 1;
+    flashtree_silu_mul(gate_up.data(), act.data(), T, inter);
+    if (flashtree_block_gemm((int)f[10], act.data(), (const uint8_t*)f[11], nullptr, mlp_out, T, hidden, inter,
+                             threads))
+      return 1;
+  }
+  return 0;
+}
+
 int flashtree_block_dequantize(int type, const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
   if (K % 32 != 0) return 1;
   switch (type) {

@@ -1,6 +1,7 @@
 """The CPU kernel library: ``kernels.cpp`` beside this file, compiled once with the system C++ compiler.
 
-The library holds the block products of :mod:`quant_linear` and the fused small ops of :mod:`fused`.
+The library holds the block products of :mod:`quant_linear`, the fused small ops of :mod:`fused` and
+the whole decoder stack of short forwards (:mod:`layer_stack`).
 It is plain C++ (no torch headers, so it compiles in about two seconds), built for AVX-512 (avx512f,
 avx512bw, f16c, fma in /proc/cpuinfo) or else AVX2 (avx2, f16c, fma: the same code on pairs of
 8-float registers, :data:`ISA_BUILDS`) into ``$FLASHTREE_CACHE/kernels``, cached by source, flags
@@ -89,6 +90,10 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_qkv_rope_write.restype = lib.flashtree_tree_attention.restype = None
     lib.flashtree_qkv_rope_write.argtypes = [ptr] * 10 + [i64] * 5 + [ctypes.c_float] + [i64] * 3
     lib.flashtree_tree_attention.argtypes = [ptr] * 8 + [i64] * 6 + [ctypes.c_float] + [i64] * 5 + [ctypes.c_int]
+    f32 = ctypes.c_float
+    lib.flashtree_layer_stack.restype = ctypes.c_int  # (layer_stack.py)
+    lib.flashtree_layer_stack.argtypes = ([ptr, i64, ptr, f32, f32, f32] + [ptr] * 11 + [i64] * 4 + [ptr] * 4
+                                          + [i64] * 4 + [ctypes.c_int])
     return lib
 
 

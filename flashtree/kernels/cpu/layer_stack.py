@@ -1,0 +1,108 @@
+"""Every decoder layer of a short CPU forward in one call into the kernel library.
+
+A CPU decode step of a small GGUF model runs, per layer, four block products and five fused small
+ops; called one by one from Python, each pays dispatch and argument marshalling (about 90 us a layer
+on a 2-core EPYC for SmolLM2-135M, a quarter of the step). :class:`LayerStack` hands the whole stack
+to ``flashtree_layer_stack`` (``kernels.cpp``), which calls the same C++ functions with the same
+operands in the same order: the results are bit-identical to the per-op path's. It serves forwards
+of at most :data:`~flashtree.kernels.cpu.quant_linear.MAX_ROWS` tokens (those the block products and
+the C++ attention take anyway) of models whose every layer holds GGUF blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple, Sequence
+
+import torch
+
+from flashtree.kernels.cpu.library import load_kernels
+from flashtree.kernels.cpu.quant_linear import MAX_ROWS, QuantizedLinear
+
+LAYER_FIELDS = 12  # int64 fields per layer in the table the kernel reads (kernels.cpp)
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights as the stack reads them."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qk_norm: torch.Tensor | None  # [2, head_dim]: q's weight, then k's (Qwen3), or None
+    qkv_bias: torch.Tensor | None  # [(H + 2 KVH) * D] (Qwen2), or None
+    qkv: QuantizedLinear
+    o: QuantizedLinear
+    gate_up: QuantizedLinear
+    down: QuantizedLinear
+
+
+class LayerDims(NamedTuple):
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float  # the layer norms'
+    qk_eps: float  # the q/k norms' (0.0 without them)
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+class LayerStack:
+    """The stack of ``layers`` (see the module docstring); holds the weights' table for the kernel."""
+
+    def __init__(self, layers: Sequence[LayerWeights], dims: LayerDims):
+        self.dims = dims
+        self._held = [t.contiguous() if t is not None else None for w in layers
+                      for t in (w.input_norm, w.post_norm, w.qk_norm, w.qkv_bias)]  # alive while the table is
+        rows = []
+        for i, w in enumerate(layers):
+            input_norm, post_norm, qk_norm, qkv_bias = self._held[4 * i:4 * i + 4]
+            rows.append([_address(input_norm), _address(post_norm), _address(qk_norm), _address(qkv_bias),
+                         w.qkv.type_code, w.qkv.blocks.data_ptr(), w.o.type_code, w.o.blocks.data_ptr(),
+                         w.gate_up.type_code, w.gate_up.blocks.data_ptr(), w.down.type_code, w.down.blocks.data_ptr()])
+        self._quants = [(w.qkv, w.o, w.gate_up, w.down) for w in layers]  # their blocks stay alive
+        self.table = torch.tensor(rows, dtype=torch.int64)  # [L, LAYER_FIELDS]
+        self.num_layers = len(rows)
+        self._dims = torch.tensor([dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate],
+                                  dtype=torch.int64)
+        self._scale = dims.head_dim ** -0.5
+        self._run = load_kernels().flashtree_layer_stack
+
+    @staticmethod
+    def serves(tokens: int) -> bool:
+        """A forward of ``tokens`` new tokens in all (rows x per row) can run on the stack."""
+        return 1 <= tokens <= MAX_ROWS
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor, captures: dict[int, torch.Tensor],
+                 rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                 write_index: tuple[torch.Tensor, torch.Tensor], storage: torch.Tensor, block_table: torch.Tensor,
+                 slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
+        """Run every layer. h, residual ``[B, N, hidden]``: layer 0's normed input and its input
+        (``residual`` is updated in place to the last layer's residual); ``captures``: layer l >= 1
+        -> a ``[B, N, hidden]`` tensor that receives layer l's input; ``rope``: the whole cos, sin
+        tables ``[P, D]``; ``write_index``: (page, offset) ``[B, N]`` of the new entries; ``storage``:
+        the cache's ``[layers, 2, pages, KVH, page_size, D]``. Returns the last layer's MLP output."""
+        b, n, hidden = h.shape
+        if not self.serves(b * n) or hidden != self.dims.hidden or not residual.is_contiguous():
+            raise ValueError(f"the layer stack takes contiguous [B, N, {self.dims.hidden}] inputs of at most "
+                             f"{MAX_ROWS} tokens, got {list(h.shape)}")
+        h = h.contiguous().clone()  # the kernel writes each layer's normed input into it
+        out = torch.empty_like(h)
+        capture = (ctypes.c_void_p * self.num_layers)(*[captures[l].data_ptr() if l in captures else None
+                                                        for l in range(self.num_layers)])
+        pages, offsets = (t.contiguous() for t in write_index)
+        positions, slots, lengths = positions.contiguous(), slots.contiguous(), lengths.contiguous()
+        block_table, mask = block_table.contiguous(), new_mask.contiguous().view(torch.uint8)
+        k_cache, v_cache = storage[0, 0], storage[0, 1]
+        status = self._run(
+            self.table.data_ptr(), self.num_layers, self._dims.data_ptr(), self.dims.eps, self.dims.qk_eps,
+            self._scale, h.data_ptr(), residual.data_ptr(), out.data_ptr(), capture, rope[0].data_ptr(),
+            rope[1].data_ptr(), positions.data_ptr(), pages.data_ptr(), offsets.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), storage.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_table.data_ptr(), slots.data_ptr(), lengths.data_ptr(), mask.data_ptr(), block_table.shape[1],
+            k_cache.shape[2], b, n, torch.get_num_threads())
+        if status:
+            raise ValueError("the layer stack's kernel refused its operands (a block type or row count)")
+        return out
