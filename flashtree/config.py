@@ -170,8 +170,8 @@ PREFILL_TOKENS_BY_DEVICE = {"cpu": 256, "cuda": 2048}
 # PolicyConfig.max_round_tokens by device: a 2-core CPU is compute-bound well below a hundred tokens per
 # forward, so a round of more tokens costs about its token count in plain steps and a tree cannot pay
 # there (DDTree 0.96-0.98x plain at 32 rows, benchmarks/README.md), while its probes stall every stream
-# for up to a second (benchmarks/soak_test.py at 64 rows); an H200's ridge is near 186 tokens but graphs
-# and the policy's measurements already handle it: no cap.
+# for up to a second (benchmarks/soak_test.py at 64 rows); on CUDA the cap is KernelConfig.cuda_graph_max_tokens
+# (rounds past it have no CUDA graph), or none without graphs.
 ROUND_TOKENS_BY_DEVICE = {"cpu": 128, "cuda": None}
 
 
@@ -201,6 +201,10 @@ class KernelConfig:
     # every forward; False: never
     triton_tree: bool = True  # with gpu_kernels: DDTree tree work in Triton kernels (same trees, walks, cache)
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
+    # the graphs of rounds of up to this many tokens (rows x (nodes + 1)) are captured at start-up and
+    # none while serving (larger rounds, and those with log-probabilities or adjusted logits, run eagerly;
+    # the adaptive policy never chooses a larger one); None: captured when first needed, while serving
+    cuda_graph_max_tokens: int | None = 4096
     plain_fast_path: bool = True  # plain rounds skip the root-only tree and its accept walk (same values)
     feature_sink: bool = True  # a plain round's drafter features are written by the fused norm, not copied after
     planless_prefill: bool = True  # CUDA prefill attention with kernels that build no per-shape plan
@@ -208,7 +212,10 @@ class KernelConfig:
     # stages, so rounds run eagerly (no CUDA graphs); a profiling mode, not for serving
 
     def __post_init__(self) -> None:
-        _check_bools(self, *(f.name for f in dataclasses.fields(self) if f.name != "triton_attention"))
+        _check_bools(self, *(f.name for f in dataclasses.fields(self)
+                             if f.name not in ("triton_attention", "cuda_graph_max_tokens")))
+        if self.cuda_graph_max_tokens is not None:
+            _check_positive_ints(self, "cuda_graph_max_tokens")
         if self.triton_attention not in (None, True, False):
             raise ConfigError(f"triton_attention must be True, False or None (None: decode forwards only), "
                               f"got {self.triton_attention!r}")

@@ -83,5 +83,7 @@ def summarize(run: MethodRun, reference: MethodRun) -> dict:
         "ms_per_round": round(1000 * run.wall_seconds / rounds, 4) if rounds else 0.0,
         "mean_tree_size": round(sum(run.tree_sizes) / rounds, 3) if rounds else 0.0,
         "stage_seconds": stage_seconds(run),
+        "graph_captures": run.graph_captures,
+        "eager_rounds": run.eager_rounds,
         "acceptance_histogram": acceptance_histogram(run),
     }

@@ -68,6 +68,8 @@ class MethodRun(NamedTuple):
     tree_sizes: list[int]  # drafted nodes verified, every round of every prompt
     wall_seconds: float  # the timed generation, prefill included
     stage_seconds: dict[str, float]  # engine.timer.seconds over the timed generation
+    graph_captures: int = 0  # CUDA graphs captured inside the timed generation (after the engine's start-up)
+    eager_rounds: int = 0  # rounds run eagerly inside it for want of a start-up graph
 
 
 def load_shared_target(config: EngineConfig) -> LoadedTarget:
@@ -87,14 +89,17 @@ def run_method(setup: BenchSetup, method: BenchMethod, target: LoadedTarget,
         if progress is not None:
             progress.reset()  # the warm-up is not part of the timed run
         params = [setup.sampling(i) for i in range(len(prompt_ids))]
+        captures, eager = engine.graph_counts
         start = time.perf_counter()
         requests = generate(engine, prompt_ids, params, progress)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
         wall = time.perf_counter() - start
+        captures_after, eager_after = engine.graph_counts
         return MethodRun(method, engine.proposer.max_nodes, [list(r.output_ids) for r in requests],
                          [n for r in requests for n in r.stats.acceptance_lengths],
-                         [n for r in requests for n in r.stats.tree_sizes], wall, dict(engine.timer.seconds))
+                         [n for r in requests for n in r.stats.tree_sizes], wall, dict(engine.timer.seconds),
+                         captures_after - captures, eager_after - eager)
     finally:
         del engine
         release_memory()

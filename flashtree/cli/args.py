@@ -27,6 +27,16 @@ DEFAULT_MODEL = TargetConfig.model
 HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand shows its defaults
 
 
+def _graph_tokens(text: str) -> int | None:
+    """``--cuda-graph-max-tokens``: a positive integer, or ``lazy`` (None)."""
+    if text == "lazy":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'lazy', got {text!r}") from None
+
+
 def _on_off(group, name: str, default: bool | None, text: str) -> None:
     group.add_argument(f"--{name.replace('_', '-')}", dest=name, action=argparse.BooleanOptionalAction,
                        default=default, help=text)
@@ -109,6 +119,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _on_off(kernels, "triton_tree", KernelConfig.triton_tree,
             "CUDA: DDTree tree work (kept lists, node selection, accept walk, KV commit) in Triton kernels (same trees)")
     _on_off(kernels, "cuda_graphs", KernelConfig.cuda_graphs, "CUDA: replay decode rounds as CUDA graphs")
+    kernels.add_argument("--cuda-graph-max-tokens", type=_graph_tokens, default=KernelConfig.cuda_graph_max_tokens,
+                         metavar="N", help="CUDA: capture at start-up the graphs of every round of up to N tokens "
+                         "(rows x (nodes + 1)); none are captured while serving and larger rounds run eagerly; "
+                         "'lazy': capture each graph when first needed, while serving")
     _on_off(kernels, "plain_fast_path", KernelConfig.plain_fast_path,
             "plain rounds skip the root-only tree and its accept walk (same tokens)")
     _on_off(kernels, "feature_sink", KernelConfig.feature_sink,

@@ -9,21 +9,25 @@ little about its node count: after an idle pause (``IDLE_GAP_S``), when the roun
 graph, and for the first round of a node count at a rows bucket (a warm-up: one slow sample of the
 smallest tree would cap every tree's score by the policy's monotone round times).
 
-Capturing a CUDA graph costs tens of plain rounds or more, and the policy's neighbour probes try an
-option for a round or a few, often at a shape never seen with that node count. A neighbour probe
-whose round has no captured graph is therefore declined unless its option could beat the best one
-(``Policy.worth_a_graph``); the round runs the best option instead, and the policy waits longer
-before the next probe. A drafter that never matches then costs no captures after its first bucket.
+The CUDA graphs of every round the policy may choose (rows bucket x node count x sampling variant,
+up to ``cuda_graph_max_tokens`` tokens a round) are captured at start-up, and none while serving: a
+round with no graph (log-probabilities, adjusted logits, a fixed tree past the cap) runs eagerly.
+With lazy capture (``cuda_graph_max_tokens=None``) a capture costs tens of plain rounds or more,
+so a neighbour probe whose round has no captured graph is declined unless its option could beat
+the best one (``Policy.worth_a_graph``); the round runs the best option instead, and the policy
+waits longer before the next probe.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from flashtree.config import EngineConfig
 from flashtree.device_copy import to_device
@@ -60,6 +64,8 @@ from flashtree.speculative.registry import make_proposer
 # follow each other (a long prefill included) do not count as a pause.
 IDLE_GAP_S = 0.05
 
+log = logging.getLogger("flashtree")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, target: LoadedTarget | None = None):
@@ -91,7 +97,9 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
             self.pages.pool.free_pages, config.cache.page_size, self.runner.span), on_admit=self._admitted,
             device_type=self.device.type)
-        self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type)
+        graph_tokens = kernels.cuda_graph_max_tokens if self.runner.graphs is not None else None
+        self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
+                                  graph_tokens)
         queue = scheduling.queue_plain_rounds if scheduling.queue_plain_rounds is not None else self.runner.runs_ahead
         self.overlap = QueuedRounds(self.runner, self.lag, config.cache.max_context, enabled=queue)
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
@@ -104,7 +112,31 @@ class LLMEngine:
         self.step_tracer = StepTracer(config.trace.steps) if config.trace.steps else None
         self.tracker = TextTracker(self.tokenizer, scheduling.incremental_text)
         self.default_stop_ids = frozenset(stop_token_ids_for(self.model.config, self.tokenizer))
+        self.graph_capture_seconds = self._capture_graphs()
+        self._captures_at_start = self.runner.graphs.captures if self.runner.graphs is not None else 0
         self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def graph_counts(self) -> tuple[int, int]:
+        """(CUDA graphs captured since start-up, rounds run eagerly for want of one)."""
+        graphs = self.runner.graphs
+        return (0, 0) if graphs is None else (graphs.captures - self._captures_at_start, graphs.eager_runs)
+
+    def _capture_graphs(self) -> float:
+        """With CUDA graphs and ``cuda_graph_max_tokens``: capture now every round graph the engine
+        may need (``ModelRunner.graph_keys``), with a progress bar, so that none is captured while
+        serving; returns the seconds it took."""
+        max_tokens = self.config.kernels.cuda_graph_max_tokens
+        if self.runner.graphs is None or max_tokens is None:
+            return 0.0
+        keys = self.runner.graph_keys(self.policy.ladder, self.config.scheduler.max_running, max_tokens)
+        if not keys:
+            return 0.0
+        t0 = time.perf_counter()
+        self.runner.capture_graphs(tqdm(keys, desc="capturing CUDA graphs", unit="graph", leave=False))
+        seconds = time.perf_counter() - t0
+        log.info("flashtree: captured %d CUDA graphs in %.1f s", len(keys), seconds)
+        return seconds
 
     def _make_pages(self) -> PageTable:
         """The block tables of the target's and the drafter's caches: a slot per running request

@@ -4,7 +4,9 @@ A round (draft, tree build, verify, accept walk, commit) launches hundreds of sm
 small batch on a fast GPU, launching them costs more than running them. Everything in a round
 is sync-free tensor work, so :class:`GraphCache` captures it once per static key (rows, kv_len
 bucket, sampling flags, slot layout) and replays it after copying the round's inputs into the
-graph's static buffers.
+graph's static buffers. The engine captures the graphs it expects at start-up and then freezes the
+cache: a key with no graph runs eagerly instead of stalling the rounds of every running request
+for a capture.
 
 Outputs are the graph's static buffers: they are overwritten by the next replay of the same
 key, so callers consume them before the next call (the runner copies them to the host at once).
@@ -32,13 +34,22 @@ class GraphCache:
         self.graphs: dict[Hashable, _Captured] = {}  # least recently used first
         self.pool = None
         self.captures = 0  # graphs captured so far (a capturing call is much slower than a replay)
+        self.frozen = False  # no more captures: a missing key runs eagerly (see freeze)
+        self.eager_runs = 0  # calls that ran eagerly because the cache was frozen without their key
 
     def has(self, key: Hashable) -> bool:
         """A graph for ``key`` is captured (``run`` would replay it)."""
         return key in self.graphs
 
+    def freeze(self) -> None:
+        """From now on, ``run`` with a key that has no graph runs ``fn`` eagerly instead of capturing."""
+        self.frozen = True
+
     def run(self, key: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]):
         captured = self.graphs.pop(key, None)
+        if captured is None and self.frozen:
+            self.eager_runs += 1
+            return fn(*inputs)
         if captured is None:
             if len(self.graphs) >= self.max_graphs:  # evict the least recently used graph; running a
                 self.graphs.pop(next(iter(self.graphs)))  # miss eagerly instead costs ~10x a replay

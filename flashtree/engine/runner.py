@@ -1,16 +1,18 @@
 """ModelRunner: the host side of a decode round (inputs, CUDA graphs, the one read of its results).
 
 ``launch`` sends the rows' inputs to the device in two non-blocking copies and queues the round's
-device work (``engine/round.py``), replayed as a CUDA graph when graphs are on (captured first
-when its key is new); ``finish`` waits for the round and reads its packed result, the host's one
+device work (``engine/round.py``), replayed as a CUDA graph when graphs are on (the engine
+captures the graphs of its rounds at start-up, :meth:`ModelRunner.capture_graphs`; a round with no
+graph then runs eagerly); ``finish`` waits for the round and reads its packed result, the host's one
 sync per round. Between the two the host is free: the engine queues the next plain round there
 (``engine/overlap.py``) and the policy folds its measurements.
 
 Graphed rounds pad their rows to the next power of two with the pad slot (a KV slot no request
 uses, with identical inputs in every pad row), so a handful of graphs serves every batch size. A
 graph's key is (padded rows, :class:`~flashtree.engine.round.RoundShape`), whose key length is a
-256-key bucket; with the Triton attention, which reads lengths and the block table itself, one
-graph serves every context length.
+256-key bucket; with the Triton attention (the default in every decode forward), which reads lengths
+and the block table itself, one graph serves every context length, so the key set is small and known
+before serving.
 """
 
 from __future__ import annotations
@@ -211,6 +213,49 @@ class ModelRunner:
             step = self._plain_steps[key] = step.to(self.device)
         return step
 
+    # ------------------------------------------------------------------ graphs captured at start-up
+    def graph_keys(self, node_options: Sequence[int], max_rows: int, max_tokens: int) -> list[tuple]:
+        """The CUDA-graph keys of the rounds the engine may run, for :meth:`capture_graphs`: every
+        padded row count up to ``max_rows``' with every node count of ``node_options`` whose round
+        verifies at most ``max_tokens`` tokens (rows x (nodes + 1)), each greedy, sampled, and
+        sampled with top-p / top-k (not with log-probabilities or adjusted logits: those rounds run
+        eagerly); then the drafter's catch-up at every padded row count. Empty when a graph cannot
+        serve every context length (attention over gathered pages keys graphs by length)."""
+        if self.graphs is None or self.pad_slot is None:
+            return []
+        if not all(self.model.uses_kernel_attention(nodes + 1) for nodes in node_options):
+            return []
+        widths = [1 << i for i in range(rows_width(max_rows).bit_length())]  # 1, 2, 4, ... padded rows
+        capacity = self.cache.spec.capacity
+        keys = [(width, RoundShape(capacity, sampled, filtered, nodes))
+                for width in widths for nodes in sorted(node_options) if width * (nodes + 1) <= max_tokens
+                for sampled, filtered in ((False, False), (True, False), (True, True))]
+        if any(node_options) and self.proposer.max_nodes > 0:
+            keys += [self._catch_up_key(width, self.proposer.lag.capacity) for width in widths]
+        return keys
+
+    def capture_graphs(self, keys: Sequence[tuple]) -> None:
+        """Capture the graph of each key (from :meth:`graph_keys`) by running it once on pad rows,
+        then freeze the cache: from now on a round with no graph runs eagerly, never captures."""
+        for key in keys:
+            width = key[1] if key[0] == "catch_up" else key[0]
+            pads = torch.tensor([[self.pad_slot] * width, [0] * width, [0] * width])  # [3, W]: slot, start, count
+            if key[0] == "catch_up":
+                self._replay_catch_up(to_device(pads, self.device).unbind(0), key[2])
+                continue
+            ints, floats = self._pad_inputs(width)
+            shape = key[1]
+            self.graphs.run(key, lambda *t, shape=shape: self.round_program(shape, *t), RoundInputs.of(ints, floats))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs.freeze()
+
+    def _pad_inputs(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A round's inputs with ``width`` pad rows only (see :meth:`_round_inputs`)."""
+        ints = torch.tensor([(self.pad_slot, 0, 0, 0, 0, 0, 0, self.proposer.lag.capacity)] * width).T.contiguous()
+        floats = torch.tensor([(0.0, 1.0)] * width).T.contiguous()
+        return to_device(ints, self.device), to_device(floats, self.device)
+
     # ------------------------------------------------------------------ the drafter's catch-up
     def catch_up_drafter(self, rows: Sequence[Request]) -> bool:
         """The proposer projects the context features it deferred for ``rows`` (their lag each,
@@ -247,7 +292,7 @@ class ModelRunner:
         """Pad rows a graphed round adds: up to the next power of two."""
         if self.graphs is None or self.pad_slot is None:
             return 0
-        return (1 << (rows - 1).bit_length()) - rows
+        return rows_width(rows) - rows
 
     def _shape(self, rows: Sequence[Request], nodes: int, ahead: int = 0) -> RoundShape:
         """The round's static shape (with graphs: its key-length bucket); ``ahead``: tokens the rows
@@ -289,6 +334,11 @@ class ModelRunner:
     def _to_host(packed: torch.Tensor, rows: int) -> RoundResult:
         host = packed[:rows].tolist()
         return RoundResult(emitted=[row[2:2 + row[0]] for row in host], tree_sizes=[row[1] for row in host])
+
+
+def rows_width(rows: int) -> int:
+    """Rows of a graphed round of ``rows`` real rows: the next power of two (pad rows fill it)."""
+    return 1 << (rows - 1).bit_length()
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,14 @@ from flashtree.policy.base import PLAIN_NODES, FixedNodes, Policy, node_ladder, 
 __all__ = ["AdaptivePolicy", "FixedNodes", "PLAIN_NODES", "Policy", "make_policy", "node_ladder", "rows_bucket"]
 
 
-def make_policy(config: SpeculationConfig, max_nodes: int, chain: bool, device_type: str = "cuda") -> Policy:
+def make_policy(config: SpeculationConfig, max_nodes: int, chain: bool, device_type: str = "cuda",
+                graph_tokens: int | None = None) -> Policy:
     """The adaptive policy over the ladder of ``max_nodes`` (a chain: all or nothing), or every
     round at ``max_nodes`` when adaptive speculation is off or there is nothing to draft.
-    ``device_type``: where it runs (the default round-size cap depends on it)."""
+    ``device_type``: where it runs (the default round-size cap depends on it); ``graph_tokens``: the
+    largest round with a CUDA graph (the cap where the device has none by default)."""
     if not config.adaptive or max_nodes == 0:
         return FixedNodes(max_nodes)
-    policy = dataclasses.replace(config.policy, max_round_tokens=round_tokens_for(config.policy, device_type))
+    cap = round_tokens_for(config.policy, device_type)
+    policy = dataclasses.replace(config.policy, max_round_tokens=graph_tokens if cap is None else cap)
     return AdaptivePolicy(node_ladder(max_nodes, chain, policy.min_tree_nodes), policy)

@@ -372,6 +372,7 @@ class AsyncEngine:
                               kv_usage=pool.used_pages / pool.capacity)
         if self.engine.prefix_cache is not None:
             self.metrics.set_prefix_cache(self.engine.prefix_cache)
+        self.metrics.set_graphs(*self.engine.graph_counts)
 
 
 class _StepRounds:

@@ -70,6 +70,10 @@ class ServerMetrics:
         self.round_nodes = Counter("flashtree_spec_batch_rounds",
                                    "Batched rounds (engine steps) by drafted nodes per row; 0 = plain",
                                    ["nodes"], registry=r)
+        self.graph_captures = Gauge("flashtree_cuda_graph_captures_after_start",
+                                    "CUDA graphs captured while serving (0: all at start-up)", registry=r)
+        self.eager_rounds = Gauge("flashtree_cuda_graph_eager_rounds",
+                                  "Rounds run eagerly for want of a CUDA graph captured at start-up", registry=r)
         self.engine_info = Gauge("flashtree_engine_info", "The served model and decoding method (value 1)",
                                  ["model", "method", "device", "dtype"], registry=r)
 
@@ -98,6 +102,10 @@ class ServerMetrics:
         self.prefix_hits.set(cache.hit_tokens)
         self.prefix_hit_rate.set(cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0)
         self.prefix_pages.set(cache.cached_pages)
+
+    def set_graphs(self, captures_after_start: int, eager_rounds: int) -> None:
+        self.graph_captures.set(captures_after_start)
+        self.eager_rounds.set(eager_rounds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,48 @@
+"""CUDA only: the engine captures its round graphs at start-up and none while serving, and its tokens
+are those of plain decoding; rounds without a start-up graph (log-probabilities) run eagerly."""
+
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PROMPTS = [list(range(2, 20)), [5, 6], list(range(3, 12)) * 2, [7] * 9, [1, 2, 3], list(range(4, 17)),
+           [9, 8, 7, 6], [2] * 5]
+
+
+@pytest.mark.parametrize("spec,adaptive", [("none", True), ("dflash", False), ("ddtree", False), ("ddtree", True)])
+def test_no_capture_while_serving(tmp_path, spec, adaptive):
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=24, block_size=6)
+    common = dict(device="cuda", dtype="float32", max_running=8, max_context=256)
+    plain = LLM(str(pair.target), cuda_graphs=False, **common)
+    drafted = dict(spec=spec, draft=str(pair.drafter), budget=8) if spec != "none" else {}
+    llm = LLM(str(pair.target), adaptive_spec=adaptive, **drafted, **common)
+    engine = llm.engine
+    assert engine.runner.graphs.frozen and engine.runner.graphs.captures > 0 and engine.graph_capture_seconds > 0
+    for params in (SamplingParams(max_tokens=30, ignore_eos=True),
+                   SamplingParams(max_tokens=20, temperature=0.9, seed=3, ignore_eos=True),
+                   SamplingParams(max_tokens=20, temperature=0.9, top_p=0.8, seed=4, ignore_eos=True)):
+        for rows in (1, 3, 8):  # padded to 1, 4 and 8 rows
+            want = [o.token_ids for o in plain.generate(PROMPTS[:rows], params)]
+            assert [o.token_ids for o in llm.generate(PROMPTS[:rows], params)] == want, (params, rows)
+    assert engine.graph_counts == (0, 0)
+    with_logprobs = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+    want = [o.token_ids for o in plain.generate(PROMPTS[:2], with_logprobs)]
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], with_logprobs)] == want
+    captures, eager = engine.graph_counts
+    assert captures == 0 and eager > 0
+
+
+def test_lazy_capture_when_asked(tmp_path):
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=24, block_size=6)
+    llm = LLM(str(pair.target), device="cuda", dtype="float32", max_running=4, max_context=256,
+              cuda_graph_max_tokens=None)
+    assert not llm.engine.runner.graphs.frozen and llm.engine.runner.graphs.captures == 0
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert llm.engine.graph_counts[0] > 0
