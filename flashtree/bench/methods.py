@@ -1,30 +1,36 @@
-"""Benchmark methods: ``ar`` (plain decoding), ``dflash`` (chain), ``ddtree`` / ``ddtree:N`` (tree, budget N)."""
+"""Benchmark methods: ``ar`` (plain decoding), ``dflash`` (chain), ``ddtree`` / ``ddtree:N`` (tree, budget N),
+and ``llama.cpp`` (llama.cpp on the same GGUF, ``bench/llamacpp.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from flashtree.bench.llamacpp import LLAMA_CPP
 from flashtree.config import SpeculationConfig
 from flashtree.errors import ConfigError
 
 PLAIN = "ar"
-METHOD_FORMS = "ar, dflash, ddtree, ddtree:N (N = node budget)"
+METHOD_FORMS = f"ar, dflash, ddtree, ddtree:N (N = node budget), {LLAMA_CPP} (CPU, a GGUF target)"
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchMethod:
     label: str  # as the user wrote it, e.g. "ddtree:64"
-    spec_method: str  # SpeculationConfig.method: none | dflash | ddtree
+    spec_method: str  # SpeculationConfig.method: none | dflash | ddtree; or llama.cpp (no engine)
     budget: int | None = None  # DDTree budget; None = the engine's default
 
     @property
     def is_plain(self) -> bool:
         return self.spec_method == "none"
 
+    @property
+    def is_llamacpp(self) -> bool:
+        return self.spec_method == LLAMA_CPP
+
     def speculation(self, base: SpeculationConfig) -> SpeculationConfig:
         """This method's speculation; ``base`` gives the drafter, its block size and draft vocabulary,
         and whether the policy adapts."""
-        if self.is_plain:
+        if self.is_plain or self.is_llamacpp:
             return SpeculationConfig(adaptive=base.adaptive, policy=base.policy)
         return dataclasses.replace(base, method=self.spec_method, budget=self.budget)
 
@@ -35,6 +41,8 @@ def parse_method(text: str) -> BenchMethod:
         return BenchMethod(PLAIN, "none")
     if name == "dflash" and not budget:
         return BenchMethod("dflash", "dflash")
+    if text.strip() == LLAMA_CPP:
+        return BenchMethod(LLAMA_CPP, LLAMA_CPP)
     if name == "ddtree":
         return BenchMethod(text.strip(), "ddtree", _parse_budget(text, budget) if budget else None)
     raise ConfigError(f"--methods: {text!r} is not a method; allowed: {METHOD_FORMS}")

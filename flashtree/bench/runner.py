@@ -16,11 +16,13 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from flashtree.bench import llamacpp
 from flashtree.bench.methods import BenchMethod
 from flashtree.config import EngineConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.engine.request import Request
 from flashtree.models.build import LoadedTarget, load_target, resolve_device, resolve_dtype
+from flashtree.models.tokenizer import stop_token_ids_for
 from flashtree.sampling import SamplingParams
 
 SEED_BASE = 1234  # prompt i samples with seed SEED_BASE + i under every method
@@ -79,6 +81,8 @@ def load_shared_target(config: EngineConfig) -> LoadedTarget:
 
 def run_method(setup: BenchSetup, method: BenchMethod, target: LoadedTarget,
                prompt_ids: Sequence[list[int]], progress=None) -> MethodRun:
+    if method.is_llamacpp:
+        return run_llamacpp(setup, method, target, prompt_ids, progress)
     engine = LLMEngine(setup.engine_config(method), target=target)
     try:
         if setup.warmup_tokens > 0:  # a full first batch: its prefill shapes (and their one-time
@@ -103,6 +107,18 @@ def run_method(setup: BenchSetup, method: BenchMethod, target: LoadedTarget,
     finally:
         del engine
         release_memory()
+
+
+def run_llamacpp(setup: BenchSetup, method: BenchMethod, target: LoadedTarget,
+                 prompt_ids: Sequence[list[int]], progress=None) -> MethodRun:
+    """llama.cpp over the same prompt ids (``bench/llamacpp.py``): one round per token."""
+    stop_ids = frozenset() if setup.ignore_eos else frozenset(stop_token_ids_for(target.model.config, target.tokenizer))
+    outputs, seconds = llamacpp.generate(setup.engine.target.model, prompt_ids, setup.max_new_tokens, stop_ids,
+                                         setup.engine.cache.max_context)
+    if progress is not None:
+        progress.update(len(prompt_ids))
+    ones = [1 for tokens in outputs for _ in tokens]
+    return MethodRun(method, 0, outputs, ones, [0] * len(ones), seconds, {})
 
 
 def generate(engine: LLMEngine, prompt_ids: Sequence[list[int]], params: Sequence[SamplingParams],

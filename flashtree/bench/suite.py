@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from flashtree.bench import llamacpp
 from flashtree.bench.datasets import load_prompts
 from flashtree.bench.environment import environment
 from flashtree.bench.methods import BenchMethod
@@ -23,6 +24,8 @@ def run_suite(setup: BenchSetup, methods: list[BenchMethod], dataset: str, num_p
     if not methods or not methods[0].is_plain:
         raise ConfigError("the first benchmark method must be plain decoding (ar)")
     configs = [setup.engine_config(m) for m in methods]  # validates every method before loading
+    if any(m.is_llamacpp for m in methods):
+        llamacpp.check_usable(setup.engine.target.model, setup.engine.target.device, setup.temperature)
     prompts = load_prompts(dataset, num_prompts)
     target = load_shared_target(configs[0])
     prompt_ids, skipped = fitting_prompts([p.encode(target.tokenizer) for p in prompts], setup)

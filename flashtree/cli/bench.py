@@ -23,7 +23,8 @@ def register(subparsers) -> None:
                                   description=__doc__, formatter_class=HELP_FORMAT)
     add_model_args(bench)
     bench.add_argument("--methods", default=DEFAULT_METHODS,
-                       help=f"comma-separated: ar, dflash, ddtree, ddtree:N (default {DEFAULT_METHODS}); ar always runs")
+                       help="comma-separated: ar, dflash, ddtree, ddtree:N, llama.cpp (CPU, a GGUF target; the bench "
+                       "extra); ar always runs")
     bench.add_argument("--dataset", default="humaneval",
                        help="humaneval, sharegpt-heldout, or a JSONL file of {\"prompt\"} or {\"messages\"} lines")
     bench.add_argument("--num-prompts", type=int, default=8)
@@ -47,7 +48,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from flashtree.bench.suite import run_suite
 
     methods = parse_methods(args.methods)
-    setup = setup_from_args(args, needs_draft=any(not m.is_plain for m in methods))
+    setup = setup_from_args(args, needs_draft=any(not (m.is_plain or m.is_llamacpp) for m in methods))
     report = run_suite(setup, methods, args.dataset, args.num_prompts, progress=not args.no_progress)
     paths = write_outputs(report, args.json, args.out_dir)
     print(paths.markdown.read_text())

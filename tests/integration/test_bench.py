@@ -109,3 +109,28 @@ def test_bench_flags_a_method_whose_tokens_differ(bench_inputs, tmp_path, monkey
     assert f"| {BROKEN} | 16 |" in table and "**NO (differs from ar)**" in table
 
     assert main(bench_argv(bench_inputs, tmp_path) + ["--allow-inexact"]) == 0
+
+
+def test_bench_puts_llamacpp_beside_the_methods(tmp_path):
+    """On the embedded GGUF, ``--methods ar,llama.cpp`` decodes the same prompts with llama.cpp; its
+    row is reported (with where its tokens part from ours) and never fails the run as inexact."""
+    pytest.importorskip("llama_cpp")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}]}) + "\n")
+    argv = ["bench", "--model", "smollm2", "--methods", "ar,llama.cpp", "--dataset", str(prompts), "--num-prompts", "1",
+            "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu", "--max-context", "256", "--batch-size", "1",
+            "--warmup-tokens", "2", "--json", str(tmp_path / "report.json"), "--no-progress"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    llama = next(m for m in report["methods"] if m["method"] == "llama.cpp")
+    assert llama["generated_tokens"] == 8 and llama["tokens_per_s"] > 0 and llama["tau"] == 1.0
+    assert report["inexact_methods"] == []
+
+
+def test_bench_refuses_llamacpp_without_a_gguf(bench_inputs, tmp_path, capsys):
+    pytest.importorskip("llama_cpp")
+    pair, prompts = bench_inputs
+    argv = ["bench", "--model", str(pair.target), "--methods", "ar,llama.cpp", "--dataset", str(prompts),
+            "--device", "cpu", "--json", str(tmp_path / "report.json"), "--no-progress"]
+    assert main(argv) != 0
+    assert "needs a GGUF target" in capsys.readouterr().err
