@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,12,16,17,24,32,48,64",
-                        help="comma-separated row counts (the kernel takes any; linear() uses it up to MAX_ROWS)")
+                        help="comma-separated row counts (the kernel takes any; so does linear())")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_block_kernel_rows.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

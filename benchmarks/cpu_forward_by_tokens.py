@@ -2,10 +2,10 @@
 rows of a batch), split into the block-kernel products, the fused C++ ops and the rest.
 
 Wall-clock wrappers around the pieces (this process only); "glue" is the forward's Python and the
-torch ops between them (embedding, views; the fp32 products when N > MAX_ROWS). Context 200
-committed tokens, causal new tokens, fp32, 2 threads.
+torch ops between them (embedding, views). Context 200 committed tokens, causal new tokens, fp32,
+2 threads.
 
-    python benchmarks/cpu_forward_by_tokens.py [--tokens 1,5,8,9,16,24,32] [--max-rows 32] [--out FILE]
+    python benchmarks/cpu_forward_by_tokens.py [--tokens 1,5,8,9,16,24,32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -59,12 +59,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-rows", type=int, default=quant_linear.MAX_ROWS,
-                        help="rows up to which products use the block kernel (the shipped MAX_ROWS by default)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_forward_by_tokens.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    quant_linear.MAX_ROWS = args.max_rows
     llm = flashtree.LLM("smollm2", device="cpu", dtype="float32", max_running=1, max_context=1024)
     model, cache = llm.engine.model, llm.engine.cache
     install_timers(model)
@@ -80,7 +77,7 @@ def main() -> None:
         rows.append({"tokens": tokens, **ms})
         print(json.dumps(rows[-1]), flush=True)
     out = {**environment(torch.device("cpu")), "threads": args.threads, "context": args.context,
-           "max_rows": args.max_rows, "forwards_ms": rows}
+           "forwards_ms": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

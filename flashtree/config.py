@@ -190,7 +190,7 @@ def prefill_tokens_for(config: SchedulerConfig, device_type: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    quant_kernels: bool = True  # CPU fp32 GGUF models: products of <= 32 rows straight from the GGUF blocks
+    quant_kernels: bool = True  # CPU fp32 GGUF models: every product straight from the GGUF blocks (no fp32 copies)
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (kernels/gpu/)
     cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (kernels/cpu/; AVX-512 or AVX2)
     cpu_layer_stack: bool = True  # with cpu_kernels and GGUF blocks: every decoder layer of a forward of

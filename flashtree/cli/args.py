@@ -106,7 +106,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
     kernels = parser.add_argument_group("kernels (KernelConfig)")
     _on_off(kernels, "quant_kernels", KernelConfig.quant_kernels,
-            "CPU fp32 GGUF models: decode-sized products straight from the GGUF blocks (AVX-512 / AVX2 kernel)")
+            "CPU fp32 GGUF models: every product straight from the GGUF blocks, no fp32 copies (AVX-512 / AVX2 kernel)")
     _on_off(kernels, "gpu_kernels", KernelConfig.gpu_kernels,
             "CUDA: norms, rotary and KV writes as fused Triton kernels (when Triton is installed)")
     _on_off(kernels, "cpu_kernels", KernelConfig.cpu_kernels,

@@ -12,7 +12,8 @@ Glossary
   ``length .. length+k-1``.
 
 All layers live in one tensor ``[layers, 2 (k/v), num_pages, kv_heads, page_size, head_dim]`` so a
-commit moves every layer's entries with one gather and one scatter; ``k[layer]`` / ``v[layer]``
+commit moves every layer's entries with one gather and one scatter (zeros at first; on the CPU a page
+of memory takes room only once a request writes into it, :func:`zeros`); ``k[layer]`` / ``v[layer]``
 are ``[num_pages, kv_heads, page_size, head_dim]`` views. Kernels write through (page, offset)
 pairs (:meth:`KVCache.write_index`) and read through the block table. Lengths live on the device
 (``lengths``); the engine keeps its own host copy. Several caches (the target's and the drafter's)
@@ -23,6 +24,8 @@ each, and one mapping serves both.
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
 
 import torch
 
@@ -58,6 +61,17 @@ class KVCacheSpec:
         return num_pages * self.page_bytes(dtype)
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros(shape)``; on the CPU in a private anonymous memory map, whose pages the kernel
+    zeroes when first touched: pages nothing writes stay out of resident memory (a read maps the
+    shared zero page), so a cache sized for many long requests costs what its requests use."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or not nbytes or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)  # (it keeps the map)
+
+
 class KVCache:
     def __init__(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device | str,
                  pages: PageTable | None = None):
@@ -73,8 +87,8 @@ class KVCache:
             raise ValueError(f"the page table maps {pages.pages_per_slot * pages.page_size} positions per slot; "
                              f"the cache needs {spec.capacity}")
         self.spec, self.pages = spec, pages
-        self.storage = torch.zeros(spec.num_layers, 2, pages.pool.num_pages, spec.kv_heads, spec.page_size,
-                                   spec.head_dim, dtype=dtype, device=device)
+        self.storage = zeros((spec.num_layers, 2, pages.pool.num_pages, spec.kv_heads, spec.page_size,
+                              spec.head_dim), dtype, device)
         self.k = [self.storage[i, 0] for i in range(spec.num_layers)]
         self.v = [self.storage[i, 1] for i in range(spec.num_layers)]
         self.lengths = torch.zeros(spec.max_slots, dtype=torch.long, device=device)  # [max_slots]

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import AbstractSet, Mapping, NamedTuple
 
 import torch
 
 from flashtree.config import EngineConfig
 from flashtree.errors import CheckpointError, ConfigError
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear
 from flashtree.models.config import ModelConfig
-from flashtree.models.gguf_blocks import maybe_attach_quantized
 from flashtree.models.fp8 import dequantized
-from flashtree.models.moe import per_expert_weights
 from flashtree.models.loader import load_checkpoint
+from flashtree.models.moe import per_expert_weights
+from flashtree.models.quantized_weights import (
+    BlockGroup,
+    attach_quantized,
+    held_weights,
+    read_quantized,
+    release_weights,
+)
 from flashtree.models.transformer import CausalLM
 
 
@@ -27,8 +34,8 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     """The target of ``config.target`` on ``device`` in ``dtype``, with the kernels ``config.kernels`` allows."""
     target, kernels = config.target, config.kernels
     checkpoint = load_checkpoint(target.model, random_weights=target.random_weights)
-    model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=target.seed)
-    maybe_attach_quantized(model, checkpoint, enabled=kernels.quant_kernels)  # CPU fp32 GGUF models
+    quantized = read_quantized(checkpoint, device, dtype, enabled=kernels.quant_kernels)  # CPU fp32 GGUF models
+    model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=target.seed, quantized=quantized)
     model.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention)
     model.use_layer_stack(kernels.cpu_layer_stack)
     return LoadedTarget(model, checkpoint.tokenizer)
@@ -65,19 +72,26 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor] | None,
-                device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """Weights in Hugging Face names; ``None`` means random weights (init on the device)."""
+                device: torch.device, dtype: torch.dtype, seed: int = 0,
+                quantized: Mapping[BlockGroup, QuantizedLinear] | None = None) -> CausalLM:
+    """Weights in Hugging Face names; ``None`` means random weights (init on the device).
+    ``quantized``: groups held as GGUF blocks (``quantized_weights.read_quantized``): their fp32
+    weights are never allocated nor read, and the blocks are attached."""
+    quantized = quantized or {}
+    held = held_weights(quantized)
     with torch.device("meta"):
         model = CausalLM(config)
+    release_weights(model, held)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if weights is None:
         init_random_weights(model, seed)
     else:
-        _load_weights(model, weights)
+        _load_weights(model, weights, skip=held)
     model.eval().requires_grad_(False)
     model.fuse()
+    attach_quantized(model, quantized)
     return model
 
 
@@ -94,9 +108,9 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
-def _load_weights(model: CausalLM, weights: dict[str, torch.Tensor]) -> None:
+def _load_weights(model: CausalLM, weights: dict[str, torch.Tensor], skip: AbstractSet[str] = frozenset()) -> None:
     weights = per_expert_weights(weights)
-    expected = dict(model.named_parameters())
+    expected = {name: param for name, param in model.named_parameters() if name not in skip}
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")

@@ -181,9 +181,9 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
 
     def quantize_blocks(self) -> None:
         """CPU, with the C++ kernels on: round the drafter's matrices to Q8_0 once and keep the
-        blocks, so a block pass (up to ``MAX_ROWS`` rows: one or two blocks of 16) reads a quarter of the bytes. The fp32 weights
-        become the blocks' exact values, so wider products (prefill, catch-up) compute with the
-        same weights. The drafter only proposes, so its rounding cannot change what is committed."""
+        blocks, from which every product of the drafter is computed (a quarter of the bytes of fp32).
+        The fp32 weights become the blocks' exact values (the torch-ops path and training read them).
+        The drafter only proposes, so its rounding cannot change what is committed."""
         if self.kernels is not cpu_kernels:
             raise ValueError("quantize_blocks needs the CPU kernels on (use_cpu_kernels)")
         self.fc_quant = _round_to_blocks(self.fc.weight)

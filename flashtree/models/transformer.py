@@ -17,7 +17,7 @@ from torch import nn
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kernels.cpu import fused as cpu_fused
 from flashtree.kernels.cpu.layer_stack import LayerDims, LayerStack, LayerWeights
-from flashtree.kernels.cpu.quant_linear import QuantizedLinear, linear
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear, embedding, linear
 from flashtree.kernels.feature_sink import FeatureSink, SinkSegment
 from flashtree.kernels.gpu import fused as gpu_fused
 from flashtree.kv.cache import KVCache
@@ -91,7 +91,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden] after fuse()
-        # GGUF blocks for products with few rows (gguf_blocks.attach_quantized), else None
+        # GGUF blocks (models/quantized_weights.py), else None: every product reads them, and the fp32
+        # weights they stand for are empty tensors
         self.gate_up_quant: QuantizedLinear | None = None
         self.down_quant: QuantizedLinear | None = None
         self.kernels = None  # fused-kernel backend (gpu_kernels / cpu_kernels) for silu * up, or None
@@ -237,7 +238,10 @@ def prenorm_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | No
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an uninitialized weight (build_model loads or initializes it): nn.Embedding's own init, on the
+        # meta device build_model uses, imports torch._dynamo (about 90 MB resident)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -310,6 +314,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
         self.lm_head_quant: QuantizedLinear | None = None  # GGUF blocks (see MLP)
+        self.embed_quant: QuantizedLinear | None = None  # the embedding's GGUF blocks (tied: lm_head_quant)
         self.layer_stack: LayerStack | None = None  # every layer in one C++ call (use_layer_stack)
 
     def fuse(self) -> None:
@@ -329,7 +334,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         return all(layer.self_attn.qkv_weight is not None and layer.mlp.fused for layer in self.model.layers)
 
     def use_layer_stack(self, enabled: bool = True) -> bool:
-        """Run the decoder layers of CPU forwards of at most 32 tokens in one call into the kernel
+        """Run the decoder layers of CPU forwards that attend with the C++ attention in one call into the kernel
         library (``kernels/cpu/layer_stack.py``; the same values as layer by layer) where every layer
         can: the C++ kernels on, every linear with GGUF blocks, no MoE. Returns whether it is on.
         Call it again after the kernels or the blocks change."""
@@ -365,7 +370,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         if self.rope is None:
             self.setup_rope(self.config.max_position_embeddings)
         self.rope.ensure(int(batch.kv_len) + 1)
-        x = self.model.embed_tokens(batch.input_ids)  # [B, N, hidden]
+        x = self.embed(batch.input_ids)  # [B, N, hidden]
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, N, head_dim]
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
         if self.uses_kernel_attention(batch.num_new, batch.prefill):
@@ -422,7 +427,8 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         return {layer: sink.segment(k, width) for k, layer in enumerate(capture_layers)}
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(token_ids)
+        """Token ids ``[...]`` -> embeddings ``[..., hidden]`` (from the GGUF blocks where the model holds them)."""
+        return embedding(token_ids, self.model.embed_tokens.weight, self.embed_quant)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on already-normed hidden states (the drafter uses the target's head)."""

@@ -16,6 +16,7 @@ import torch
 from flashtree.config import EngineConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import ConfigError
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear
 from flashtree.kv.cache import KVCacheSpec
 from flashtree.kv.pages import pages_for
 from flashtree.models.build import resolve_device, resolve_dtype
@@ -96,12 +97,17 @@ def device_memory(device: torch.device) -> tuple[int, str]:
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of every distinct tensor in the target and in the proposer's modules."""
+    """Bytes of every distinct tensor in the target and in the proposer's modules, GGUF blocks included."""
     modules = [engine.model] + [v for v in vars(engine.proposer).values() if isinstance(v, torch.nn.Module)]
     seen: dict[int, int] = {}
     for module in modules:
         for tensor in (*module.parameters(), *module.buffers()):
             seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        for sub in module.modules():  # GGUF blocks, by storage (a drafter's k/v blocks are a view of its qkv ones)
+            for value in vars(sub).values():
+                if isinstance(value, QuantizedLinear):
+                    storage = value.blocks.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 

@@ -74,11 +74,10 @@ def vocab_head(lm_head_weight: torch.Tensor, lm_head_quant: QuantizedLinear | No
                token_ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The target's lm_head restricted to ``token_ids`` (its rows copied once): normed hidden
     ``[..., hidden]`` -> float logits ``[..., N]`` over draft indices. A CPU model's GGUF blocks
-    are restricted the same way, so the draft keeps the block kernel."""
-    ids = token_ids.to(lm_head_weight.device)
-    weight = lm_head_weight.index_select(0, ids).contiguous()  # [N, hidden]
-    quant = None
+    (its fp32 weight is then empty) are restricted the same way, so the draft keeps the block kernel."""
     if lm_head_quant is not None:
-        blocks = lm_head_quant.blocks.index_select(0, token_ids.cpu()).contiguous()
+        blocks = lm_head_quant.blocks.index_select(0, token_ids.cpu()).contiguous()  # [N, K / 32 * block]
         quant = QuantizedLinear(lm_head_quant.type_name, blocks, lm_head_quant.in_features)
-    return lambda hidden: linear(hidden, weight, None, quant).float()
+        return lambda hidden: quant(hidden)
+    weight = lm_head_weight.index_select(0, token_ids.to(lm_head_weight.device)).contiguous()  # [N, hidden]
+    return lambda hidden: linear(hidden, weight).float()

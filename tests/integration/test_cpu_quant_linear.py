@@ -48,6 +48,31 @@ def test_kernel_keeps_greedy_tokens_and_speculation_stays_exact(tmp_path, monkey
     assert max(n for o in outs for n in o.acceptance_lengths) == 4  # whole blocks accepted: 4-row products
 
 
+LONG_PROMPTS = [list(range(3, 60)), [1, 5, 7], [(7 * i) % 90 + 3 for i in range(45)], [9, 9, 9, 4] * 10]
+
+
+@needs_kernel
+@pytest.mark.parametrize("model_type,tied", [("llama", True), ("qwen2", False)])
+def test_wide_forwards_read_the_blocks_and_stay_exact(tmp_path, model_type, tied):
+    """Forwards of more than 32 tokens (prompt chunks of 48 tokens, 4 rows of trees of 41 nodes: 164
+    tokens, past the C++ attention's 32 per row too) compute from the blocks like any other, and no fp32
+    weights are kept: DFlash and DDTree stay token-identical to plain decoding, and each prompt alone
+    gets the tokens it gets in the batch."""
+    path = str(tiny_gguf(tmp_path / "tiny.gguf", model_type, tied))
+    engine = dict(device="cpu", max_running=4, max_context=160, prefill_chunk=48, **FIXED_NODES)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLM(path, **engine)
+    model = plain.engine.model
+    assert model.lm_head.weight.numel() == 0 and model.model.layers[0].mlp.gate_up.numel() == 0
+    expected = [o.token_ids for o in plain.generate(LONG_PROMPTS, params)]
+    assert [plain.generate([p], params)[0].token_ids for p in LONG_PROMPTS] == expected
+    drafter = save_tiny_drafter(resolve_model_dir(path), tmp_path / "drafter", block_size=4)
+    for spec, budget in (("dflash", None), ("ddtree", 12), ("ddtree", 40)):
+        llm = LLM(path, spec=spec, draft=str(drafter), budget=budget, **engine)
+        assert llm.engine.model.lm_head.weight.numel() == 0
+        assert [o.token_ids for o in llm.generate(LONG_PROMPTS, params)] == expected, (spec, budget)
+
+
 @pytest.fixture(scope="module")
 def smollm2_pair():
     torch.set_num_threads(2)

@@ -105,3 +105,21 @@ def test_admission_waits_for_pages_in_order_and_refuses_what_never_fits():
     assert scheduler.schedule().prefill == [third] and scheduler.promised == 2
     with pytest.raises(RequestError, match="may reach 11 KV pages of 4 tokens .* the pool holds 10"):
         scheduler.add(_request(30, 11))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_cache_storage_is_zeros_that_take_memory_when_written(dtype):
+    """The CPU storage reads as zeros, takes writes like any tensor, and is resident only where written
+    (it outlives the memory map's Python object: the tensor holds it)."""
+    def resident_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    spec = KVCacheSpec(num_layers=4, max_slots=64, max_context=4096, scratch=16, kv_heads=4, head_dim=64)
+    before = resident_kib()
+    cache = KVCache(spec, dtype, "cpu")  # 4 x 2 x 16k pages x 16 x 4 x 64: 1 GiB in float32
+    assert cache.storage.dtype == dtype and cache.storage.shape == (4, 2, cache.pages.pool.num_pages, 4, 16, 64)
+    assert not cache.storage[:, :, :4].any()
+    cache.k[1][3, :, 5] = 1.5
+    assert cache.storage[1, 0, 3, :, 5].eq(1.5).all() and cache.storage.sum() == 1.5 * 4 * 64
+    assert resident_kib() - before < 64 * 1024  # (the whole of it would be 512-1024 MiB)

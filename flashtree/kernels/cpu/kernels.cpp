@@ -122,6 +122,7 @@ constexpr bool ONE_ACCUMULATOR = true;
 #endif
 
 constexpr int ROW_GROUP = 8;  // rows of x whose accumulators share the registers while the weights stream
+constexpr int64_t L1_X_BYTES = 32768;  // a group's rows of x stay in L1 (else the group is halved)
 constexpr int COLUMN_TILE = 4;  // weight rows (output columns) a task takes at once
 
 // Output columns worked on together by a group of M rows: one column's chain of FMAs is latency-bound
@@ -192,23 +193,27 @@ inline void tile_group(int m, const float* x, const uint8_t* w, int64_t row_byte
   }
 }
 
-// Tasks of COLUMN_TILE weight rows; within a task the rows of x go in groups of ROW_GROUP, so the
-// weights are read from memory once and decoded again from L1 for each further group. A row's
-// result never depends on how many rows share the call.
+// The rows of x go in groups of ROW_GROUP (half as many when those rows of x would not fit in L1); for
+// each group, tasks of COLUMN_TILE weight rows split over the threads, the same tiles to the same thread
+// for every group. A group's x stays in L1 while the weights stream through it, each block decoded once
+// per group, and a thread's share of a weight stays in its L2 from one group to the next. A row's result
+// never depends on how many rows share the call: every (row, column) pair is the same chain of FMAs.
 template <int TYPE>
 int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
               int threads) {
   if (M < 1) return 1;
   const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
   const int64_t tiles = (N + COLUMN_TILE - 1) / COLUMN_TILE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t n = t * COLUMN_TILE;
-    const int cols = (int)(N - n < COLUMN_TILE ? N - n : COLUMN_TILE);
-    float add[COLUMN_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int c = 0; bias && c < cols; ++c) add[c] = bias[n + c];
-    for (int64_t r0 = 0; r0 < M; r0 += ROW_GROUP) {
-      const int m = (int)(M - r0 < ROW_GROUP ? M - r0 : ROW_GROUP);
+  const int64_t group = ROW_GROUP * K * (int64_t)sizeof(float) <= L1_X_BYTES ? ROW_GROUP : ROW_GROUP / 2;
+#pragma omp parallel num_threads(threads) if (threads > 1 && N >= 64)
+  for (int64_t r0 = 0; r0 < M; r0 += group) {
+    const int m = (int)std::min(M - r0, group);
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t n = t * COLUMN_TILE;
+      const int cols = (int)(N - n < COLUMN_TILE ? N - n : COLUMN_TILE);
+      float add[COLUMN_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int c = 0; bias && c < cols; ++c) add[c] = bias[n + c];
       tile_group<TYPE>(m, x + r0 * K, w + n * row_bytes, row_bytes, blocks, K, add, y + r0 * N + n, N, cols);
     }
   }

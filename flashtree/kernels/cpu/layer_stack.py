@@ -4,9 +4,10 @@ A CPU decode step of a small GGUF model runs, per layer, four block products and
 ops; called one by one from Python, each pays dispatch and argument marshalling (about 90 us a layer
 on a 2-core EPYC for SmolLM2-135M, a quarter of the step). :class:`LayerStack` hands the whole stack
 to ``flashtree_layer_stack`` (``kernels.cpp``), which calls the same C++ functions with the same
-operands in the same order: the results are bit-identical to the per-op path's. It serves forwards
-of at most :data:`~flashtree.kernels.cpu.quant_linear.MAX_ROWS` tokens (those the block products and
-the C++ attention take anyway) of models whose every layer holds GGUF blocks.
+operands in the same order: the results are bit-identical to the per-op path's. It serves the
+forwards that attend with the C++ attention (at most
+:data:`~flashtree.kernels.cpu.fused.MAX_ATTENTION_NEW_TOKENS` new tokens per row, any number of rows)
+of models whose every layer holds GGUF blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from flashtree.kernels.cpu.library import load_kernels
-from flashtree.kernels.cpu.quant_linear import MAX_ROWS, QuantizedLinear
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear
 
 LAYER_FIELDS = 12  # int64 fields per layer in the table the kernel reads (kernels.cpp)
 
@@ -73,7 +74,7 @@ class LayerStack:
     @staticmethod
     def serves(tokens: int) -> bool:
         """A forward of ``tokens`` new tokens in all (rows x per row) can run on the stack."""
-        return 1 <= tokens <= MAX_ROWS
+        return tokens >= 1
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, captures: dict[int, torch.Tensor],
                  rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
@@ -86,8 +87,7 @@ class LayerStack:
         the cache's ``[layers, 2, pages, KVH, page_size, D]``. Returns the last layer's MLP output."""
         b, n, hidden = h.shape
         if not self.serves(b * n) or hidden != self.dims.hidden or not residual.is_contiguous():
-            raise ValueError(f"the layer stack takes contiguous [B, N, {self.dims.hidden}] inputs of at most "
-                             f"{MAX_ROWS} tokens, got {list(h.shape)}")
+            raise ValueError(f"the layer stack takes contiguous [B, N, {self.dims.hidden}] inputs, got {list(h.shape)}")
         h = h.contiguous().clone()  # the kernel writes each layer's normed input into it
         out = torch.empty_like(h)
         capture = (ctypes.c_void_p * self.num_layers)(*[captures[l].data_ptr() if l in captures else None

@@ -1,11 +1,10 @@
-"""CPU products with few rows straight from a GGUF's quantized blocks (Q4_0, Q4_1, Q8_0).
+"""CPU products straight from a GGUF's quantized blocks (Q4_0, Q4_1, Q8_0).
 
-A GGUF model is dequantized once to float32 (``models/gguf_convert.py``); a CPU decode step then
-streams every fp32 weight per token and is bound by memory bandwidth. Products of at most
-:data:`MAX_ROWS` rows (decode steps, verification trees, drafter blocks, batches of a few dozen
-requests) read the GGUF blocks instead, 0.56-1.06 bytes per weight instead of 4. The kernel
-(``kernels.cpp``) rebuilds each weight in registers exactly as the converter stored it and
-accumulates in float32:
+A GGUF model is dequantized once to float32 for its layout (``models/gguf_convert.py``); on the CPU
+in float32, every linear whose GGUF matrix is Q4_0 / Q4_1 / Q8_0 computes all its products from the
+blocks (``models/quantized_weights.py``) and keeps no fp32 weight: 0.56-1.06 bytes per weight instead of 4,
+in memory and in what a decode step streams. The kernel (``kernels.cpp``) rebuilds each weight in
+registers exactly as the converter stored it and accumulates in float32:
 
 - Q4_1: ``fma(d, q, m)``. ``d`` is an fp16 value and ``q`` a 4-bit integer, so ``d * q`` is
   exact in fp32 and the fma rounds once, like numpy's ``d * q + m``.
@@ -14,12 +13,15 @@ accumulates in float32:
 - Q8_0: ``d * q``, exact.
 
 so the weights are bit-identical to the fp32 ones (checked at load on a spread of rows of every
-weight); only the summation order differs from MKL's. Each weight block is decoded once for up to
-8 rows of a product, and a row's result does not depend on how many rows share the call. The
-kernel prefetches 4 KB ahead in the weight stream: the per-layer products are too short for the
-hardware prefetcher alone. Larger products (prefill, big trees) use the fp32 weights, kept too.
-:func:`quantize_q8_0` rounds a drafter's weights to Q8_0 blocks. ``--no-quant-kernels`` (``KernelConfig``)
-turns the block products off.
+weight); only the summation order differs from MKL's. Each (row, output) sum runs over the blocks in
+one order whatever the row count, so a row's result never depends on how many rows share the call
+(a tree node gets what plain decoding computes). The rows go in groups of 8 (of 4 where 8 rows of x
+would not fit in L1): each weight block is decoded once per group, and over the groups of a prefill
+each thread's share of the weight stays in its L2 (at 512 rows 0.85x of MKL's fp32 speed on a 2-core
+EPYC). The kernel prefetches 4 KB ahead in the weight stream: the per-layer products are too short
+for the hardware prefetcher alone. :func:`embedding` rebuilds looked-up rows from the blocks
+(bit-identical to the fp32 rows). :func:`quantize_q8_0` rounds a drafter's weights to Q8_0 blocks.
+``--no-quant-kernels`` (``KernelConfig``) keeps the fp32 weights and products instead.
 """
 
 
@@ -31,10 +33,6 @@ import torch
 
 from flashtree.kernels.cpu.library import load_kernels
 
-# products with at most this many rows use the block kernel; more rows keep the fp32 weights (at 32 rows
-# the two cost the same on a 2-core Xeon; the kernel's arithmetic per row is the same for every count)
-MAX_ROWS = 32
-
 # type name -> (bytes per 32-weight block, kernel type code)
 BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
 
@@ -42,8 +40,8 @@ BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
 class QuantizedLinear:
     """One linear weight ``[N, K]`` kept as GGUF blocks (rows of ``K / 32`` blocks, raw bytes).
 
-    Call it with a float32 CPU ``x [..., K]`` of at most :data:`MAX_ROWS` rows (and a contiguous
-    float32 ``bias [N]`` or None); :func:`linear` picks it or the fp32 weight by the row count."""
+    Call it with a float32 CPU ``x [..., K]`` of any number of rows (and a contiguous float32
+    ``bias [N]`` or None): ``x @ W.T (+ bias)`` ``[..., N]``."""
 
     def __init__(self, type_name: str, blocks: torch.Tensor, in_features: int):
         if type_name not in BLOCK_TYPES:
@@ -61,13 +59,17 @@ class QuantizedLinear:
 
     @classmethod
     def concat(cls, parts: Sequence["QuantizedLinear"]) -> "QuantizedLinear":
-        """The fused weight (rows of every part, in order); all parts share one type and K."""
+        """The fused weight (rows of every part, in order, in a tensor of its own); all parts share one
+        type and K."""
         first = parts[0]
         if any(p.type_name != first.type_name or p.in_features != first.in_features for p in parts):
             raise ValueError("fused weights need one block type and one input size")
         return cls(first.type_name, torch.cat([p.blocks for p in parts]), first.in_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise ValueError(f"the block kernel takes float32 CPU rows of {self.in_features}, "
+                             f"got {x.dtype} {x.device.type} {list(x.shape)}")
         x = x.contiguous()
         rows = x.numel() // self.in_features
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
@@ -106,7 +108,15 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantizedLinear:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            quant: QuantizedLinear | None = None) -> torch.Tensor:
-    """``F.linear`` that takes products with few rows from the blocks when ``quant`` is set."""
-    if quant is not None and x.numel() <= MAX_ROWS * quant.in_features:
+    """``F.linear``, from the blocks when ``quant`` is set (then ``weight`` is not read: it may be empty)."""
+    if quant is not None:
         return quant(x, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, quant: QuantizedLinear | None = None) -> torch.Tensor:
+    """``F.embedding`` of ``ids [...]`` -> ``[..., K]``; with ``quant``, the rows rebuilt from the blocks
+    (bit-identical to the fp32 weight's rows; ``weight`` is then not read: it may be empty)."""
+    if quant is None:
+        return torch.nn.functional.embedding(ids, weight)
+    return quant.dequantize(ids.reshape(-1)).view(*ids.shape, quant.in_features)  # [..., K]
