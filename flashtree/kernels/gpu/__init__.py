@@ -9,6 +9,8 @@
 - ``tree.py``: DDTree's tree work, per-depth kept lists, node selection with the ancestor mask, the
   accept walk and the KV commit, one program per row instead of dozens of small kernels;
 - ``topk.py``: the drafter logits' per-depth top-k with log-probabilities (an exact radix select);
+- ``gemm.py``: a product whose rows are computed the same way whatever the row count (the exact
+  mode's building block; not called by the engine yet);
 - ``triton_*.py``: the ``@triton.jit`` kernels behind each, imported only when used.
 
 Triton is optional: :func:`available` is False without it (the CPU wheel of torch does not bring
