@@ -41,11 +41,9 @@ SYSTEMS = ("flashtree", "flashtree_default", "llama.cpp")
 
 
 def gguf_path(name: str) -> str:
-    if name != "smollm2":
-        return name
-    from flashtree.models.embedded import EMBEDDED_MODELS, embedded_gguf_path
+    from flashtree.bench.llamacpp import gguf_file
 
-    return str(embedded_gguf_path(EMBEDDED_MODELS["smollm2"]))
+    return str(gguf_file(name))
 
 
 def requantize(gguf: str, kind: str) -> str:

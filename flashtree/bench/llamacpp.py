@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from flashtree.errors import ConfigError
+from flashtree.models.build import resolve_device
 
 LLAMA_CPP = "llama.cpp"
 
@@ -39,7 +40,7 @@ def check_usable(model: str, device: str | None, temperature: float) -> None:
     """A ConfigError naming what is missing when llama.cpp cannot run beside this benchmark."""
     if importlib.util.find_spec("llama_cpp") is None:
         raise ConfigError(f"--methods {LLAMA_CPP} needs llama-cpp-python: pip install 'flashtree[bench]'")
-    if device not in (None, "auto", "cpu") or (device in (None, "auto") and torch.cuda.is_available()):
+    if resolve_device(device).type != "cpu":
         raise ConfigError(f"--methods {LLAMA_CPP} compares on the CPU: add --device cpu")
     if temperature != 0:
         raise ConfigError(f"--methods {LLAMA_CPP} decodes greedily: use --temperature 0")

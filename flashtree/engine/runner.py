@@ -238,23 +238,17 @@ class ModelRunner:
         """Capture the graph of each key (from :meth:`graph_keys`) by running it once on pad rows,
         then freeze the cache: from now on a round with no graph runs eagerly, never captures."""
         for key in keys:
-            width = key[1] if key[0] == "catch_up" else key[0]
-            pads = torch.tensor([[self.pad_slot] * width, [0] * width, [0] * width])  # [3, W]: slot, start, count
             if key[0] == "catch_up":
+                width = key[1]
+                pads = torch.tensor([[self.pad_slot] * width, [0] * width, [0] * width])  # [3, W]: slot, start, count
                 self._replay_catch_up(to_device(pads, self.device).unbind(0), key[2])
                 continue
-            ints, floats = self._pad_inputs(width)
-            shape = key[1]
+            width, shape = key
+            ints, floats = self._round_inputs([], 0, pads=width)  # pad rows only
             self.graphs.run(key, lambda *t, shape=shape: self.round_program(shape, *t), RoundInputs.of(ints, floats))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.graphs.freeze()
-
-    def _pad_inputs(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A round's inputs with ``width`` pad rows only (see :meth:`_round_inputs`)."""
-        ints = torch.tensor([(self.pad_slot, 0, 0, 0, 0, 0, 0, self.proposer.lag.capacity)] * width).T.contiguous()
-        floats = torch.tensor([(0.0, 1.0)] * width).T.contiguous()
-        return to_device(ints, self.device), to_device(floats, self.device)
 
     # ------------------------------------------------------------------ the drafter's catch-up
     def catch_up_drafter(self, rows: Sequence[Request]) -> bool:

@@ -381,7 +381,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         captured = {}
         keepers = self._keepers(capture_layers, feature_sink)
         last = len(self.model.layers) - 1
-        if mask is None and self.layer_stack is not None and self.layer_stack.serves(batch.input_ids.numel()):
+        if mask is None and self.layer_stack is not None:  # (the C++ attention: the stack takes it all)
             x, residual = self._run_layer_stack(x, batch, cache, write_index, keepers, captured)
         else:
             residual = None

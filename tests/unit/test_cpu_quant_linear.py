@@ -98,14 +98,6 @@ def test_embedding_rows_from_blocks(type_name):
     assert torch.equal(quant_linear.embedding(ids, dense), dense[ids])
 
 
-@needs_kernel
-def test_fused_rows_concatenate_blocks():
-    a, dense_a = quantized(32, 64, "Q4_1", seed=2)
-    b, dense_b = quantized(64, 64, "Q4_1", seed=3)
-    fused = QuantizedLinear.concat([a, b])
-    assert torch.equal(fused.dequantize(), torch.cat([dense_a, dense_b]))
-
-
 # ----------------------------------------------------------------------------- tiny GGUF models
 
 def fp32_weights(path: str) -> dict[str, torch.Tensor]:

@@ -253,7 +253,8 @@ inline float inv_rms(const float* x, int64_t width, float eps) {
 
 extern "C" {
 
-// sum = x + residual; out = sum * rsqrt(mean(sum^2) + eps) * weight, per row of width values.
+// sum = x + residual; out = sum * rsqrt(mean(sum^2) + eps) * weight, per row of width values (sum may be
+// residual itself: each element is read before it is written).
 void flashtree_add_rms_norm(const float* x, const float* residual, const float* weight, float* sum, float* out,
                             int64_t rows, int64_t width, float eps) {
   for (int64_t i = 0; i < rows; ++i) {
@@ -406,7 +407,7 @@ int flashtree_block_gemm(int type, const float* x, const uint8_t* w, const float
   return 1;
 }
 
-// The decoder layers of a forward of T <= 32 tokens in one call (see layer_stack.py): for each
+// The decoder layers of a forward in one call (see layer_stack.py; T = rows x new tokens): for each
 // layer, attention of the normed input h (qkv block product, q/k norm + rotary + KV write, tree
 // attention, o product), the fused residual add + norm, the MLP (gate-up product, silu * up, down
 // product) and the next layer's residual add + norm. Each step is the function the per-op path calls
@@ -432,7 +433,7 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
   const int64_t hidden = dims[0], heads = dims[1], kv_heads = dims[2], head_dim = dims[3], inter = dims[4];
   const int64_t T = rows * new_tokens, qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;
   std::vector<float> qkv(T * qkv_width), q(T * q_width), att(T * q_width), o(T * q_width), x(T * hidden);
-  std::vector<float> gate_up(T * 2 * inter), act(T * inter), sum(T * hidden);
+  std::vector<float> gate_up(T * 2 * inter), act(T * inter);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* f = layers + l * LAYER_FIELDS;
     const float *input_norm = (const float*)f[0], *post_norm = (const float*)f[1];
@@ -440,8 +441,7 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
     float* k_layer = k_cache + l * layer_stride;
     float* v_layer = v_cache + l * layer_stride;
     if (l > 0) {  // this layer's input: previous MLP output + residual, normed
-      flashtree_add_rms_norm(mlp_out, residual, input_norm, sum.data(), h, T, hidden, eps);
-      memcpy(residual, sum.data(), T * hidden * sizeof(float));
+      flashtree_add_rms_norm(mlp_out, residual, input_norm, residual, h, T, hidden, eps);  // (the sum in place)
       if (capture[l]) memcpy(capture[l], residual, T * hidden * sizeof(float));
     }
     if (flashtree_block_gemm((int)f[4], h, (const uint8_t*)f[5], qkv_bias, qkv.data(), T, qkv_width, hidden, threads))
@@ -460,8 +460,7 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
     if (flashtree_block_gemm((int)f[6], o.data(), (const uint8_t*)f[7], nullptr, x.data(), T, hidden, q_width,
                              threads))
       return 1;
-    flashtree_add_rms_norm(x.data(), residual, post_norm, sum.data(), h, T, hidden, eps);
-    memcpy(residual, sum.data(), T * hidden * sizeof(float));
+    flashtree_add_rms_norm(x.data(), residual, post_norm, residual, h, T, hidden, eps);
     if (flashtree_block_gemm((int)f[8], h, (const uint8_t*)f[9], nullptr, gate_up.data(), T, 2 * inter, hidden,
                              threads))
       return 1;

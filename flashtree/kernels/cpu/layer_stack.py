@@ -71,11 +71,6 @@ class LayerStack:
         self._scale = dims.head_dim ** -0.5
         self._run = load_kernels().flashtree_layer_stack
 
-    @staticmethod
-    def serves(tokens: int) -> bool:
-        """A forward of ``tokens`` new tokens in all (rows x per row) can run on the stack."""
-        return tokens >= 1
-
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, captures: dict[int, torch.Tensor],
                  rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                  write_index: tuple[torch.Tensor, torch.Tensor], storage: torch.Tensor, block_table: torch.Tensor,
@@ -86,7 +81,7 @@ class LayerStack:
         tables ``[P, D]``; ``write_index``: (page, offset) ``[B, N]`` of the new entries; ``storage``:
         the cache's ``[layers, 2, pages, KVH, page_size, D]``. Returns the last layer's MLP output."""
         b, n, hidden = h.shape
-        if not self.serves(b * n) or hidden != self.dims.hidden or not residual.is_contiguous():
+        if b * n == 0 or hidden != self.dims.hidden or not residual.is_contiguous():
             raise ValueError(f"the layer stack takes contiguous [B, N, {self.dims.hidden}] inputs, got {list(h.shape)}")
         h = h.contiguous().clone()  # the kernel writes each layer's normed input into it
         out = torch.empty_like(h)

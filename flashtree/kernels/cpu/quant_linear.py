@@ -27,8 +27,6 @@ for the hardware prefetcher alone. :func:`embedding` rebuilds looked-up rows fro
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from flashtree.kernels.cpu.library import load_kernels
@@ -56,15 +54,6 @@ class QuantizedLinear:
         self._lib = load_kernels()
         self._gemm = self._lib.flashtree_block_gemm
         self._blocks_ptr = self.blocks.data_ptr()
-
-    @classmethod
-    def concat(cls, parts: Sequence["QuantizedLinear"]) -> "QuantizedLinear":
-        """The fused weight (rows of every part, in order, in a tensor of its own); all parts share one
-        type and K."""
-        first = parts[0]
-        if any(p.type_name != first.type_name or p.in_features != first.in_features for p in parts):
-            raise ValueError("fused weights need one block type and one input size")
-        return cls(first.type_name, torch.cat([p.blocks for p in parts]), first.in_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
