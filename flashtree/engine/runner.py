@@ -30,6 +30,7 @@ from flashtree.engine.round import INT_FIELDS, DeviceRound, RoundInputs, RoundSh
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.traces import RecentTrees, TreeTracer
 from flashtree.kv.cache import KVCache
+from flashtree.models.moe import routes_on_host
 from flashtree.models.transformer import CausalLM
 from flashtree.sampling import (
     MAX_LOGPROBS,
@@ -83,8 +84,8 @@ class ModelRunner:
         self.model, self.cache, self.proposer, self.timer = model, cache, proposer, timer
         self.device = model.lm_head.weight.device
         self.tracer = tracer
-        # (MoE targets route on the host: models/moe.py; no graphs until a grouped-GEMM kernel)
-        use_graphs = kernels.cuda_graphs and self.device.type == "cuda" and not timer.sync and model.config.moe is None
+        # (a MoE target off the fused kernels reads its routing on the host: no graphs, models/moe.py)
+        use_graphs = kernels.cuda_graphs and self.device.type == "cuda" and not timer.sync and not routes_on_host(model)
         self.graphs = GraphCache() if use_graphs else None
         self.pad_slot = pad_slot
         self.span = round_span(proposer)

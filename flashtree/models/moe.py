@@ -5,10 +5,15 @@ Each token's router logits (a linear map to the experts) go through a float32 so
 ``norm_topk_prob``), and their SwiGLU outputs, weighted, are added in expert order. Module names
 follow the checkpoints (``mlp.gate.weight``, ``mlp.experts.N.{gate,up,down}_proj.weight``).
 
-This is the reference path: experts run one after another on the tokens routed to them, which
-needs the routing on the host (one sync per MoE layer), so the engine runs MoE targets without CUDA
-graphs until a grouped-GEMM kernel replaces it. Each expert is a :class:`~flashtree.models.transformer.MLP`,
-so its gate and up projections fuse and the fused silu-mul kernels apply.
+Two paths give the same values up to rounding. With the Triton kernels on (the model's ``kernels``
+backend is :mod:`flashtree.kernels.gpu.fused`), :func:`~flashtree.kernels.gpu.moe.fused_moe` routes,
+groups the tokens by expert and runs the grouped expert products on the device, with no host sync:
+the engine replays MoE rounds as CUDA graphs. Otherwise (the CPU, or the Triton kernels off) the
+reference path runs the experts one after another on the tokens routed to them, which reads the
+routing on the host (one sync per MoE layer, free on a CPU); the engine then runs rounds without
+graphs. Each expert is a :class:`~flashtree.models.transformer.MLP`; :meth:`SparseMoE.fuse` stacks
+the experts' weights once (``gate_up [E, 2I, H]``, ``down [E, H, I]``) and leaves every expert's
+parameters as views into them, so both paths read the same memory.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flashtree.kernels.gpu import fused as gpu_fused
+from flashtree.kernels.gpu.moe import fused_moe
 
 
 class SparseMoE(nn.Module):
@@ -25,6 +33,8 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(make_expert(hidden, intermediate) for _ in range(experts))
         self.top_k, self.normalize = top_k, normalize
+        self.gate_up: torch.Tensor | None = None  # [E, 2I, H] after fuse(): each expert's gate rows, then up rows
+        self.down: torch.Tensor | None = None  # [E, H, I] after fuse()
 
     @property
     def kernels(self):
@@ -37,11 +47,29 @@ class SparseMoE(nn.Module):
 
     @property
     def fused(self) -> bool:
-        return all(expert.fused for expert in self.experts)
+        return self.gate_up is not None
+
+    @property
+    def routes_on_device(self) -> bool:
+        """The forward runs the fused kernels (no host sync), not the reference path."""
+        return self.kernels is gpu_fused and self.gate_up is not None
 
     def fuse(self) -> None:
-        for expert in self.experts:
-            expert.fuse()
+        """Stack the experts' weights (expert by expert: each one's own tensors are freed as it is
+        copied) and make every expert's parameters, and its fused ``gate_up``, views into the stacks."""
+        weight = self.experts[0].gate_proj.weight
+        inter, hidden = weight.shape
+        gate_up = weight.new_empty(len(self.experts), 2 * inter, hidden)  # [E, 2I, H]
+        down = weight.new_empty(len(self.experts), hidden, inter)  # [E, H, I]
+        for e, expert in enumerate(self.experts):
+            gate_up[e, :inter] = expert.gate_proj.weight.detach()
+            gate_up[e, inter:] = expert.up_proj.weight.detach()
+            down[e] = expert.down_proj.weight.detach()
+            expert.gate_proj.weight.data = gate_up[e, :inter]
+            expert.up_proj.weight.data = gate_up[e, inter:]
+            expert.down_proj.weight.data = down[e]
+            expert.gate_up = gate_up[e]
+        self.gate_up, self.down = gate_up, down
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``) for tokens ``x [T, hidden]``."""
@@ -54,13 +82,25 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
+        if self.routes_on_device:
+            return fused_moe(flat, self.gate.weight, self.gate_up, self.down, self.top_k, self.normalize).view(shape)
+        return self.reference(flat).view(shape)
+
+    def reference(self, flat: torch.Tensor) -> torch.Tensor:
+        """The experts one after another on the tokens routed to them: ``[T, hidden]`` -> ``[T, hidden]``."""
         weights, ids = self.route(flat)
         out = torch.zeros_like(flat)
         for expert in ids.unique().tolist():  # (the host sync of this path)
             rank, token = torch.where(ids.T == expert)  # tokens routed to it, in rank order
             y = self.experts[expert](flat[token]) * weights[token, rank, None]  # [t, hidden]
             out.index_add_(0, token, y.to(out.dtype))
-        return out.view(shape)
+        return out
+
+
+def routes_on_host(model: nn.Module) -> bool:
+    """Some sparse MoE layer of ``model`` reads its routing on the host (the reference path), so
+    its forwards cannot be captured as CUDA graphs."""
+    return any(isinstance(m, SparseMoE) and not m.routes_on_device for m in model.modules())
 
 
 def per_expert_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

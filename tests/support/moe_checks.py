@@ -1,0 +1,157 @@
+"""The fused MoE (flashtree/kernels/gpu/moe.py) against SparseMoE's reference path, on small shapes:
+under ``TRITON_INTERPRET=1`` on the CPU in float32 (tests/integration/test_fused_moe_interpreter.py;
+the interpreter has no bfloat16 arithmetic) and on CUDA in float32 and bfloat16
+(tests/gpu/test_fused_moe.py). Run as a module it prints :func:`check` and :func:`model_check` for
+float32 on the CPU as one JSON line.
+
+:func:`check` builds SparseMoE layers (6-8 experts, top-2 or top-3, hidden 64, intermediate 32) and
+returns per case and dtype:
+
+- ``route_agreement``: the fraction of tokens whose experts (by rank) the fused routing and
+  ``SparseMoE.route`` choose alike (1.0 in float32; bfloat16 logits may round a near tie apart);
+- ``max_abs_diff``: the fused output against the reference path's, over the tokens routed alike;
+- ``max_abs_diff_given_routing``: against float32 arithmetic on the same weights with the fused
+  routing (what the kernels compute before their one rounding);
+- ``tokens_invariant``: every token's output bit-identical alone, in a batch of 37, beside other
+  tokens at other rows (tokens 5..11), and 37 copies of one token (one expert's pairs filling
+  several blocks) equal to that token alone;
+- ``plan_valid``: the expert grouping of random ids puts every pair once in a block of its expert;
+- ``stacked_views``: after ``fuse()`` every expert parameter is a view into the stacked weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from flashtree.kernels.gpu import fused as gpu_fused
+from flashtree.kernels.gpu import moe as moe_kernels
+from flashtree.models.moe import SparseMoE, routes_on_host
+from flashtree.models.transformer import MLP
+
+HIDDEN, INTER = 64, 32
+CASES = {"e8_top2_norm": (8, 2, True), "e6_top2": (6, 2, False), "e8_top3_norm": (8, 3, True)}
+TOKENS = (1, 5, 37)
+
+
+def make_moe(experts: int, top_k: int, normalize: bool, device: str, dtype: torch.dtype, seed: int = 0) -> SparseMoE:
+    """A fused SparseMoE with random weights, on the fused kernels."""
+    gen = torch.Generator().manual_seed(seed)
+    moe = SparseMoE(HIDDEN, INTER, experts, top_k, normalize, MLP)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+    moe = moe.to(device, dtype).requires_grad_(False)
+    moe.fuse()
+    moe.kernels = gpu_fused
+    return moe
+
+
+def given_routing(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 arithmetic on moe's weights for tokens x ``[T, H]`` routed to ``ids`` with ``weights``."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    gate_up, down = moe.gate_up.float(), moe.down.float()
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            expert = int(ids[t, j])
+            gate, up = (gate_up[expert] @ x[t].float()).chunk(2)
+            out[t] += weights[t, j].float() * (down[expert] @ (F.silu(gate) * up))
+    return out
+
+
+def plan_valid(experts: int, pairs: int, device: str, seed: int = 3) -> bool:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (pairs,), generator=gen).to(torch.int32)
+    ids[: pairs // 2] = 1  # one expert with many pairs (several blocks)
+    plan = moe_kernels.sort_by_expert(ids.to(device).view(-1, 1), experts)
+    slots, block_experts, block_rows = (t.cpu() for t in plan)
+    seen = []
+    for block, (expert, rows) in enumerate(zip(block_experts.tolist(), block_rows.tolist())):
+        if expert < 0:
+            if rows:
+                return False
+            continue
+        picked = slots[block * moe_kernels.BLOCK_M:block * moe_kernels.BLOCK_M + rows].tolist()
+        if not 0 < rows <= moe_kernels.BLOCK_M or any(int(ids[p]) != expert for p in picked):
+            return False
+        seen += picked
+    used = [e for e in block_experts.tolist() if e >= 0]
+    return sorted(seen) == list(range(pairs)) and used == sorted(used)
+
+
+def stacked_views(moe: SparseMoE) -> bool:
+    inter = moe.gate_up.shape[1] // 2
+    for e, expert in enumerate(moe.experts):
+        views = ((expert.gate_proj.weight, moe.gate_up[e, :inter]), (expert.up_proj.weight, moe.gate_up[e, inter:]),
+                 (expert.down_proj.weight, moe.down[e]), (expert.gate_up, moe.gate_up[e]))
+        for param, stacked in views:
+            if param.data_ptr() != stacked.data_ptr() or param.untyped_storage().data_ptr() != \
+                    stacked.untyped_storage().data_ptr():
+                return False
+    return True
+
+
+def tokens_invariant(moe: SparseMoE, x: torch.Tensor) -> bool:
+    full = moe(x)
+    alone = torch.cat([moe(x[t:t + 1]) for t in range(x.shape[0])])
+    copies = moe(x[3:4].expand(37, -1).contiguous())
+    return (torch.equal(alone, full) and torch.equal(moe(x[5:12]), full[5:12])
+            and torch.equal(copies, full[3:4].expand(37, -1)))
+
+
+def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
+    gen = torch.Generator().manual_seed(1)
+    results = {}
+    for name, (experts, top_k, normalize) in CASES.items():
+        for dtype in dtypes:
+            moe = make_moe(experts, top_k, normalize, device, dtype)
+            row = {"route_agreement": 1.0, "max_abs_diff": 0.0, "max_abs_diff_given_routing": 0.0}
+            for t in TOKENS:
+                x = torch.randn(t, HIDDEN, generator=gen).to(device, dtype)
+                fused = moe(x)
+                reference = moe.reference(x)
+                weights, ids = moe_kernels.route(x, moe.gate.weight, top_k, normalize)
+                ref_weights, ref_ids = moe.route(x)
+                alike = (ids.long() == ref_ids).all(dim=1)  # [T]
+                row["route_agreement"] = min(row["route_agreement"], alike.float().mean().item())
+                if alike.any():
+                    row["max_abs_diff"] = max(row["max_abs_diff"],
+                                              (fused - reference).float()[alike].abs().max().item())
+                    row["route_weight_diff"] = max(row.get("route_weight_diff", 0.0),
+                                                   (weights - ref_weights.float())[alike].abs().max().item())
+                exact = given_routing(moe, x, weights, ids)
+                row["max_abs_diff_given_routing"] = max(row["max_abs_diff_given_routing"],
+                                                        (fused.float() - exact).abs().max().item())
+                row["scale"] = max(row.get("scale", 0.0), exact.abs().max().item())
+            row["tokens_invariant"] = tokens_invariant(moe, torch.randn(37, HIDDEN, generator=gen).to(device, dtype))
+            row["stacked_views"] = stacked_views(moe)
+            results[f"{name}/{dtype}"] = row
+    results["plan_valid"] = all(plan_valid(e, p, device) for e in (6, 8, 128) for p in (1, 7, 74, 300))
+    return results
+
+
+def model_check(device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """A tiny Qwen3-MoE target (tests.helpers' ``qwen3_moe``) with the fused kernels against the
+    reference path: a prefill, a tree, a feature-sink step (tests/support/kernel_checks.py's run);
+    the largest difference per output, and whether each path reads its routing on the host."""
+    from tests.helpers import ours_from_hf, tiny_hf_model
+    from tests.support.kernel_checks import _run
+
+    model = ours_from_hf(tiny_hf_model("qwen3_moe"), device=device, dtype=dtype)
+    model.use_gpu_kernels(False)
+    host_before = routes_on_host(model)
+    reference = _run(model, device)
+    assert model.use_gpu_kernels(attention=True), "the fused kernels did not switch on"
+    fused = _run(model, device)
+    diffs = {f"model/{name}": (reference[name].float() - fused[name].float()).abs().max().item() for name in reference}
+    return {"diffs": diffs, "routes_on_host_reference": host_before, "routes_on_host_fused": routes_on_host(model)}
+
+
+def main() -> None:
+    print(json.dumps({"kernels": check(), "model": model_check()}))
+
+
+if __name__ == "__main__":
+    main()
