@@ -29,13 +29,29 @@ def _register_train(subparsers) -> None:
     p.add_argument("--model", default=d.model, help="target: HF directory, hub id, .gguf file, or 'smollm2'")
     p.add_argument("--data", default=d.data, help="'sharegpt', or a .jsonl of {messages} / {conversations}")
     p.add_argument("--output", default=d.output, help="checkpoint directory to write")
-    p.add_argument("--resume", default=None, help="checkpoint directory (with trainer_state.pt) to continue")
-    p.add_argument("--layers", type=int, default=d.layers, help="drafter decoder layers")
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--target-layer-ids", default=None,
-                   help="comma-separated target layers (default: spread over the target)")
-    p.add_argument("--mask-token-id", type=int, default=None,
-                   help="mask token id (default: <|MASK|> if the tokenizer has it, else an unused special)")
+    p.add_argument("--resume", default=None,
+                   help="checkpoint directory whose trainer_state/ this run continues exactly (weights, optimizer, "
+                        "data position, RNG, schedule); without one, its weights start a new run")
+    p.add_argument("--init", default=None,
+                   help="drafter checkpoint whose weights (and shape) start a NEW run: new optimizer, schedule "
+                        "and data position (e.g. the shipped drafter trained further on new data)")
+    levers = p.add_argument_group("drafter shape and loss (the recipe's levers)")
+    levers.add_argument("--layers", type=int, default=d.layers, help="drafter depth: decoder layers")
+    levers.add_argument("--intermediate-size", type=int, default=None,
+                        help="drafter width: MLP intermediate size (default: the target's); the hidden size is "
+                             "always the target's (the format requires it)")
+    levers.add_argument("--block-size", type=int, default=d.block_size,
+                        help="block slots (bonus + block_size-1 drafted positions)")
+    levers.add_argument("--target-layer-ids", default=None,
+                        help="target layers whose hidden states the drafter reads, comma-separated, e.g. 1,14,27 "
+                             "(default: spread over the target with the z-lab rule)")
+    levers.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq,
+                        help="anchor blocks sampled per sequence per step (more: more supervision per target pass)")
+    levers.add_argument("--loss-gamma", type=float, default=None,
+                        help="position-decayed loss: drafted slot k weighs exp(-(k-1)/gamma) (default by block "
+                             "size: 4, 5, 7 for blocks 8, 10, 16); 0: no decay, every slot weighs 1")
+    levers.add_argument("--mask-token-id", type=int, default=None,
+                        help="mask token id (default: <|MASK|> if the tokenizer has it, else an unused special)")
     p.add_argument("--output-norm-init", type=float, default=d.output_norm_init,
                    help="initial weight of a new drafter's final norm (small: near-uniform first predictions)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (wins over --epochs)")
@@ -43,7 +59,6 @@ def _register_train(subparsers) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--batch-size", type=int, default=None, help=f"sequences per step (default {d.batch_size})")
     size.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per step")
-    p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq)
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
     p.add_argument("--max-conversations", type=int, default=None, help="read at most this many conversations")
     p.add_argument("--heldout-percent", type=float, default=d.heldout_percent)
@@ -52,9 +67,15 @@ def _register_train(subparsers) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
     p.add_argument("--time-budget-s", type=float, default=None,
-                   help="total training wall time, resumes included: the cosine schedule follows it; stop and save then")
+                   help="total training wall time, resumes included: the cosine schedule follows it; stop and save "
+                        "then (the schedule then follows the clock: a resume is no longer bit-exact)")
     p.add_argument("--stop-after-s", type=float, default=None,
                    help="stop and save after this wall time of this run (continue later with --resume)")
+    p.add_argument("--stop-after-steps", type=int, default=None,
+                   help="stop and save after this many steps of this run (continue later with --resume)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop, save and exit before this many minutes since the command began: the next step, "
+                        "the final eval and the save, as measured, must fit (a device call's limit)")
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default=None, help="target / autocast dtype (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--attention", default=d.attention, choices=ATTENTION_KINDS)
@@ -80,20 +101,21 @@ def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
         raise ConfigError(f"--target-layer-ids must be comma-separated integers, got {text!r}") from None
 
 
-def train_config_from_args(args) -> "TrainConfig":
+def train_config_from_args(args) -> TrainConfig:
     from flashtree.train.config import TrainConfig
 
     batch_size = args.batch_size
     if args.batch_size is None and args.batch_tokens is None:
         batch_size = TrainConfig.batch_size
     return TrainConfig(
-        model=args.model, data=args.data, output=args.output, resume=args.resume, layers=args.layers,
-        block_size=args.block_size, target_layer_ids=parse_layer_ids(args.target_layer_ids),
+        model=args.model, data=args.data, output=args.output, resume=args.resume, init=args.init, layers=args.layers,
+        intermediate_size=args.intermediate_size, loss_gamma=args.loss_gamma, block_size=args.block_size, target_layer_ids=parse_layer_ids(args.target_layer_ids),
         mask_token_id=args.mask_token_id, output_norm_init=args.output_norm_init, max_seq_len=args.max_seq_len,
         batch_size=batch_size, batch_tokens=args.batch_tokens, anchors_per_seq=args.anchors_per_seq,
         heldout_percent=args.heldout_percent, max_conversations=args.max_conversations, steps=args.steps,
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, time_budget_s=args.time_budget_s, stop_after_s=args.stop_after_s,
+        stop_after_steps=args.stop_after_steps, max_minutes=args.max_minutes,
         device=args.device, dtype=args.dtype,
         attention=args.attention, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, save_dtype=args.save_dtype, max_shard_mb=args.max_shard_mb,
@@ -101,9 +123,12 @@ def train_config_from_args(args) -> "TrainConfig":
 
 
 def cmd_train(args) -> None:
+    import time
+
+    started_at = time.perf_counter()  # --max-minutes counts the target and data loading too
     from flashtree.train.trainer import train
 
-    result = train(train_config_from_args(args))
+    result = train(train_config_from_args(args), started_at)
     print(json.dumps(result.summary()))
 
 

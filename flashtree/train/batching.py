@@ -3,13 +3,18 @@
 An epoch shuffles the samples (seeded by ``seed`` and the epoch), groups neighbours of similar
 length (inside windows of 32 batches, to cut padding without losing randomness), and cuts the
 groups into batches of ``batch_size`` sequences or of at most ``batch_tokens`` padded tokens.
-The order is a pure function of (samples, seed, epoch), so resuming at step s replays it.
+The order is a pure function of (samples, seed, epoch), so a resumed run that starts at the saved
+position (epoch, batch) gets the batches the uninterrupted run would have got; the data's
+fingerprint (a hash of every sample's tokens and mask, with the batching settings) tells whether
+a resumed run reads the same data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
-from typing import Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -80,16 +85,28 @@ class BatchStream:
         self.samples = list(samples)
         self.lengths = [s.num_tokens for s in self.samples]
         self.seed, self.batch_size, self.batch_tokens = seed, batch_size, batch_tokens
+        self.position = (0, 0)  # (epoch, batch index) of the next batch
 
     def batches_per_epoch(self) -> int:
         return len(epoch_batches(self.lengths, self.seed, 0, self.batch_size, self.batch_tokens))
 
-    def iterate(self, start_step: int = 0) -> Iterator[TokenBatch]:
-        """Batches from global step ``start_step`` on (earlier steps are skipped, not built)."""
-        epoch, skip = 0, start_step
+    def iterate(self, start_step: int = 0, position: tuple[int, int] | None = None) -> Iterator[TokenBatch]:
+        """Batches from global step ``start_step`` on (earlier steps are skipped, not built), or
+        from ``position`` = (epoch, batch index in that epoch) when given. ``self.position`` is
+        then the position of the next batch."""
+        epoch, skip = position if position is not None else (0, start_step)
         while True:
             plan = epoch_batches(self.lengths, self.seed, epoch, self.batch_size, self.batch_tokens)
-            for indices in plan[skip:]:
-                yield collate([self.samples[i] for i in indices])
+            for index in range(skip, len(plan)):
+                self.position = (epoch, index + 1)
+                yield collate([self.samples[i] for i in plan[index]])
             skip = max(0, skip - len(plan))
             epoch += 1
+
+    def fingerprint(self) -> str:
+        """sha256 over the samples' tokens and masks, in order, and the batching settings."""
+        digest = hashlib.sha256(repr((self.seed, self.batch_size, self.batch_tokens, len(self.samples))).encode())
+        for sample in self.samples:
+            digest.update(sample.input_ids.numpy().tobytes())
+            digest.update(sample.assistant_mask.numpy().tobytes())
+        return digest.hexdigest()

@@ -5,9 +5,9 @@ A checkpoint directory holds
   block_size, num_target_layers, dflash_config {mask_token_id, target_layer_ids, mask_token});
 - ``model.safetensors`` (or shards + ``model.safetensors.index.json`` with ``max_shard_mb``):
   the drafter's own tensors only, never the embedding or lm_head (those are the target's);
-- ``trainer_state.pt``: step, elapsed time, float32 master weights, optimizer state, RNG and the
-  TrainConfig (only ``--resume`` reads it; the inference loader ignores it);
-- ``train_metrics.json``: the eval history, for people.
+- ``trainer_state/``: what ``--resume`` needs to continue the run exactly (safetensors shards
+  and JSON, see :mod:`flashtree.train.trainer_state`; the inference loader never reads it);
+- ``train_metrics.json`` and ``train_curve.png``: the metrics history and its plot, for people.
 Files are written under temporary names and renamed into place, so an interrupted save never
 leaves a half-written file where a loader would read it.
 """
@@ -23,10 +23,15 @@ import safetensors.torch
 import torch
 
 from flashtree.errors import CheckpointError
-from flashtree.models.loader import SHARDED_INDEX_FILE, SINGLE_WEIGHTS_FILE, read_json, read_weights
+from flashtree.models.loader import (
+    SHARDED_INDEX_FILE,
+    SINGLE_WEIGHTS_FILE,
+    read_json,
+    read_weights,
+)
 
 CONFIG_FILE = "config.json"
-STATE_FILE = "trainer_state.pt"
+LEGACY_STATE_FILE = "trainer_state.pt"  # older runs: pickled, no longer read
 METRICS_FILE = "train_metrics.json"
 _SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
 
@@ -72,22 +77,11 @@ def read_drafter(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch
     return read_json(directory / CONFIG_FILE, CheckpointError), read_weights(directory)
 
 
-def save_state(out_dir: str | Path, state: dict[str, Any]) -> None:
-    path = Path(out_dir) / STATE_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_state(directory: str | Path) -> dict[str, Any] | None:
-    """The trainer state of a checkpoint directory, or None when it has none (a z-lab drafter)."""
-    path = Path(directory) / STATE_FILE
-    if not path.is_file():
-        return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # torch raises many types for a broken pickle
-        raise CheckpointError(f"{path}: cannot read the trainer state ({type(err).__name__}: {err})") from err
+def remove_legacy_state(out_dir: str | Path) -> None:
+    """An older flashtree's pickled ``trainer_state.pt``: stale once a new state is written."""
+    path = Path(out_dir) / LEGACY_STATE_FILE
+    if path.is_file():
+        path.unlink()
 
 
 def save_metrics(out_dir: str | Path, metrics: dict[str, Any]) -> None:

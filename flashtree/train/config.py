@@ -13,9 +13,12 @@ ATTENTION_KINDS = ("auto", "flex", "dense")
 SAVE_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def loss_gamma(block_size: int) -> float:
+def loss_gamma(block_size: int, override: float | None = None) -> float:
     """gamma for a block size: 4 / 5 / 7 for blocks 8 / 10 / 16, piecewise linear in between,
-    the nearest segment extended beyond (never below 1)."""
+    the nearest segment extended beyond (never below 1). ``override``: that gamma instead, and
+    0 for no decay (every slot weighs 1)."""
+    if override is not None:
+        return math.inf if override == 0 else float(override)
     points = sorted(GAMMA_BY_BLOCK.items())
     (x0, y0), (x1, y1) = points[0], points[1]
     for (lo, g_lo), (hi, g_hi) in zip(points, points[1:]):
@@ -29,9 +32,11 @@ class TrainConfig:
     model: str = "smollm2"  # target: anything --model accepts
     data: str = "sharegpt"  # sharegpt | path.jsonl | path.json
     output: str = "drafter"  # checkpoint directory
-    resume: str | None = None  # checkpoint directory with trainer_state.pt
+    resume: str | None = None  # checkpoint directory with trainer_state/ (continue that run exactly)
+    init: str | None = None  # drafter checkpoint to start a new run from (its weights and shape only)
     # drafter shape
     layers: int = 3
+    intermediate_size: int | None = None  # drafter MLP width; None: the target's
     block_size: int = 16
     target_layer_ids: tuple[int, ...] | None = None  # None: spread over the target (the z-lab format's rule)
     mask_token_id: int | None = None  # None: <|MASK|> when the tokenizer has it, else an unused special
@@ -41,6 +46,7 @@ class TrainConfig:
     batch_size: int | None = 8  # sequences per step (used when batch_tokens is None)
     batch_tokens: int | None = None  # padded tokens per step (wins over batch_size)
     anchors_per_seq: int = 64
+    loss_gamma: float | None = None  # slot k weighs exp(-(k-1)/gamma); None: by block size; 0: no decay
     heldout_percent: float = 2.0
     max_conversations: int | None = None  # cap on conversations read (quick runs)
     # optimization
@@ -53,6 +59,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     time_budget_s: float | None = None  # total training wall time (resumes included); sets the cosine
     stop_after_s: float | None = None  # stop and save after this much wall time of this run (resume later)
+    stop_after_steps: int | None = None  # stop and save after this many steps of this run (resume later)
+    max_minutes: float | None = None  # stop, save and exit before this many minutes since the command began
     # runtime
     device: str | None = None
     dtype: str | None = None  # target dtype and autocast dtype on CUDA (default bf16)
@@ -97,6 +105,16 @@ class TrainConfig:
             raise ConfigError(f"--time-budget-s must be > 0, got {self.time_budget_s}")
         if self.stop_after_s is not None and self.stop_after_s <= 0:
             raise ConfigError(f"--stop-after-s must be > 0, got {self.stop_after_s}")
+        if self.stop_after_steps is not None and self.stop_after_steps < 1:
+            raise ConfigError(f"--stop-after-steps must be >= 1, got {self.stop_after_steps}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ConfigError(f"--max-minutes must be > 0, got {self.max_minutes}")
+        if self.loss_gamma is not None and not (self.loss_gamma >= 0 and math.isfinite(self.loss_gamma)):
+            raise ConfigError(f"--loss-gamma must be a number >= 0 (0: no decay), got {self.loss_gamma}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ConfigError(f"--intermediate-size must be >= 1, got {self.intermediate_size}")
+        if self.resume is not None and self.init is not None:
+            raise ConfigError("give --resume (continue a run) or --init (a new run from a drafter's weights), not both")
         if self.save_dtype not in SAVE_DTYPES:
             raise ConfigError(f"--save-dtype {self.save_dtype!r}; allowed: {', '.join(SAVE_DTYPES)}")
         if self.max_shard_mb is not None and not self.max_shard_mb > 0:
@@ -110,9 +128,9 @@ class TrainConfig:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
 
-    @property
-    def gamma(self) -> float:
-        return loss_gamma(self.block_size)
+    def gamma(self, block_size: int) -> float:
+        """The loss decay for a drafter of ``block_size`` (a resumed drafter keeps its own)."""
+        return loss_gamma(block_size, self.loss_gamma)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

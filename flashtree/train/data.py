@@ -28,8 +28,8 @@ import hashlib
 import importlib.util
 import json
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 from flashtree.errors import ConfigError
 

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
 from flashtree.speculative.draft_vocab import DRAFT_VOCAB_FILE, RANKING_KEY
-from flashtree.train.data import SHAREGPT, Conversation, load_conversations, split_conversations
+from flashtree.train.data import (
+    SHAREGPT,
+    Conversation,
+    load_conversations,
+    split_conversations,
+)
 
 
 def assistant_tokens(tokenizer, conversations: Iterable[Conversation]) -> list[int]:

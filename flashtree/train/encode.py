@@ -14,7 +14,8 @@ conversation whose template breaks that is skipped (reported by ``encode_convers
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

@@ -18,7 +18,7 @@ D head dim, C = len(target_layer_ids) * hidden.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """A fresh drafter for a target: its z-lab ``config.json`` dict, its mask token, its modules.
 
-Defaults: drafter hidden size = the target's; heads, kv heads, head dim,
-intermediate size, rms eps and RoPE copied from the target; ``target_layer_ids`` spread over the
+Defaults: drafter hidden size = the target's (the format requires it); heads, kv heads, head dim,
+intermediate size (unless given: the width lever), rms eps and RoPE copied from the target; ``target_layer_ids`` spread over the
 target's layers with the format's own rule; every layer full attention.
 
 Mask token: the tokenizer's ``<|MASK|>`` when it has one inside the target's vocabulary; else
@@ -82,12 +82,14 @@ def spread_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int
 
 
 def drafter_config_dict(target: ModelConfig, layers: int, block_size: int, mask: MaskToken,
-                        target_layer_ids: tuple[int, ...] | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
-    """The z-lab ``config.json`` of a new drafter for ``target``."""
+                        target_layer_ids: tuple[int, ...] | None = None, dtype: str = "bfloat16",
+                        intermediate_size: int | None = None) -> dict[str, Any]:
+    """The z-lab ``config.json`` of a new drafter for ``target`` (MLP width ``intermediate_size``,
+    the target's when None; the hidden size is always the target's: the format requires it)."""
     ids = target_layer_ids or spread_layer_ids(target.num_hidden_layers, layers)
     raw: dict[str, Any] = {
         "architectures": [DRAFTER_ARCHITECTURE], "model_type": "qwen3",
-        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+        "hidden_size": target.hidden_size, "intermediate_size": intermediate_size or target.intermediate_size,
         "num_attention_heads": target.num_attention_heads, "num_key_value_heads": target.num_key_value_heads,
         "head_dim": target.head_dim, "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
         "vocab_size": target.vocab_size, "num_hidden_layers": layers, "block_size": block_size,

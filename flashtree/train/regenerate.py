@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from flashtree.errors import ConfigError
 from flashtree.models.tokenizer import encode_chat

@@ -15,13 +15,24 @@ from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.tokenizer import stop_token_ids_for
 from flashtree.models.transformer import CausalLM
-from flashtree.train import checkpoint
+from flashtree.train import checkpoint, trainer_state
 from flashtree.train.batching import BatchStream
 from flashtree.train.config import TrainConfig
 from flashtree.train.data import load_conversations, split_conversations
 from flashtree.train.encode import EncodedConversation, encode_all
-from flashtree.train.new_drafter import choose_mask_token, drafter_config_dict, trainable_drafter
+from flashtree.train.new_drafter import (
+    choose_mask_token,
+    drafter_config_dict,
+    trainable_drafter,
+)
 from flashtree.train.target_features import TargetFeatures
+from flashtree.train.trainer_state import TrainerState
+
+ANCHOR_SEED_FACTOR = 7  # the anchor sampler's generator starts at seed * 7 (kept from the first recipe)
+# TrainConfig fields a resumed run may change without leaving the interrupted run's path
+PER_RUN_FIELDS = frozenset({"output", "resume", "init", "steps", "epochs", "time_budget_s", "stop_after_s",
+                            "stop_after_steps", "max_minutes", "eval_every", "eval_batches", "save_every",
+                            "save_dtype", "max_shard_mb", "log_every", "progress", "device"})
 
 
 @dataclasses.dataclass
@@ -41,7 +52,9 @@ class TrainSetup:
     start_step: int
     total_steps: int
     history: list[dict]
-    resumed_state: dict[str, Any] | None
+    resumed_state: TrainerState | None
+    anchors: torch.Generator  # the anchor sampler's generator (its state is saved and restored)
+    data_fingerprint: str
 
     @property
     def mask_token_id(self) -> int:
@@ -71,17 +84,42 @@ def load_samples(cfg: TrainConfig, target: CausalLM, tokenizer) -> tuple[list, l
 
 
 def drafter_source(cfg: TrainConfig, target: CausalLM, tokenizer
-                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None, TrainerState | None]:
     """(config.json dict, float32 start weights or None for random, trainer state or None)."""
-    if cfg.resume is None:
+    source = cfg.resume or cfg.init
+    if source is None:
         mask = choose_mask_token(tokenizer, target.config.vocab_size, cfg.mask_token_id)
         return drafter_config_dict(target.config, cfg.layers, cfg.block_size, mask, cfg.target_layer_ids,
-                                   cfg.save_dtype), None, None
-    raw, weights = checkpoint.read_drafter(cfg.resume)
-    state = checkpoint.load_state(cfg.resume)
-    if state is not None and "model" in state:
-        weights = state["model"]
+                                   cfg.save_dtype, cfg.intermediate_size), None, None
+    raw, weights = checkpoint.read_drafter(source)
+    state = trainer_state.load(source) if cfg.resume is not None else None
+    if cfg.resume is not None and state is None:
+        print(f"note: {source} has no {trainer_state.STATE_DIR}/: a new run starts from its weights "
+              f"(new optimizer, schedule and data position)", flush=True)
+    if state is not None:
+        weights = state.model
     return raw, {k: v.float() for k, v in weights.items()}, state
+
+
+def check_resumable(cfg: TrainConfig, state: TrainerState, fingerprint: str, source: str) -> None:
+    """The resumed run must read the same data; changed settings are named (they leave the
+    interrupted run's path, so the result is no longer what one uninterrupted run gives)."""
+    saved = state.data_position.get("fingerprint")
+    if saved != fingerprint:
+        raise ConfigError(f"--resume {source}: --data {cfg.data} (with --max-seq-len, --batch-size/--batch-tokens, "
+                          f"--seed, --heldout-percent, --max-conversations) is not the data of the run being resumed "
+                          f"(fingerprint {fingerprint[:12]} vs {str(saved)[:12]}): its saved position would be "
+                          f"meaningless; pass the same data, or start a new run from these weights with --init")
+    now = cfg.to_dict()
+    changed = sorted(k for k, v in state.train_config.items()
+                     if k not in PER_RUN_FIELDS and k in now and _jsonish(now[k]) != _jsonish(v))
+    if changed:
+        print(f"warning: resuming with changed settings ({', '.join(f'{k}: {state.train_config[k]!r} -> {now[k]!r}' for k in changed)}); "
+              f"the run leaves the path of the interrupted one", flush=True)
+
+
+def _jsonish(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def make_optimizer(cfg: TrainConfig, drafter: DFlashDrafter) -> torch.optim.Optimizer:
@@ -99,7 +137,7 @@ def prepare(cfg: TrainConfig) -> TrainSetup:
     target, tokenizer = load_target(cfg, device, dtype)
     raw, weights, state = drafter_source(cfg, target, tokenizer)
     drafter = trainable_drafter(raw, target, tokenizer, device, weights, seed=cfg.seed,
-                                source=f"{cfg.resume or 'new drafter'}/config.json")
+                                source=f"{cfg.resume or cfg.init or 'new drafter'}/config.json")
     if weights is None:
         with torch.no_grad():
             drafter.norm.weight.fill_(cfg.output_norm_init)
@@ -111,12 +149,15 @@ def prepare(cfg: TrainConfig) -> TrainSetup:
                          cfg.batch_tokens)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * stream.batches_per_epoch()))
     optimizer = make_optimizer(cfg, drafter)
-    start_step = 0
-    history: list[dict] = []
+    anchors = torch.Generator().manual_seed(cfg.seed * ANCHOR_SEED_FACTOR)
+    fingerprint = stream.fingerprint()
+    start_step, history = 0, []
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        start_step, history = int(state["step"]), list(state.get("history", []))
-        torch.set_rng_state(state["rng"])
+        check_resumable(cfg, state, fingerprint, cfg.resume)
+        optimizer.load_state_dict(state.optimizer)
+        trainer_state.restore_rng(state.rng, anchors)
+        start_step, history = state.step, list(state.history)
     features = TargetFeatures(target, drafter.config.target_layer_ids)
     return TrainSetup(cfg, device, dtype, target, tokenizer, features, drafter, raw, train_samples,
-                      heldout_samples, stream, optimizer, start_step, max(total, start_step), history, state)
+                      heldout_samples, stream, optimizer, start_step, max(total, start_step), history, state,
+                      anchors, fingerprint)

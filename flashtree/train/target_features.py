@@ -8,7 +8,7 @@ features are cloned outside it before autograd sees them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

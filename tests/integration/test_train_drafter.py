@@ -14,6 +14,7 @@ from flashtree import LLM, SamplingParams
 from flashtree.models.build import build_model
 from flashtree.models.dflash import load_drafter
 from flashtree.models.loader import load_checkpoint, read_weights
+from flashtree.train import trainer_state
 from flashtree.train.config import TrainConfig
 from flashtree.train.regenerate import RegenerateConfig, regenerate, select_prompts
 from flashtree.train.setup import prepare
@@ -87,7 +88,8 @@ def test_checkpoint_is_zlab_format_and_loads(trained):
     weights = read_weights(Path(cfg.output))
     assert not any("embed" in name or "lm_head" in name for name in weights)
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
-    assert (Path(cfg.output) / "trainer_state.pt").is_file()
+    assert (Path(cfg.output) / "trainer_state" / "state.json").is_file()
+    assert (Path(cfg.output) / "train_curve.png").stat().st_size > 1000
     ckpt = load_checkpoint(cfg.model)
     target = build_model(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32)
     drafter = load_drafter(cfg.output, target, ckpt.tokenizer)
@@ -185,8 +187,7 @@ def test_stop_after_saves_and_resume_counts_earlier_time(trained, tmp_path, monk
                                 time_budget_s=3600.0, stop_after_s=0.5)
     part = train(first)
     assert part.stopped_by == "stop_after" and result.steps < part.steps < result.steps + 10_000
-    state = torch.load(Path(first.output) / "trainer_state.pt", weights_only=False)
-    spent = float(state["elapsed_s"])
+    spent = trainer_state.load(first.output).elapsed_s
     over = dataclasses.replace(first, resume=first.output, output=str(tmp_path / "over"), time_budget_s=spent * 0.5,
                                stop_after_s=None)
     done = train(over)
