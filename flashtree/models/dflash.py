@@ -254,6 +254,22 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
 
         slots, bonus, starts: [B] (starts = each slot's context length); kv_len >= max(starts) + b.
         """
+        depth = self.draft_depth(depth)
+        x = self.block_hidden(cache, slots, bonus, starts, kv_len)  # [B, b, hidden]
+        return self.target.head(self.norm(x[:, 1:1 + depth]))  # [B, depth, V]
+
+    def draft_depth(self, depth: int | None) -> int:
+        """``depth`` checked against the draft horizon b-1 (None: all of it)."""
+        horizon = self.config.block_size - 1
+        depth = horizon if depth is None else depth
+        if not 1 <= depth <= horizon:
+            raise ValueError(f"depth must be in [1, {horizon}], got {depth}")
+        return depth
+
+    def block_hidden(self, cache: KVCache, slots: torch.Tensor, bonus: torch.Tensor, starts: torch.Tensor,
+                     kv_len: int) -> torch.Tensor:
+        """The blocks ``[bonus, MASK x (b-1)]`` through every layer: the last layer's output
+        ``[B, b, hidden]``, before the final norm (arguments as in :meth:`draft_logits`)."""
         cfg = self.config
         num_rows, block = bonus.shape[0], cfg.block_size
         offsets = torch.arange(block, device=bonus.device)  # [b]
@@ -265,15 +281,15 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
         masks = {} if self.uses_kernel_attention(block) else self._layer_masks(batch)
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, b, head_dim]
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
-        x = self.target.embed(block_ids).to(self.fc.weight.dtype)  # [B, b, hidden]
+        x = self.embed_block(block_ids)  # [B, b, hidden]
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, batch, cache, rope, masks.get(cfg.window(index)), self.kernels)
-        x = residual + x  # [B, b, hidden]
-        depth = block - 1 if depth is None else depth
-        if not 1 <= depth <= block - 1:
-            raise ValueError(f"depth must be in [1, {block - 1}], got {depth}")
-        return self.target.head(self.norm(x[:, 1:1 + depth]))  # [B, depth, V]
+        return residual + x  # [B, b, hidden]
+
+    def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """The block's input: the target's embedding of ``block_ids [B, b]`` -> ``[B, b, hidden]``."""
+        return self.target.embed(block_ids).to(self.fc.weight.dtype)
 
     def _layer_masks(self, batch: ForwardBatch) -> dict[int | None, torch.Tensor]:
         """``[B, 1, b, kv_len]`` masks by window: all context + the whole block (non-causal); a

@@ -26,6 +26,7 @@ from flashtree.errors import ConfigError
 from flashtree.models.config import ModelConfig, RopeScaling, rope_settings
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"  # second generation: models/dflash2_config.py adds its keys
 DEFAULT_MASK_TOKEN = "<|MASK|>"
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -77,15 +78,27 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
+def is_dflash2(raw: Mapping[str, Any]) -> bool:
+    """The config declares a second-generation drafter (``architectures`` holds DFlash2DraftModel)."""
+    architectures = raw.get("architectures") or []
+    return isinstance(architectures, (list, tuple)) and DFLASH2_ARCHITECTURE in architectures
+
+
 def parse_dflash_config(raw: Mapping[str, Any], source: str, target_config: ModelConfig, tokenizer=None,
-                        block_size_override: int | None = None) -> DFlashConfig:
+                        block_size_override: int | None = None, *, dflash2: bool = False) -> DFlashConfig:
     """Validate a drafter ``config.json`` dict against its target.
 
     ``source`` names the file in errors. ``tokenizer`` (the target's) resolves a missing
     ``mask_token_id``, adding the mask token to it when absent. ``block_size_override`` may
-    only lower the checkpoint's ``block_size``.
+    only lower the checkpoint's ``block_size``. ``dflash2``: the caller validates the keys a
+    DFlash2 config shares with the first generation (a DFlash2 config is refused otherwise).
     """
     check = _Checker(source)
+    if is_dflash2(raw) and not dflash2:
+        raise ConfigError(
+            f"{source}: 'architectures' = {raw.get('architectures')!r} declares a DFlash2 drafter, which this "
+            f"first-generation DFlash loader does not read; allowed: load it with "
+            f"flashtree.models.drafters.load_drafter (what --draft does), or a {DRAFTER_ARCHITECTURE} checkpoint")
     draft = _dflash_section(raw, check)
     shape = _layer_shape(raw, check)
     _check_pair(raw, draft, shape["hidden_size"], target_config, check)

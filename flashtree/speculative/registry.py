@@ -7,7 +7,8 @@ from pathlib import Path
 from flashtree.config import EngineConfig
 from flashtree.errors import ConfigError
 from flashtree.kernels.cpu import fused as cpu_fused
-from flashtree.models.dflash import load_drafter
+from flashtree.models.dflash2 import DFlash2Drafter, refuse_draft_vocab
+from flashtree.models.drafters import load_drafter
 from flashtree.models.transformer import CausalLM
 from flashtree.speculative.ddtree import DDTreeProposer, default_budget
 from flashtree.speculative.dflash import DFlashProposer
@@ -37,7 +38,11 @@ def make_drafter_proposer(config: EngineConfig, target: CausalLM, tokenizer) -> 
     runner = DrafterRunner(drafter, config.scheduler.max_running + 1,  # + the pad slot
                            config.cache.max_context, config.scheduler.prefill_chunk)
     drafter_dir = Path(drafter.config.source).parent  # (load_drafter resolved it: its config.json)
-    vocab_size = default_size(spec.draft_vocab, target.lm_head.weight.device, drafter_dir)
+    if isinstance(drafter, DFlash2Drafter):
+        refuse_draft_vocab(spec.draft_vocab)
+        vocab_size = None  # the whole vocabulary
+    else:
+        vocab_size = default_size(spec.draft_vocab, target.lm_head.weight.device, drafter_dir)
     if vocab_size is not None:
         token_ids = load_draft_vocab(drafter_dir, vocab_size, target.config.vocab_size, at_most=spec.draft_vocab is None)
         runner.restrict_vocab(vocab_head(target.lm_head.weight, target.lm_head_quant, token_ids), token_ids)
