@@ -144,6 +144,7 @@ def main():
                              "prefill); triton: Triton for every forward; sdpa: SDPA over gathered pages for every forward")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time each method with profile_stages (eager, synchronized) for the stage split")
+    parser.add_argument("--exact", action="store_true", help="the exact mode (kernels/gpu/exact.py)")
     args = parser.parse_args()
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
@@ -156,6 +157,7 @@ def main():
             engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device="cuda",
                                                max_running=max(batches), max_context=2048, profile_stages=profile,
                                                adaptive_spec=False,  # every round at the method's size
+                                               exact=args.exact,
                                                triton_tree=args.triton_tree, triton_attention={"auto": None, "triton": True, "sdpa": False}[args.attention]))
             for batch in batches:
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
@@ -177,6 +179,7 @@ def main():
                               "graphed_ms": graphed, "static_graph_ms": static, "eager_ms": eager})
             print(json.dumps(tree_rows[-1]), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
+           "exact": args.exact,
            "rounds": rows, "tree_build_accept_commit": tree_rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

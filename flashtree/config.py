@@ -208,6 +208,10 @@ class KernelConfig:
     plain_fast_path: bool = True  # plain rounds skip the root-only tree and its accept walk (same values)
     feature_sink: bool = True  # a plain round's drafter features are written by the fused norm, not copied after
     planless_prefill: bool = True  # CUDA prefill attention with kernels that build no per-shape plan
+    # CUDA: the target's forwards (prefill, plain steps, chains, trees) with shape-invariant kernels
+    # (kernels/gpu/exact.py): speculative tokens equal plain ones bit for bit in bf16 / fp16, and a
+    # request's tokens do not depend on the batch it shares (issue #29)
+    exact: bool = False
     profile_stages: bool = False  # time each stage of a round exactly: synchronizes the device around
     # stages, so rounds run eagerly (no CUDA graphs); a profiling mode, not for serving
 

@@ -129,6 +129,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
             "a plain round's drafter features are written by the fused norm kernel (same tokens)")
     _on_off(kernels, "planless_prefill", KernelConfig.planless_prefill,
             "CUDA: prefill attention with kernels that build no per-shape plan (same tokens)")
+    _on_off(kernels, "exact", KernelConfig.exact,
+            "CUDA: the target's forwards with shape-invariant kernels: speculative tokens equal plain ones bit "
+            "for bit in bf16, and a request's tokens do not depend on what else is in the batch")
     kernels.add_argument("--profile-stages", action="store_true", default=KernelConfig.profile_stages,
                          help="exact per-stage times: synchronizes the device around stages, so rounds run "
                               "eagerly (no CUDA graphs); a profiling mode, not for serving")

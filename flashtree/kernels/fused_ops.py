@@ -22,6 +22,14 @@ from flashtree.kernels.feature_sink import SinkSegment
 
 class FusedOps(Protocol):
     ADD_RMS_NORM_COPIES: bool  # add_rms_norm writes ``copy_to`` itself (else the caller copies)
+    EXACT: bool  # the exact backend: tree_attention takes the forward's ``key_order`` (kernels/gpu/exact.py)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               quant=None) -> torch.Tensor:
+        """The layers' products: ``F.linear`` (from GGUF blocks where ``quant`` holds them)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x) * weight over the last dim (a norm with no residual to add)."""
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      copy_to: SinkSegment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +56,11 @@ class FusedOps(Protocol):
         ``slots[b]`` (the last ``window`` only, with a sliding window), read from one layer's
         ``[pages, KVH, page_size, D]`` cache views through ``block_table [slots, pages_per_slot]``,
         and the new tokens its ``new_mask [B, N, N]`` allows; returns ``[B, H, N, D]``."""
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:meth:`FusedOps.rms_norm` with torch's op (what RMSNorm modules compute)."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def qkv_write_operands(qkv: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,

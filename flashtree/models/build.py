@@ -36,7 +36,8 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     checkpoint = load_checkpoint(target.model, random_weights=target.random_weights)
     quantized = read_quantized(checkpoint, device, dtype, enabled=kernels.quant_kernels)  # CPU fp32 GGUF models
     model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=target.seed, quantized=quantized)
-    model.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention)
+    model.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention,
+                            exact=kernels.exact)
     model.use_layer_stack(kernels.cpu_layer_stack)
     return LoadedTarget(model, checkpoint.tokenizer)
 

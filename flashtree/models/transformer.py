@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashtree.errors import ConfigError
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kernels.cpu import fused as cpu_fused
 from flashtree.kernels.cpu.layer_stack import LayerDims, LayerStack, LayerWeights
 from flashtree.kernels.cpu.quant_linear import QuantizedLinear, embedding, linear
 from flashtree.kernels.feature_sink import FeatureSink, SinkSegment
+from flashtree.kernels.gpu import exact as gpu_exact
 from flashtree.kernels.gpu import fused as gpu_fused
 from flashtree.kv.cache import KVCache
 from flashtree.models.attention import attention_bias, masked_attention
@@ -26,6 +28,12 @@ from flashtree.models.batch import ForwardBatch, attention_mask
 from flashtree.models.config import ModelConfig
 from flashtree.models.moe import SparseMoE
 from flashtree.models.rope import RotaryTable, apply_rotary
+
+
+def product(kernels):
+    """The linear a model's layers call: the backend's (the exact backend's is row-invariant), else
+    :func:`~flashtree.kernels.cpu.quant_linear.linear` (F.linear, or GGUF blocks where the layer has them)."""
+    return linear if kernels is None else kernels.linear
 
 
 def attention_kernel_fits(cfg) -> bool:
@@ -108,13 +116,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = linear(x, self.gate_up, None, self.gate_up_quant)
+        gate_up = product(self.kernels)(x, self.gate_up, None, self.gate_up_quant)
         if self.kernels is not None:
             act = self.kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return linear(act, self.down_proj.weight, None, self.down_quant)
+        return product(self.kernels)(act, self.down_proj.weight, None, self.down_quant)
 
 
 class Attention(nn.Module):
@@ -147,7 +155,8 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return linear(x, self.qkv_weight, self.qkv_bias, self.qkv_quant).split([q_width, kv_width, kv_width], dim=-1)
+        return product(self.kernels)(x, self.qkv_weight, self.qkv_bias, self.qkv_quant).split(
+            [q_width, kv_width, kv_width], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
@@ -156,7 +165,7 @@ class Attention(nn.Module):
         whole ``[P, D]`` tables (the kernel looks positions up itself)."""
         b, n, _ = x.shape
         if self.kernels is not None:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_quant)  # [B, N, (H + 2 KVH) * D]
+            qkv = product(self.kernels)(x, self.qkv_weight, self.qkv_bias, self.qkv_quant)  # [B, N, (H + 2 KVH) * D]
             q = self.kernels.qkv_norm_rope_write(
                 qkv, self.heads, self.kv_heads, self.qk_norm_weight, self.q_norm.eps if self.q_norm else 0.0,
                 *rope, batch.positions, cache.k[self.layer_index], cache.v[self.layer_index],
@@ -164,14 +173,15 @@ class Attention(nn.Module):
         else:
             q = self._rotate_and_write(x, cache, rope, write_index)
         if mask is None:  # the backend's attention reads lengths and new_mask itself
+            order = {} if batch.key_order is None else {"key_order": batch.key_order}  # (exact mode)
             out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index],
                                               cache.block_table, batch.slots, batch.cache_lengths,
-                                              batch.new_mask)  # [B, H, N, D]
+                                              batch.new_mask, **order)  # [B, H, N, D]
         else:
             keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len)
             out = masked_attention(q, keys, values, mask, batch.one_off_shape)  # [B, H, N, D]
-        return linear(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim), self.o_proj.weight, None,
-                      self.o_quant)
+        return product(self.kernels)(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim),
+                                     self.o_proj.weight, None, self.o_quant)
 
     def _rotate_and_write(self, x: torch.Tensor, cache: KVCache, rope: tuple[torch.Tensor, torch.Tensor],
                           write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -224,7 +234,8 @@ def prenorm_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | No
     sink segment to write it into (by the fused norm's kernel where it can)."""
     sink = keep_input if isinstance(keep_input, SinkSegment) else None
     if residual is None:
-        h, residual = layer.input_layernorm(x), x
+        norm = layer.input_layernorm
+        h, residual = (norm(x) if kernels is None else kernels.rms_norm(x, norm.weight, norm.eps)), x
         if sink is not None:
             sink.write(x)
     else:
@@ -256,21 +267,36 @@ class FusedKernelSwitch:
     fused_attention = False  # the backend's attention replaces SDPA (for the widths it handles)
     kernel_attention_prefill: bool = True  # ... in prefill forwards too (else only in decode forwards)
 
-    def use_fused_kernels(self, gpu: bool, cpu: bool, attention: bool | None = False) -> bool:
+    def use_fused_kernels(self, gpu: bool, cpu: bool, attention: bool | None = False, exact: bool = False) -> bool:
         """The Triton kernels where they run (``attention``: their paged attention too; None: for
-        decode forwards, not prefill), else the C++ ones where they run; returns whether either is on."""
-        return self.use_gpu_kernels(gpu, attention) or self.use_cpu_kernels(cpu)
+        decode forwards, not prefill; ``exact``: the exact backend), else the C++ ones where they run;
+        returns whether either is on."""
+        return self.use_gpu_kernels(gpu, attention, exact) or self.use_cpu_kernels(cpu)
 
-    def use_gpu_kernels(self, enabled: bool = True, attention: bool | None = False) -> bool:
+    def use_gpu_kernels(self, enabled: bool = True, attention: bool | None = False, exact: bool = False) -> bool:
         """Switch the Triton kernels on where they can run (CUDA with Triton, a power-of-two
         head_dim); returns whether they are on. ``attention`` also swaps SDPA over gathered pages
-        for the Triton paged attention (None: in decode forwards only, prefill keeps SDPA)."""
+        for the Triton paged attention (None: in decode forwards only, prefill keeps SDPA). ``exact``:
+        the exact backend (kernels/gpu/exact.py) in every forward, prefill included; an error where it
+        cannot run."""
         head_dim = self.config.head_dim
         on = (enabled and gpu_kernels.usable_on(self._kernel_weight()) and head_dim & (head_dim - 1) == 0
               and self._ready_for_kernels())
+        if exact:
+            self._use_exact_kernels(on)
+            return True
         self._set_kernels(gpu_fused if on else None, on and attention is not False and attention_kernel_fits(self.config))
         self.kernel_attention_prefill = attention is True
         return on
+
+    def _use_exact_kernels(self, usable: bool) -> None:
+        if not (usable and attention_kernel_fits(self.config)):
+            raise ConfigError(
+                "exact mode needs the Triton kernels on a CUDA device (gpu_kernels on, Triton installed) and a "
+                f"power-of-two head_dim >= 16 (this model: {self.config.head_dim}); on the CPU the fp32 paths "
+                "already give speculative tokens equal to plain ones")
+        self._set_kernels(gpu_exact, True)
+        self.kernel_attention_prefill = True
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
         """Switch the C++ kernels on for an fp32 model on the CPU where their library builds,
@@ -375,6 +401,8 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
         if self.uses_kernel_attention(batch.num_new, batch.prefill):
             mask = None
+            if self.kernels.EXACT:
+                batch = batch._replace(key_order=self.kernels.key_order(batch.new_mask, causal=batch.prefill))
         else:
             mask = attention_bias(attention_mask(batch), x.dtype)  # [B, 1, N, kv_len]
         write_index = cache.write_index(batch.slots, batch.cache_lengths, batch.num_new)
@@ -392,7 +420,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
                     captured[i - 1] = kept[0]
         x = residual + x  # [B, N, hidden], the last layer's output
         if last in keepers:  # HF takes the last one after the final norm
-            final = self.model.norm(x)
+            final = self.final_norm(x)
             if feature_sink is None:
                 captured[last] = final
             else:
@@ -400,8 +428,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]
-        logits = linear(self.model.norm(x), self.lm_head.weight, None, self.lm_head_quant).float()
-        return ForwardOutput(logits=logits, hidden=hidden)
+        return ForwardOutput(logits=self.head(self.final_norm(x)), hidden=hidden)
 
     def _run_layer_stack(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                          write_index: tuple[torch.Tensor, torch.Tensor], keepers: dict,
@@ -432,4 +459,8 @@ class CausalLM(FusedKernelSwitch, nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on already-normed hidden states (the drafter uses the target's head)."""
-        return linear(hidden, self.lm_head.weight, None, self.lm_head_quant).float()
+        return product(self.kernels)(hidden, self.lm_head.weight, None, self.lm_head_quant).float()
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.model.norm
+        return norm(x) if self.kernels is None else self.kernels.rms_norm(x, norm.weight, norm.eps)

@@ -76,14 +76,17 @@ def _sink_step(model, cache, lengths: torch.Tensor, device: str) -> torch.Tensor
 
 def compare(device: str, dtype: torch.dtype, backend: str = "gpu") -> dict[str, float]:
     """Max abs difference (fused vs unfused) per family and output; ``backend`` "gpu" (Triton,
-    with and without its attention) or "cpu" (the C++ kernels)."""
+    with and without its attention), "exact" (the exact mode's backend) or "cpu" (the C++ kernels)."""
     diffs = {}
     for family in FAMILIES:
         model = ours_from_hf(tiny_hf_model(family), device=device, dtype=dtype)
         assert not model.fused_kernels
         plain = _run(model, device)
-        for attention in ((False, True) if backend == "gpu" else (False,)):  # + the Triton attention
-            on = model.use_gpu_kernels(attention=attention) if backend == "gpu" else model.use_cpu_kernels()
+        for attention in ((False, True) if backend == "gpu" else (True,) if backend == "exact" else (False,)):
+            if backend == "exact":
+                on = model.use_gpu_kernels(exact=True)
+            else:
+                on = model.use_gpu_kernels(attention=attention) if backend == "gpu" else model.use_cpu_kernels()
             assert on, "the fused kernels did not switch on"
             fused = _run(model, device)
             for name in plain:

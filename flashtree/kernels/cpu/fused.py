@@ -16,8 +16,9 @@ import functools
 
 import torch
 
+from flashtree.kernels.cpu import quant_linear
 from flashtree.kernels.cpu.library import KernelUnavailable, load_kernels
-from flashtree.kernels.fused_ops import qkv_write_operands
+from flashtree.kernels.fused_ops import qkv_write_operands, torch_rms_norm
 
 
 @functools.cache
@@ -39,6 +40,9 @@ def _ptr(tensor: torch.Tensor | None):
 
 
 ADD_RMS_NORM_COPIES = False  # add_rms_norm takes no ``copy_to``: the caller writes the copy
+EXACT = False  # a fast backend: a row's arithmetic may depend on the forward's shape
+linear = quant_linear.linear  # the layers' products
+rms_norm = torch_rms_norm
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

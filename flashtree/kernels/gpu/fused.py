@@ -6,8 +6,9 @@ import functools
 
 import torch
 
+from flashtree.kernels.cpu import quant_linear
 from flashtree.kernels.feature_sink import SinkSegment
-from flashtree.kernels.fused_ops import qkv_write_operands
+from flashtree.kernels.fused_ops import qkv_write_operands, torch_rms_norm
 from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 from flashtree.kernels.gpu.attention import tree_attention  # noqa: F401 (part of the backend)
 
@@ -20,6 +21,9 @@ def _kernels():
 
 
 ADD_RMS_NORM_COPIES = True  # add_rms_norm takes ``copy_to`` (the unfused path writes the copy itself)
+EXACT = False  # a fast backend: a row's arithmetic may depend on the forward's shape
+linear = quant_linear.linear  # the layers' products
+rms_norm = torch_rms_norm
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -108,3 +108,103 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, HEA
     parts = tl.load(part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :])  # [S, D]
     out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new_tokens, table, head_base, d,
+                         k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, page_stride, page_size, cache_pos_stride,
+                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax update with the logical keys ``key0 .. key0 + BLOCK_N - 1`` (those before ``stop``): logical
+    key j < ``committed`` is cache position j; the others are the query's ancestor at depth j - committed, whose
+    entry sits at ``committed`` + its index among the new tokens (``order``; the index is the depth when CAUSAL)."""
+    logical = key0 + tl.arange(0, BLOCK_N)  # [N]
+    in_range = logical < stop
+    depth_of = logical - committed
+    if CAUSAL:
+        new_index = depth_of
+    else:
+        new_index = tl.load(order_ptr + row_token.to(tl.int64) * new_tokens + depth_of,
+                            mask=in_range & (depth_of >= 0), other=0)
+    position = tl.where(depth_of >= 0, committed + new_index, logical)  # [N] where each entry sits in the slot
+    page = tl.load(table + position // page_size, mask=in_range, other=0).to(tl.int64)
+    entry = page * page_stride + (position % page_size).to(tl.int64) * cache_pos_stride + head_base
+    kv_off = entry[:, None] + d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(in_range[None, :], s * scale_log2, float("-inf"))  # [M, N], base-2 logits
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _exact_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, slots_ptr, lengths_ptr, order_ptr, depth_ptr, out_ptr, lse_ptr,
+        new_tokens, heads, kv_heads, scale_log2, table_stride, page_size, chunk,
+        cache_page_stride, cache_head_stride, cache_pos_stride,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One (row, kv head, new token, key split): the GROUP query heads of one token over the keys it sees, taken
+    in logical order (committed context, then its ancestors by depth) and reduced in blocks of BLOCK_N logical
+    keys from the split's start (split s holds logical keys ``s * chunk ..``). What a query computes depends only
+    on its logical keys: not on where its ancestors sit among the new tokens, nor on what else the launch holds."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // kv_heads
+    kv_head = pid_bh % kv_heads
+    token = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_M)  # [M] query heads of this kv head (rows past GROUP are padding)
+    valid_q = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = ((b * heads + head) * new_tokens + token).to(tl.int64) * HEAD_DIM  # q, out: [B, H, N, D]
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid_q[:, None], other=0.0)
+
+    committed = tl.load(lengths_ptr + b)
+    row_token = b * new_tokens + token
+    if CAUSAL:
+        depth = token
+    else:
+        depth = tl.load(depth_ptr + row_token)
+    start = split * chunk
+    stop = tl.minimum(start + chunk, committed + depth + 1)  # the query sees logical keys 0 .. committed + depth
+    table = table_ptr + tl.load(slots_ptr + b).to(tl.int64) * table_stride
+    head_base = kv_head.to(tl.int64) * cache_head_stride
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
+        key0 = start
+        while key0 < stop:
+            m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new_tokens,
+                                                 table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr,
+                                                 scale_log2, cache_page_stride, page_size, cache_pos_stride,
+                                                 BLOCK_N, CAUSAL, IEEE)
+            key0 += BLOCK_N
+    else:
+        for key0 in range(start, stop, BLOCK_N):
+            m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new_tokens,
+                                                 table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr,
+                                                 scale_log2, cache_page_stride, page_size, cache_pos_stride,
+                                                 BLOCK_N, CAUSAL, IEEE)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # zeros in a split past the query's keys
+    if SPLITS == 1:
+        tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid_q[:, None])
+    else:  # partial result and its log-sum-exp (-inf for an empty split); _combine_splits_kernel merges them
+        part = ((b * heads + head) * new_tokens + token).to(tl.int64) * SPLITS + split
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=valid_q[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=valid_q)

@@ -7,11 +7,22 @@ import triton.language as tl
 @triton.jit
 def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """y[BLOCK_M rows, BLOCK_N columns] = x @ w^T (+ bias): one program per output tile, the K loop in
-    BLOCK_K steps from 0 up, accumulated in float32, one rounding to y's dtype at the end."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+    """y[BLOCK_M rows, BLOCK_N columns] = x @ w^T (+ bias): one program per output tile, the K loop from 0 up,
+    every step accumulating into the float32 tile (tl.dot's accumulator operand, so the products of each
+    16-wide slice of K are added to it in K order whatever BLOCK_K is), one rounding to y's dtype at the end.
+    Programs go GROUP_M row tiles at a time across the columns (weight tiles stay in L2 between row tiles);
+    the order of programs changes no arithmetic."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     depth = tl.arange(0, BLOCK_K)  # [BK]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

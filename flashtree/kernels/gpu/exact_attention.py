@@ -1,0 +1,92 @@
+"""Attention whose result for a query depends only on the keys it sees (the exact mode's attention, issue #29).
+
+Glossary:
+- logical keys: what a query at depth ``t`` of a row with ``c`` committed entries attends to, in order: the
+  committed entries ``0 .. c-1``, then its ancestors among the new tokens by depth (its own entry last). A plain
+  decoding step at the same position sees the same keys with the same values.
+- key order: for each new token, the indices (among the row's new tokens) of its ancestors, shallowest first
+  (:func:`ancestor_order`). For a causal chain (a prompt chunk, a DFlash block) the k-th ancestor is token k,
+  so no table is needed.
+
+The fast kernel (:mod:`attention`) reduces a row's keys in the order they sit in the cache and splits them by
+how many programs the launch has, so a tree node rounds differently from the plain step it stands for. Here a
+program handles one (row, kv head, new token, key split); keys go in blocks of :data:`BLOCK_N` logical keys, a
+split holds a fixed run of logical keys (``chunk``, fixed by the cache capacity alone), and the splits merge
+in index order. So a query's arithmetic is a function of its logical keys only: bit-identical whatever the
+batch, the number of new tokens per row, or the tree's shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.kernels.gpu import interpreting
+from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
+from flashtree.kernels.gpu.attention import _kernels
+
+BLOCK_N = 64  # logical keys per block
+MIN_SPLIT_KEYS = 1024  # a split holds at least this many logical keys
+MAX_SPLITS = 16
+
+
+def split_keys(capacity: int) -> int:
+    """Logical keys per split for a cache of ``capacity`` entries per row: a multiple of :data:`BLOCK_N`, at
+    least :data:`MIN_SPLIT_KEYS`, and at most :data:`MAX_SPLITS` splits. Depends on the capacity alone."""
+    splits = min(MAX_SPLITS, max(1, _ceil_div(capacity, MIN_SPLIT_KEYS)))
+    return _ceil_div(_ceil_div(capacity, splits), BLOCK_N) * BLOCK_N
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def ancestor_order(new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order ``[B, N, N]`` int32, depth ``[B, N]`` int32) from ``new_mask [B, N, N]`` (token i sees new token j).
+
+    ``order[b, i, k]`` is the index of the k-th new token token i sees (its ancestor at depth k, when ancestors
+    come before their descendants, as in every tree the engine builds), for k <= ``depth[b, i]`` (= how many it
+    sees, minus one); entries past the depth are 0."""
+    b, n, _ = new_mask.shape
+    depth = new_mask.sum(-1, dtype=torch.int32) - 1  # [B, N]
+    rank = new_mask.cumsum(-1) - 1  # [B, N, N]: rank of token j among those token i sees
+    slot = torch.where(new_mask, rank, n)  # unseen tokens go to a column dropped below
+    index = torch.arange(n, dtype=torch.int32, device=new_mask.device).expand(b, n, n)
+    order = torch.zeros(b, n, n + 1, dtype=torch.int32, device=new_mask.device)
+    order.scatter_(2, slot, index)
+    return order[..., :n].contiguous(), depth
+
+
+def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    slots: torch.Tensor, lengths: torch.Tensor,
+                    key_order: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Attention of N new tokens per row over the paged KV cache, each query over its logical keys; returns
+    ``[B, H, N, D]``.
+
+    q: ``[B, H, N, D]``; k_cache/v_cache: one layer's ``[pages, KVH, page_size, D]`` views; block_table
+    ``[slots, pages_per_slot]``; row b's slot ``slots[b]`` holds ``lengths[b]`` committed entries followed by
+    the N new tokens' entries. ``key_order``: :func:`ancestor_order` of the rows' new-token mask, or None for
+    causal chains (new token t sees new tokens 0 .. t).
+    """
+    b, heads, n, head_dim = q.shape
+    kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    if head_dim < 16 or head_dim & (head_dim - 1) or heads % kv_heads:
+        raise ValueError(f"exact_attention needs a power-of-two head_dim >= 16 and heads divisible by kv heads, "
+                         f"got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads}")
+    group = heads // kv_heads
+    capacity = block_table.shape[1] * page_size
+    chunk = split_keys(capacity)
+    splits = _next_power_of_2(_ceil_div(capacity, chunk))
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    part = out if splits == 1 else torch.empty(b, heads, n, splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = out if splits == 1 else torch.empty(b, heads, n, splits, dtype=torch.float32, device=q.device)
+    order, depth = key_order if key_order is not None else (lengths, lengths)  # (not read when causal)
+    _kernels()._exact_attention_kernel[(b * kv_heads, n, splits)](
+        q, k_cache, v_cache, block_table.contiguous(), slots.contiguous(), lengths.contiguous(), order, depth,
+        part, lse, n, heads, kv_heads, head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
+        chunk, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, _next_power_of_2(group)), BLOCK_N=BLOCK_N, SPLITS=splits,
+        CAUSAL=key_order is None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting())
+    if splits > 1:
+        _kernels()._combine_splits_kernel[(b * heads * n,)](part, lse, out, SPLITS=splits, HEAD_DIM=head_dim)
+    return out

@@ -1,0 +1,37 @@
+"""The exact mode (issue #29) on the CPU in Triton's interpreter (float32; the interpreter has no bfloat16
+arithmetic, so bf16 is left to tests/gpu/test_exact_mode.py): the exact attention gives a tree node what a
+plain step at its position gets, whatever the batch and the chunking (tests/support/exact_attention_checks.py),
+and on a tiny random pair plain decoding, DDTree, a prompt alone and in a batch all give the same greedy tokens
+(tests/support/exact_mode_checks.py). Each runs in a subprocess: the interpreter must be chosen before Triton
+compiles anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _run(module: str, *args: str) -> dict:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_query_gets_what_its_logical_keys_give_whatever_shares_the_launch():
+    results = _run("tests.support.exact_attention_checks")["torch.float32"]
+    assert results["tree_equals_plain"] and results["batch_and_chunk_invariant"]
+    assert results["max_abs_diff"] < 1e-5
+
+
+def test_exact_mode_tokens_equal_plain_alone_and_batched(tmp_path):
+    differing = _run("tests.support.exact_mode_checks", str(tmp_path))
+    assert differing and not any(differing.values()), differing

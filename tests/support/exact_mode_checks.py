@@ -1,0 +1,73 @@
+"""The exact mode end to end on a tiny random pair: plain decoding, the DFlash chain and DDTree give the same
+greedy tokens, each prompt gets the same tokens alone and in a batch (beside other prompts and beside a copy
+of itself), and plain decoding gives the same tokens pass after pass. Run on CUDA in float32 and bfloat16 by
+tests/gpu/test_exact_mode.py, and as ``python -m tests.support.exact_mode_checks WORKDIR`` under
+``TRITON_INTERPRET=1`` on CPU tensors (float32) by tests/integration/test_exact_attention.py; returns (prints)
+counts of differing token lists, all 0 when the mode holds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+PROMPTS = [[3, 14, 15, 9, 2, 6], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4], [3, 14, 15, 9, 2, 6]]  # the last: a copy
+
+
+def _llm(pair, spec: str, device: str, dtype: str, max_running: int):
+    from flashtree import LLM
+
+    return LLM(str(pair.target), spec=spec, draft=str(pair.drafter) if spec != "none" else None, budget=6,
+               device=device, dtype=dtype, exact=True, adaptive_spec=False, max_running=max_running,
+               max_context=64)
+
+
+def compare_exact_engine(device: str, workdir: str, dtype: str = "float32", max_tokens: int = 16,
+                         specs: tuple[str, ...] = ("dflash", "ddtree")) -> dict[str, float]:
+    from flashtree import SamplingParams
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(workdir + "/exact", vocab=64, block_size=5, drafter_layers=2, tokenizer=False)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    plain = _llm(pair, "none", device, dtype, max_running=4)
+    assert plain.engine.model.kernels.EXACT, "the exact backend did not switch on"
+    together = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    again = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    alone = [plain.generate([p], params)[0].token_ids for p in PROMPTS[:2]]
+    diffs = {"plain/pass_to_pass": sum(a != b for a, b in zip(together, again)),
+             "plain/alone_vs_batch": sum(a != b for a, b in zip(together, alone)),
+             "plain/copies_in_one_batch": float(together[0] != together[3])}
+    for spec in specs:
+        llm = _llm(pair, spec, device, dtype, max_running=4)
+        batched = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        single = llm.generate([PROMPTS[2]], params)[0].token_ids
+        diffs[f"{spec}/vs_plain_batch_4"] = sum(a != b for a, b in zip(batched, together))
+        diffs[f"{spec}/vs_plain_batch_1"] = float(single != together[2])
+    return {k: float(v) for k, v in diffs.items()}
+
+
+def plain_repeatability(device: str, workdir: str, dtype: str, batch: int, max_tokens: int = 24) -> dict[str, float]:
+    """Exact-mode plain decoding of ``batch`` prompts (each in two copies when batch > 1) twice on one engine:
+    token lists differing pass to pass, copy from copy, and for two prompts decoded alone."""
+    import torch
+
+    from flashtree import SamplingParams
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(workdir + "/repeat", vocab=64, block_size=5, drafter_layers=1, tokenizer=False)
+    gen = torch.Generator().manual_seed(batch)
+    distinct = [torch.randint(1, 64, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
+                for _ in range(max(1, batch // 2))]
+    prompts = (distinct * 2)[:batch]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm = _llm(pair, "none", device, dtype, max_running=batch)
+    first = [o.token_ids for o in llm.generate(prompts, params)]
+    second = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts[:2]]
+    half = len(distinct)
+    return {"pass_to_pass": float(sum(a != b for a, b in zip(first, second))),
+            "copies": float(sum(first[i] != first[i + half] for i in range(batch - half))),
+            "alone_vs_batch": float(sum(a != b for a, b in zip(alone, first)))}
+
+
+if __name__ == "__main__":  # the interpreter is slow: fewer tokens, DDTree only (the chain is a causal tree)
+    print(json.dumps(compare_exact_engine("cpu", sys.argv[1], max_tokens=6, specs=("ddtree",))))
