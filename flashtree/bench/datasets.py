@@ -80,6 +80,20 @@ def sharegpt_heldout_prompts(num_prompts: int) -> list[BenchPrompt]:
     return [_as_prompt(item, f"heldout_prompts()[{i}]") for i, item in enumerate(heldout_prompts(num_prompts))]
 
 
+def bench_prompt_texts() -> list[str]:
+    """Every user text the named sets can send (all of HumanEval, every ShareGPT held-out
+    prompt): drafter training data must hold none of them. A set whose package is missing sends
+    nothing here, so it adds nothing."""
+    texts = []
+    for load in (humaneval_prompts, sharegpt_heldout_prompts):
+        try:
+            prompts = load(10**9)
+        except ConfigError:
+            continue
+        texts += [m["content"] for p in prompts for m in p.messages or () if m["role"] == "user"]
+    return texts
+
+
 def jsonl_prompts(path: Path) -> list[BenchPrompt]:
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):

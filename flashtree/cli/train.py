@@ -27,7 +27,9 @@ def _register_train(subparsers) -> None:
                               description="Train a DFlash block-diffusion drafter (z-lab checkpoint format).",
                               formatter_class=HELP_FORMAT)
     p.add_argument("--model", default=d.model, help="target: HF directory, hub id, .gguf file, or 'smollm2'")
-    p.add_argument("--data", default=d.data, help="'sharegpt', or a .jsonl of {messages} / {conversations}")
+    p.add_argument("--data", default=d.data,
+                   help="'sharegpt', a .jsonl of {messages} / {conversations}, or a directory of .jsonl shards "
+                        "(regenerate --output DIR); records with a 'split' field are split by it")
     p.add_argument("--output", default=d.output, help="checkpoint directory to write")
     p.add_argument("--resume", default=None,
                    help="checkpoint directory whose trainer_state/ this run continues exactly (weights, optimizer, "
@@ -144,19 +146,29 @@ def _register_regenerate(subparsers) -> None:
     add_model_args(p)
     p.add_argument("--prompts", default=d.prompts,
                    help="'sharegpt' or a .jsonl of {messages} / {conversations} / {prompt}: records ending with "
-                        "a user turn (export-prompts output) are answered as they are, chats by --turns")
+                        "a user turn (export-prompts output) are answered as they are, chats by --turns; "
+                        "records with a 'split' (export-prompts --sources) keep it")
     p.add_argument("--turns", default=d.turns, choices=["first", "all"],
                    help="for chats: answer the first user turn, or every user turn after its history")
+    p.add_argument("--output", default=d.output,
+                   help="a .jsonl file, or a directory of shards part-NNNNN.jsonl: each run adds new shards and "
+                        "skips the ids already answered there (resumable over many runs)")
     p.add_argument("--append", action="store_true",
-                   help="add to an existing --output, skipping the ids it already holds (resume over several runs)")
-    p.add_argument("--output", default=d.output)
+                   help="a .jsonl --output: add to it, skipping the ids it already holds")
+    p.add_argument("--shard-mb", type=float, default=d.shard_mb, help="directory --output: a new shard past this size")
     p.add_argument("--split", default=d.split, choices=["train", "heldout", "all"])
-    p.add_argument("--limit", type=int, default=None, help="answer at most this many prompts")
+    p.add_argument("--limit", type=int, default=None, help="answer at most this many prompts (this run)")
+    p.add_argument("--samples", type=int, default=d.samples,
+                   help="answers per prompt (needs --temperature > 0; ids <id>, <id>~s1, ...; seeds from the ids)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--time-budget-s", type=float, default=None, help="stop admitting prompts after this time")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="end before this many minutes since the command began: no prompt admitted once the answers "
+                        "in flight might not finish; at the limit unfinished answers are dropped (the next run "
+                        "answers them)")
     p.add_argument("--no-progress", action="store_true")
     # Triton attention: plain decoding of hundreds of rows on scattered slots, where SDPA would first gather
     # their K/V (2.4x the tokens/s on the H200 at 512 rows); texts decoded once, at the end
@@ -165,31 +177,44 @@ def _register_regenerate(subparsers) -> None:
 
 
 def cmd_regenerate(args) -> None:
+    import time
+
+    started_at = time.perf_counter()
     from flashtree.cli.args import llm_from_args
     from flashtree.train.regenerate import RegenerateConfig, regenerate, select_prompts
 
     cfg = RegenerateConfig(prompts=args.prompts, output=args.output, split=args.split, limit=args.limit,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, time_budget_s=args.time_budget_s, turns=args.turns,
-                           append=args.append, progress=not args.no_progress)
+                           append=args.append, samples=args.samples, shard_mb=args.shard_mb,
+                           max_minutes=args.max_minutes, progress=not args.no_progress)
     prompts = select_prompts(cfg)
     llm = llm_from_args(args, max_waiting=max(args.max_waiting, args.max_running))
-    stats = regenerate(llm, prompts, cfg)
+    stats = regenerate(llm, prompts, cfg, started_at)
     print(json.dumps({"output": cfg.output, "answered": stats.answered, "skipped": stats.skipped,
+                      "dropped": stats.dropped, "left": len(prompts) - stats.answered - stats.skipped,
                       "tokens": stats.tokens, "seconds": round(stats.seconds, 1),
                       "tokens_per_second": round(stats.tokens_per_second, 1)}))
 
 
 # ---------------------------------------------------------------------------- export-prompts
 def _register_export(subparsers) -> None:
-    p = subparsers.add_parser("export-prompts", help="write first-turn prompts as a small JSONL",
-                              description="Extract first-turn prompts (e.g. from ShareGPT) into a portable JSONL "
-                                          "that `flashtree regenerate --prompts FILE` reads.",
+    p = subparsers.add_parser("export-prompts", help="write prompts as a small JSONL (for regenerate)",
+                              description="Extract prompts into a portable JSONL that `flashtree regenerate --prompts "
+                                          "FILE` reads: from one chats source (--data, with --split), or from several "
+                                          "sources at once (--sources): deduplicated (exact and whitespace-normalized), "
+                                          "without any prompt `flashtree bench` sends, each with its split.",
                               formatter_class=HELP_FORMAT)
-    p.add_argument("--data", default="sharegpt", help="'sharegpt' or a .jsonl / .json of chats")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--data", default=None, help="'sharegpt' or a .jsonl / .json of chats (default: sharegpt)")
+    source.add_argument("--sources", default=None,
+                        help="comma-separated: sharegpt, python-functions (HumanEval-style prompts from the documented "
+                             "functions of Python's standard library), python-functions:DIR (of the .py files under "
+                             "DIR), or chats files; writes both splits with a 'split' field (held out: the hash band "
+                             "after the bench's own; never a prompt of `flashtree bench`)")
     p.add_argument("--output", required=True)
-    p.add_argument("--split", default="train", choices=["train", "heldout", "all"])
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--split", default="train", choices=["train", "heldout", "all"], help="with --data only")
+    p.add_argument("--limit", type=int, default=None, help="at most this many prompts (per source with --sources)")
     p.add_argument("--heldout-percent", type=float, default=2.0)
     p.add_argument("--model", default=None,
                    help="tokenizer source for the --max-prompt-tokens filter (default: no token filter)")
@@ -201,14 +226,25 @@ def _register_export(subparsers) -> None:
 
 
 def cmd_export(args) -> None:
-    from flashtree.train.data import export_prompts
-
     tokenizer = None
     if args.model is not None:
         from flashtree.models.loader import load_checkpoint
 
         tokenizer = load_checkpoint(args.model, random_weights=True).tokenizer
-    count = export_prompts(args.output, source=args.data, split=args.split, limit=args.limit,
+    if args.sources is not None:
+        import dataclasses
+
+        from flashtree.bench.datasets import HUMANEVAL_REQUEST, bench_prompt_texts
+        from flashtree.train.prompt_sources import export_source_prompts
+
+        stats = export_source_prompts(args.output, [s.strip() for s in args.sources.split(",") if s.strip()],
+                                      bench_prompt_texts(), args.heldout_percent, args.turns, args.limit, tokenizer,
+                                      args.max_prompt_tokens, code_request=HUMANEVAL_REQUEST)
+        print(json.dumps({"output": args.output, **dataclasses.asdict(stats)}))
+        return
+    from flashtree.train.data import export_prompts
+
+    count = export_prompts(args.output, source=args.data or "sharegpt", split=args.split, limit=args.limit,
                            heldout_percent=args.heldout_percent, tokenizer=tokenizer,
                            max_prompt_tokens=args.max_prompt_tokens, turns=args.turns)
     print(json.dumps({"output": args.output, "prompts": count}))

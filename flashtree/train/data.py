@@ -15,10 +15,15 @@ Sources (``--data``):
 - a prompts ``.jsonl`` of ``{"id", "prompt"}`` (what ``flashtree export-prompts`` writes) is
   read as one-turn conversations (useful for regeneration only: it has no assistant turns).
 
-Held-out split: by conversation. A conversation is held out when a hash of its split key (the
-id without ShareGPT's ``_N`` part suffix, so all parts of one chat land together) falls under
-``heldout_percent``. It is deterministic and needs no state, so a regenerated JSONL that keeps
-the source ids splits exactly like its source.
+- a directory of ``*.jsonl`` shards (what ``flashtree regenerate --output DIR`` writes), read
+  in name order; a last line cut off mid-write (a killed run) is skipped.
+
+Held-out split: by conversation. A record's ``"split"`` (``train`` | ``heldout``: what
+``export-prompts --sources`` assigns and regenerate copies) decides when present. Else a
+conversation is held out when a hash of its split key (the id without ShareGPT's ``_N`` part
+suffix, our ``#turnK`` and ``~sK`` suffixes, so all parts, turns and samples of one chat land
+together) falls under ``heldout_percent``. It is deterministic and needs no state, so a
+regenerated JSONL that keeps the source ids splits exactly like its source.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant"
                 "system": "system"}
 _PART_SUFFIX = re.compile(r"_\d+$")
 _TURN_SUFFIX = re.compile(r"#turn\d+$")  # prompt ids of later user turns: "<conversation id>#turn<k>"
+_SAMPLE_SUFFIX = re.compile(r"~s\d+$")  # answers beyond the first to one prompt: "<prompt id>~s<k>"
+SPLITS = ("train", "heldout")
 TURN_CHOICES = ("first", "all")
 
 
@@ -54,12 +61,14 @@ class Conversation:
     messages: tuple[dict, ...]
     truncated: bool = False  # the last assistant turn was cut off (regenerated with finish "length")
     train_from: int = 0  # index of the first message whose assistant turns are trained on (earlier: context)
+    split: str | None = None  # "train" | "heldout" when the record says; None: by the hash of split_key
+    source: str | None = None  # where the prompt came from, when the record says (export-prompts --sources)
 
     @property
     def split_key(self) -> str:
-        """The conversation's id without ShareGPT's ``_N`` part suffix and our ``#turnK`` suffix:
-        every part and every turn of one conversation falls on the same side of the split."""
-        return _PART_SUFFIX.sub("", _TURN_SUFFIX.sub("", self.conv_id))
+        """The conversation's id without ShareGPT's ``_N`` part suffix and our ``#turnK`` and
+        ``~sK`` suffixes: every part, turn and sample of one conversation falls on the same side."""
+        return _PART_SUFFIX.sub("", _TURN_SUFFIX.sub("", _SAMPLE_SUFFIX.sub("", self.conv_id)))
 
 
 # ---------------------------------------------------------------------------- reading
@@ -99,7 +108,8 @@ def iter_json_array(text: str) -> Iterator[dict]:
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line index, record) of a JSONL file; blank lines are skipped, bad lines are errors."""
+    """(line index, record) of a JSONL file; blank lines are skipped, bad lines are errors, except
+    a last line without its newline (cut off by a killed writer), which is dropped."""
     with path.open(encoding="utf-8") as handle:
         for index, line in enumerate(handle):
             if not line.strip():
@@ -107,6 +117,8 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
+                if not line.endswith("\n"):
+                    return  # a last line cut off mid-write (every complete line ends with a newline)
                 raise ConfigError(f"{path}:{index + 1}: not valid JSON ({err})") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{path}:{index + 1}: expected a JSON object, got {type(record).__name__}")
@@ -157,7 +169,13 @@ def conversations_from_records(records: Iterable[tuple[str, dict]]) -> list[Conv
             if not isinstance(train_from, int) or not 0 <= train_from <= len(messages):
                 raise ConfigError(f"record {record.get('id', conv_id)!r}: 'train_from' must be an integer message "
                                   f"index in [0, {len(messages)}], got {train_from!r}")
-            convs.append(Conversation(str(record.get("id", conv_id)), tuple(messages), truncated, train_from))
+            split = record.get("split")
+            if split is not None and split not in SPLITS:
+                raise ConfigError(f"record {record.get('id', conv_id)!r}: 'split' must be one of {', '.join(SPLITS)}, "
+                                  f"got {split!r}")
+            source = record.get("source")
+            convs.append(Conversation(str(record.get("id", conv_id)), tuple(messages), truncated, train_from, split,
+                                      source if isinstance(source, str) else None))
     return convs
 
 
@@ -173,31 +191,53 @@ def read_jsonl(path: str | Path) -> list[Conversation]:
     return conversations_from_records((str(i), r) for i, r in iter_jsonl(path))
 
 
+def shard_files(directory: str | Path) -> list[Path]:
+    """The ``*.jsonl`` shards of a directory, in name order."""
+    return sorted(Path(directory).glob("*.jsonl"))
+
+
+def read_shards(directory: str | Path) -> list[Conversation]:
+    """Conversations of every shard of a directory; ids must be unique across shards."""
+    records = ((f"{path.name}:{i}", r) for path in shard_files(directory) for i, r in iter_jsonl(path))
+    return conversations_from_records(records)
+
+
 def load_conversations(source: str) -> list[Conversation]:
-    """``sharegpt``, a ``.jsonl`` file, or a ``.json`` array file."""
+    """``sharegpt``, a ``.jsonl`` file, a ``.json`` array file, or a directory of ``.jsonl`` shards."""
     if source == SHAREGPT:
         return read_sharegpt()
     path = Path(source).expanduser()
+    if path.is_dir():
+        if not shard_files(path):
+            raise ConfigError(f"--data {source!r}: a directory without .jsonl shards")
+        return read_shards(path)
     if not path.is_file():
-        raise ConfigError(f"--data {source!r}: no such file; allowed: 'sharegpt', a .jsonl or a .json file")
+        raise ConfigError(f"--data {source!r}: no such file; allowed: 'sharegpt', a .jsonl or .json file, "
+                          f"or a directory of .jsonl shards")
     if path.suffix.lower() == ".json":
         return read_sharegpt(path)
     return read_jsonl(path)
 
 
 # ---------------------------------------------------------------------------- split
-def is_heldout(split_key: str, heldout_percent: float = DEFAULT_HELDOUT_PERCENT) -> bool:
-    """Deterministic: the first 8 bytes of sha256(split_key), as a fraction, under the percent."""
+def split_fraction(split_key: str) -> float:
+    """Where a split key falls in [0, 100): the first 8 bytes of its sha256, as a percentage."""
     digest = hashlib.sha256(split_key.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 * 100.0 < heldout_percent
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100.0
+
+
+def is_heldout(split_key: str, heldout_percent: float = DEFAULT_HELDOUT_PERCENT) -> bool:
+    """Deterministic: the key's :func:`split_fraction` is under the percent."""
+    return split_fraction(split_key) < heldout_percent
 
 
 def split_conversations(convs: Sequence[Conversation], heldout_percent: float = DEFAULT_HELDOUT_PERCENT
                         ) -> tuple[list[Conversation], list[Conversation]]:
-    """(train, held-out) by conversation."""
+    """(train, held-out) by conversation: its record's ``split`` when it has one, else the hash rule."""
     train, heldout = [], []
     for conv in convs:
-        (heldout if is_heldout(conv.split_key, heldout_percent) else train).append(conv)
+        held = conv.split == "heldout" if conv.split is not None else is_heldout(conv.split_key, heldout_percent)
+        (heldout if held else train).append(conv)
     return train, heldout
 
 
@@ -250,7 +290,7 @@ def chat_prompts(convs: Iterable[Conversation], limit: int | None = None, max_ch
             if not text or len(text) > max_chars or key in seen or (english_only and not looks_english(text)):
                 continue
             if tokenizer is not None and max_prompt_tokens is not None and \
-                    _prompt_tokens(tokenizer, messages) > max_prompt_tokens:
+                    prompt_tokens(tokenizer, messages) > max_prompt_tokens:
                 continue
             seen.add(key)
             out.append((turn_prompt_id(conv.conv_id, turn), messages))
@@ -259,7 +299,7 @@ def chat_prompts(convs: Iterable[Conversation], limit: int | None = None, max_ch
     return out
 
 
-def _prompt_tokens(tokenizer, messages: list[dict]) -> int:
+def prompt_tokens(tokenizer, messages: list[dict]) -> int:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
