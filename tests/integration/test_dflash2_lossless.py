@@ -97,3 +97,19 @@ def test_acceptance_grows_with_the_budget(engines):
         if budget == 64:
             assert max(lengths) >= 3
     assert means[64] > means[1] + 0.1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
+def test_structured_output_equals_plain(engines, method, budget, temperature):
+    """Grammar rows rebuild their trees from the selector's candidates (DrafterRunner.candidates:
+    k finite log-probabilities per slot, the rest -inf); tokens equal constrained plain decoding."""
+    from flashtree.structured import StructuredOutput
+
+    regex = "(hello|world)(tree|flash|w1|w2){2,6}"  # token strings concatenated (a word-level tokenizer)
+    params = [SamplingParams(max_tokens=12, temperature=temperature, seed=100 + i, ignore_eos=i % 2 == 1,
+                             structured=StructuredOutput("regex", regex) if i % 2 == 0 else None) for i in range(4)]
+    expected = engines("none").generate(PROMPTS[:4], params)
+    got = engines(method, budget).generate(PROMPTS[:4], params)
+    for ref, out in zip(expected, got):
+        assert out.token_ids == ref.token_ids and out.finish_reason == ref.finish_reason
