@@ -15,7 +15,8 @@ no host sync (so a MoE target's rounds replay as CUDA graphs).
 
 A token's arithmetic does not depend on the other tokens of the call: one tile shape for every
 token count, reductions in BLOCK_K steps from 0 up, float32 accumulation, the rank-order sum (its
-result is bit-identical alone or in any batch). Blocks past the last expert's exit at once, so a
+result is bit-identical alone or in any batch); :data:`GATE_UP_TILES` and :data:`DOWN_TILES` only
+spread the columns over programs. Blocks past the last expert's exit at once, so a
 decode step reads only its experts' weights.
 """
 
@@ -28,9 +29,21 @@ import torch
 
 from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # the one tile of both grouped products (tl.dot needs 16 or more)
+BLOCK_M, BLOCK_K = 16, 64  # every grouped product's rows per block and reduction step (a token's arithmetic)
 ROUTE_BLOCK_M = 16  # tokens per routing program
 SUM_BLOCK = 1024  # columns per program of the rank-order sum
+
+
+class Tiles(NamedTuple):
+    """How a grouped product spreads over programs; no choice of these changes a result."""
+
+    block_n: int  # output columns per program (16 or more)
+    warps: int
+    stages: int  # software-pipelined K steps in flight
+
+
+GATE_UP_TILES = Tiles(block_n=64, warps=4, stages=4)
+DOWN_TILES = Tiles(block_n=64, warps=4, stages=4)
 
 
 @functools.cache
@@ -109,12 +122,16 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down
     ieee = x.dtype == torch.float32
     triton_moe = _kernels()
     act = torch.empty(plan.sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)  # [S, I] by slot
-    triton_moe._gate_up_kernel[(blocks, -(-inter // BLOCK_N))](
+    tiles = GATE_UP_TILES
+    triton_moe._gate_up_kernel[(blocks, -(-inter // tiles.block_n))](
         x, gate_up, act, *plan, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=ieee)
+        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, IEEE=ieee,
+        num_warps=tiles.warps, num_stages=tiles.stages)
     pair_out = torch.empty(t * top_k, hidden, dtype=torch.float32, device=x.device)  # [T * k, H] by pair
-    triton_moe._down_kernel[(blocks, -(-hidden // BLOCK_N))](
+    tiles = DOWN_TILES
+    triton_moe._down_kernel[(blocks, -(-hidden // tiles.block_n))](
         act, down, weights, pair_out, *plan, hidden, inter, act.stride(0), down.stride(0), down.stride(1),
-        pair_out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=ieee)
+        pair_out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, IEEE=ieee,
+        num_warps=tiles.warps, num_stages=tiles.stages)
     triton_moe._sum_pairs_kernel[(t, -(-hidden // SUM_BLOCK))](pair_out, out, hidden, TOP_K=top_k, BLOCK=SUM_BLOCK)
     return out
