@@ -29,6 +29,7 @@ def _run(module: str, *args: str) -> dict:
 def test_a_query_gets_what_its_logical_keys_give_whatever_shares_the_launch():
     results = _run("tests.support.exact_attention_checks")["torch.float32"]
     assert results["tree_equals_plain"] and results["batch_and_chunk_invariant"]
+    assert results["parallel_equals_sequential"]
     assert results["max_abs_diff"] < 1e-5
 
 

@@ -6,8 +6,9 @@
   entries and its ancestors laid out one after another, one new token),
 - a row's result is the same alone and beside other rows of other lengths, and the first tokens of a causal
   chain get the same whatever the chain's length (prompt chunking, DFlash blocks),
-- the values are softmax attention's (float64 reference) up to rounding, with the keys split in two (a cache
-  of 1,280 entries per row, contexts across the split boundary);
+- the splits give the same whether each runs in a program of its own or one program runs them all,
+- the values are softmax attention's (float64 reference) up to rounding, with contexts across split
+  boundaries (512 logical keys per split);
 
 run as a module it prints that as one JSON line."""
 
@@ -52,11 +53,12 @@ def tree_mask(parents=PARENTS) -> torch.Tensor:
     return mask
 
 
-def _attend(cache: PagedCache, q: torch.Tensor, slots: list[int], lengths: list[int], mask: torch.Tensor | None):
+def _attend(cache: PagedCache, q: torch.Tensor, slots: list[int], lengths: list[int], mask: torch.Tensor | None,
+            parallel: bool | None = None):
     device = q.device
     order = None if mask is None else ancestor_order(mask.to(device))
     return exact_attention(q, cache.k, cache.v, cache.table, torch.tensor(slots, device=device),
-                           torch.tensor(lengths, device=device), order)
+                           torch.tensor(lengths, device=device), order, parallel=parallel)
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -68,7 +70,7 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
     return (weights[:, None, :] @ v).squeeze(1)
 
 
-def _tree_checks(gen, device, dtype) -> tuple[bool, float]:
+def _tree_checks(gen, device, dtype) -> tuple[bool, bool, float]:
     committed, n = 1100, len(PARENTS)  # 1,100 committed entries: a node's keys cross the split boundary
     mask = tree_mask()
     cache = PagedCache(1 + n, gen, device, dtype)
@@ -76,17 +78,19 @@ def _tree_checks(gen, device, dtype) -> tuple[bool, float]:
     values = torch.randn(committed + n, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
     cache.write(0, keys, values)
     q = torch.randn(1, HEADS, n, HEAD_DIM, generator=gen).to(device, dtype)
-    tree = _attend(cache, q, [0], [committed], mask[None])  # [1, H, N, D]
+    tree = _attend(cache, q, [0], [committed], mask[None], parallel=False)  # [1, H, N, D]
+    paths_agree = torch.equal(_attend(cache, q, [0], [committed], mask[None], parallel=True), tree)
     identical, worst = True, 0.0
     for node in range(n):
         path = [committed + j for j in torch.nonzero(mask[node]).flatten().tolist()]  # ancestors, then itself
         logical = list(range(committed)) + path
         cache.write(1 + node, keys[logical], values[logical])
-        plain = _attend(cache, q[:, :, node:node + 1].contiguous(), [1 + node], [len(logical) - 1], None)
+        plain = _attend(cache, q[:, :, node:node + 1].contiguous(), [1 + node], [len(logical) - 1], None,
+                        parallel=True)
         identical &= torch.equal(plain[0, :, 0], tree[0, :, node])
         ref = _reference(q[0, :, node], keys[logical], values[logical])
         worst = max(worst, (tree[0, :, node].double() - ref).abs().max().item())
-    return identical, worst
+    return identical, paths_agree, worst
 
 
 def _batch_and_chunk_checks(gen, device, dtype) -> bool:
@@ -110,8 +114,9 @@ def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
     gen = torch.Generator().manual_seed(0)
     results = {}
     for dtype in dtypes:
-        tree_identical, worst = _tree_checks(gen, device, dtype)
-        results[str(dtype)] = {"tree_equals_plain": tree_identical, "max_abs_diff": worst,
+        tree_identical, paths_agree, worst = _tree_checks(gen, device, dtype)
+        results[str(dtype)] = {"tree_equals_plain": tree_identical, "parallel_equals_sequential": paths_agree,
+                               "max_abs_diff": worst,
                                "batch_and_chunk_invariant": _batch_and_chunk_checks(gen, device, dtype)}
     return results
 

@@ -10,9 +10,10 @@ Glossary:
 
 The fast kernel (:mod:`attention`) reduces a row's keys in the order they sit in the cache and splits them by
 how many programs the launch has, so a tree node rounds differently from the plain step it stands for. Here a
-program handles one (row, kv head, new token, key split); keys go in blocks of :data:`BLOCK_N` logical keys, a
-split holds a fixed run of logical keys (``chunk``, fixed by the cache capacity alone), and the splits merge
-in index order. So a query's arithmetic is a function of its logical keys only: bit-identical whatever the
+program handles the query heads of one (row, kv head, new token); keys go in blocks of :data:`BLOCK_N` logical
+keys, split s holds logical keys ``SPLIT_KEYS * s ..`` whatever the context, and the splits merge in split
+order with one formula, whether each split ran in a program of its own (few query groups: the device needs
+the parallelism) or one program ran them all (many). So a query's arithmetic is a function of its logical keys only: bit-identical whatever the
 batch, the number of new tokens per row, or the tree's shape.
 """
 
@@ -22,18 +23,10 @@ import torch
 
 from flashtree.kernels.gpu import interpreting
 from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
-from flashtree.kernels.gpu.attention import _kernels
+from flashtree.kernels.gpu.attention import _kernels, _multiprocessors
 
 BLOCK_N = 64  # logical keys per block
-MIN_SPLIT_KEYS = 1024  # a split holds at least this many logical keys
-MAX_SPLITS = 16
-
-
-def split_keys(capacity: int) -> int:
-    """Logical keys per split for a cache of ``capacity`` entries per row: a multiple of :data:`BLOCK_N`, at
-    least :data:`MIN_SPLIT_KEYS`, and at most :data:`MAX_SPLITS` splits. Depends on the capacity alone."""
-    splits = min(MAX_SPLITS, max(1, _ceil_div(capacity, MIN_SPLIT_KEYS)))
-    return _ceil_div(_ceil_div(capacity, splits), BLOCK_N) * BLOCK_N
+SPLIT_KEYS = 512  # logical keys per split: split s of every query holds its logical keys 512 s .. 512 s + 511
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -58,14 +51,17 @@ def ancestor_order(new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     slots: torch.Tensor, lengths: torch.Tensor,
-                    key_order: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    key_order: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    parallel: bool | None = None) -> torch.Tensor:
     """Attention of N new tokens per row over the paged KV cache, each query over its logical keys; returns
     ``[B, H, N, D]``.
 
     q: ``[B, H, N, D]``; k_cache/v_cache: one layer's ``[pages, KVH, page_size, D]`` views; block_table
     ``[slots, pages_per_slot]``; row b's slot ``slots[b]`` holds ``lengths[b]`` committed entries followed by
     the N new tokens' entries. ``key_order``: :func:`ancestor_order` of the rows' new-token mask, or None for
-    causal chains (new token t sees new tokens 0 .. t).
+    causal chains (new token t sees new tokens 0 .. t). ``parallel``: splits in programs of their own, merged
+    by a second kernel (what few query groups need to fill the device), or all in one program (None: chosen by
+    the launch's size; the same values either way).
     """
     b, heads, n, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -73,20 +69,28 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"exact_attention needs a power-of-two head_dim >= 16 and heads divisible by kv heads, "
                          f"got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads}")
     group = heads // kv_heads
-    capacity = block_table.shape[1] * page_size
-    chunk = split_keys(capacity)
-    splits = _next_power_of_2(_ceil_div(capacity, chunk))
+    if parallel is None:
+        parallel = b * kv_heads * n < 2 * _multiprocessors(q.device)
+    max_splits = _ceil_div(block_table.shape[1] * page_size, SPLIT_KEYS) if parallel else 1
     q = q.contiguous()
     out = torch.empty_like(q)
-    part = out if splits == 1 else torch.empty(b, heads, n, splits, head_dim, dtype=torch.float32, device=q.device)
-    lse = out if splits == 1 else torch.empty(b, heads, n, splits, dtype=torch.float32, device=q.device)
+    part = torch.empty(b, heads, n, max_splits, head_dim, dtype=torch.float32, device=q.device) if parallel else out
+    lse = torch.empty(b, heads, n, max_splits, dtype=torch.float32, device=q.device) if parallel else out
     order, depth = key_order if key_order is not None else (lengths, lengths)  # (not read when causal)
-    _kernels()._exact_attention_kernel[(b * kv_heads, n, splits)](
+    kernels = _kernels()
+    kernels._exact_attention_kernel[(b * kv_heads, n, max_splits)](
         q, k_cache, v_cache, block_table.contiguous(), slots.contiguous(), lengths.contiguous(), order, depth,
-        part, lse, n, heads, kv_heads, head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
-        chunk, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, _next_power_of_2(group)), BLOCK_N=BLOCK_N, SPLITS=splits,
-        CAUSAL=key_order is None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting())
-    if splits > 1:
-        _kernels()._combine_splits_kernel[(b * heads * n,)](part, lse, out, SPLITS=splits, HEAD_DIM=head_dim)
+        out, part, lse, n, heads, kv_heads, head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
+        SPLIT_KEYS, max_splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, _next_power_of_2(group)), BLOCK_N=BLOCK_N, PARALLEL=parallel,
+        CAUSAL=key_order is None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), **_launch_options())
+    if parallel:
+        kernels._merge_splits_kernel[(b * heads * n,)](part, lse, out, max_splits, HEAD_DIM=head_dim,
+                                                       **_launch_options())
     return out
+
+
+def _launch_options() -> dict:
+    """The two paths must round alike: no multiply-add contracted into an fma in one kernel and not in the
+    other (the interpreter rounds every op anyway)."""
+    return {} if interpreting() else {"enable_fp_fusion": False}

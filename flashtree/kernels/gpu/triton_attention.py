@@ -149,39 +149,14 @@ def _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new
 
 
 @triton.jit
-def _exact_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, slots_ptr, lengths_ptr, order_ptr, depth_ptr, out_ptr, lse_ptr,
-        new_tokens, heads, kv_heads, scale_log2, table_stride, page_size, chunk,
-        cache_page_stride, cache_head_stride, cache_pos_stride,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One (row, kv head, new token, key split): the GROUP query heads of one token over the keys it sees, taken
-    in logical order (committed context, then its ancestors by depth) and reduced in blocks of BLOCK_N logical
-    keys from the split's start (split s holds logical keys ``s * chunk ..``). What a query computes depends only
-    on its logical keys: not on where its ancestors sit among the new tokens, nor on what else the launch holds."""
-    pid_bh = tl.program_id(0)
-    b = pid_bh // kv_heads
-    kv_head = pid_bh % kv_heads
-    token = tl.program_id(1)
-    split = tl.program_id(2)
-    g = tl.arange(0, BLOCK_M)  # [M] query heads of this kv head (rows past GROUP are padding)
-    valid_q = g < GROUP
-    head = kv_head * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
-    q_rows = ((b * heads + head) * new_tokens + token).to(tl.int64) * HEAD_DIM  # q, out: [B, H, N, D]
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid_q[:, None], other=0.0)
-
-    committed = tl.load(lengths_ptr + b)
-    row_token = b * new_tokens + token
-    if CAUSAL:
-        depth = token
-    else:
-        depth = tl.load(depth_ptr + row_token)
+def _split_partial(q, split, chunk, total, committed, row_token, new_tokens, table, head_base, d, k_cache_ptr,
+                   v_cache_ptr, order_ptr, scale_log2, page_stride, page_size, cache_pos_stride,
+                   BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One split's result: softmax attention over logical keys ``split * chunk .. min(+chunk, total) - 1`` in
+    blocks of BLOCK_N from the split's start -> (output ``[M, D]`` float32, base-2 log-sum-exp ``[M]``)."""
     start = split * chunk
-    stop = tl.minimum(start + chunk, committed + depth + 1)  # the query sees logical keys 0 .. committed + depth
-    table = table_ptr + tl.load(slots_ptr + b).to(tl.int64) * table_stride
-    head_base = kv_head.to(tl.int64) * cache_head_stride
-
+    stop = tl.minimum(start + chunk, total)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -190,21 +165,103 @@ def _exact_attention_kernel(
         while key0 < stop:
             m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new_tokens,
                                                  table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr,
-                                                 scale_log2, cache_page_stride, page_size, cache_pos_stride,
+                                                 scale_log2, page_stride, page_size, cache_pos_stride,
                                                  BLOCK_N, CAUSAL, IEEE)
             key0 += BLOCK_N
     else:
         for key0 in range(start, stop, BLOCK_N):
             m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new_tokens,
                                                  table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr,
-                                                 scale_log2, cache_page_stride, page_size, cache_pos_stride,
+                                                 scale_log2, page_stride, page_size, cache_pos_stride,
                                                  BLOCK_N, CAUSAL, IEEE)
+    part = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    return part, lse
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # zeros in a split past the query's keys
-    if SPLITS == 1:
-        tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid_q[:, None])
-    else:  # partial result and its log-sum-exp (-inf for an empty split); _combine_splits_kernel merges them
-        part = ((b * heads + head) * new_tokens + token).to(tl.int64) * SPLITS + split
-        tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=valid_q[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + part, lse, mask=valid_q)
+
+@triton.jit
+def _merge_split(top, total_out, weight, part, lse):
+    """Fold one split (``part`` [M, D], ``lse`` [M]) into the running merge (max log-sum-exp ``top``, weighted
+    sum ``total_out``, sum of weights ``weight``): the one merge formula both exact kernels use, in split order."""
+    new_top = tl.maximum(top, lse)
+    old_scale = tl.exp2(top - new_top)
+    scale = tl.exp2(lse - new_top)
+    total_out = total_out * old_scale[:, None] + part * scale[:, None]
+    weight = weight * old_scale + scale
+    return new_top, total_out, weight
+
+
+@triton.jit
+def _exact_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, slots_ptr, lengths_ptr, order_ptr, depth_ptr, out_ptr, part_ptr,
+        lse_ptr, new_tokens, heads, kv_heads, scale_log2, table_stride, page_size, chunk, max_splits,
+        cache_page_stride, cache_head_stride, cache_pos_stride,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PARALLEL: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The GROUP query heads of one (row, kv head, new token) over the logical keys the token sees (committed
+    context, then its ancestors by depth), split in runs of ``chunk`` logical keys. PARALLEL: this program does
+    split ``program_id(2)`` and stores its result and log-sum-exp (-inf for a split past the token's keys) for
+    :func:`_merge_splits_kernel`; else it does every split in order and merges them itself, with the same
+    formula (:func:`_merge_split`). Either way a query's arithmetic depends only on its logical keys."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // kv_heads
+    kv_head = pid_bh % kv_heads
+    token = tl.program_id(1)
+    g = tl.arange(0, BLOCK_M)  # [M] query heads of this kv head (rows past GROUP are padding)
+    valid_q = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = ((b * heads + head) * new_tokens + token).to(tl.int64)  # q, out: [B, H, N, D]
+    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=valid_q[:, None], other=0.0)
+    committed = tl.load(lengths_ptr + b)
+    row_token = b * new_tokens + token
+    if CAUSAL:
+        depth = token
+    else:
+        depth = tl.load(depth_ptr + row_token)
+    total = committed + depth + 1  # the token sees logical keys 0 .. committed + depth
+    table = table_ptr + tl.load(slots_ptr + b).to(tl.int64) * table_stride
+    head_base = kv_head.to(tl.int64) * cache_head_stride
+    if PARALLEL:
+        split = tl.program_id(2)
+        part, lse = _split_partial(q, split, chunk, total, committed, row_token, new_tokens, table, head_base, d,
+                                   k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, cache_page_stride, page_size,
+                                   cache_pos_stride, BLOCK_M, HEAD_DIM, BLOCK_N, CAUSAL, IEEE, INTERPRET)
+        slot = q_rows * max_splits + split
+        tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], part, mask=valid_q[:, None])
+        tl.store(lse_ptr + slot, lse, mask=valid_q)
+    else:
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total_out = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        weight = tl.zeros([BLOCK_M], tl.float32)
+        split = 0
+        while split * chunk < total:
+            part, lse = _split_partial(q, split, chunk, total, committed, row_token, new_tokens, table, head_base,
+                                       d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, cache_page_stride,
+                                       page_size, cache_pos_stride, BLOCK_M, HEAD_DIM, BLOCK_N, CAUSAL, IEEE,
+                                       INTERPRET)
+            top, total_out, weight = _merge_split(top, total_out, weight, part, lse)
+            split += 1
+        out = total_out / weight[:, None]
+        tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=valid_q[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, max_splits, HEAD_DIM: tl.constexpr):
+    """The PARALLEL exact attention's splits of one query row merged in split order (empty splits skipped)."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    top = tl.full([1], float("-inf"), tl.float32)
+    total_out = tl.zeros([1, HEAD_DIM], tl.float32)
+    weight = tl.zeros([1], tl.float32)
+    split = 0
+    lse = tl.load(lse_ptr + row * max_splits + split + tl.zeros([1], tl.int64))
+    while (split < max_splits) & (tl.max(lse, axis=0) > float("-inf")):
+        part = tl.load(part_ptr + (row * max_splits + split) * HEAD_DIM + d)[None, :]  # [1, D]
+        top, total_out, weight = _merge_split(top, total_out, weight, part, lse)
+        split += 1
+        nxt = split + tl.zeros([1], tl.int64)
+        lse = tl.load(lse_ptr + row * max_splits + nxt, mask=nxt < max_splits, other=float("-inf"))
+    out = total_out / weight[:, None]
+    tl.store(out_ptr + row * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty))
