@@ -15,6 +15,10 @@ rest of flashtree only reads Hugging Face directories, so :func:`convert_gguf` w
 converted again. The directory is built under a temporary name and renamed into place, so
 an interrupted conversion never leaves a half-written cache entry.
 
+A Qwen3-MoE GGUF (``qwen3moe``) stacks each layer's experts in one tensor per projection
+(``blk.N.ffn_{gate,up,down}_exps``, ``[experts, rows, columns]``); they are split into the
+checkpoints' per-expert names, and the router ``blk.N.ffn_gate_inp`` becomes ``mlp.gate``.
+
 Two llama.cpp conventions are undone here:
 - for the ``llama`` architecture, llama.cpp's converter permutes the rows of ``attn_q`` and
   ``attn_k`` (per head, from "first half / second half" rotary pairs to interleaved pairs);
@@ -50,7 +54,10 @@ SUPPORTED_ARCHITECTURES = {  # GGUF general.architecture -> Hugging Face archite
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # GGUF architecture -> Hugging Face model_type, where they differ
+_SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func for a softmax over the router logits
 SUPPORTED_TENSOR_TYPES = tuple(
     gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 )
@@ -75,7 +82,10 @@ _BLOCK_TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
+# a MoE layer's experts, stacked in one tensor [experts, rows, columns] each; split per expert
+_EXPERT_TENSOR_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -156,8 +166,22 @@ def read_gguf(reader: gguf.GGUFReader, gguf_path: Path) -> GGUFModel:
             continue  # folded into config["rope_scaling"]
         array = unpermute_for_hf(tensor.name, dequantize_tensor(tensor), arch,
                                  config["num_attention_heads"], config["num_key_value_heads"])
-        weights[hf_tensor_name(tensor.name, gguf_path)] = torch.from_numpy(array)
+        if experts := expert_tensor_names(tensor.name):
+            for expert, matrix in enumerate(array):  # (copies: saved tensors may not share memory)
+                weights[experts.format(expert=expert)] = torch.from_numpy(matrix.copy())
+        else:
+            weights[hf_tensor_name(tensor.name, gguf_path)] = torch.from_numpy(array)
     return GGUFModel(config=config, weights=weights)
+
+
+def expert_tensor_names(gguf_name: str) -> str | None:
+    """``blk.3.ffn_gate_exps.weight`` -> ``model.layers.3.mlp.experts.{expert}.gate_proj.weight`` (a
+    format string over the expert), or None for a tensor that is not a MoE layer's experts."""
+    match = _BLOCK_TENSOR.match(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_TENSOR_NAMES or match.group(3) != "weight":
+        return None
+    layer, part, _ = match.groups()
+    return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERT_TENSOR_NAMES[part]}.weight"
 
 
 def _architecture(reader: gguf.GGUFReader, gguf_path: Path) -> str:
@@ -197,7 +221,8 @@ def hf_tensor_name(gguf_name: str, gguf_path: Path) -> str:
         return f"{_GLOBAL_TENSOR_NAMES[match.group(1)]}.{match.group(2)}"
     raise CheckpointError(
         f"{gguf_path}: tensor {gguf_name!r} has no Hugging Face equivalent; known: "
-        f"{', '.join(_GLOBAL_TENSOR_NAMES)}, blk.N.{{{','.join(_BLOCK_TENSOR_NAMES)}}}, rope_freqs"
+        f"{', '.join(_GLOBAL_TENSOR_NAMES)}, blk.N.{{{','.join([*_BLOCK_TENSOR_NAMES, *_EXPERT_TENSOR_NAMES])}}}, "
+        f"rope_freqs"
     )
 
 
@@ -219,12 +244,13 @@ def gguf_config(reader: gguf.GGUFReader, gguf_path: Path) -> dict[str, Any]:
             f"allowed: equal to the head dimension {head_dim}"
         )
     theta = _shortest_float32(arch_key("rope.freq_base", 10000.0))
+    moe = _moe_config(arch_key, tensor_names, gguf_path) if arch in _MODEL_TYPES else {}
     config = {
         "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": _vocab_size(reader, gguf_path),
         "hidden_size": hidden,
-        "intermediate_size": int(arch_key("feed_forward_length")),
+        "intermediate_size": int(arch_key("feed_forward_length", moe.get("moe_intermediate_size", ...))),
         "num_hidden_layers": int(arch_key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": _kv_heads(arch_key("attention.head_count_kv", heads), gguf_path),
@@ -238,11 +264,31 @@ def gguf_config(reader: gguf.GGUFReader, gguf_path: Path) -> dict[str, Any]:
         "eos_token_id": _eos_token_ids(reader, gguf_path),
         "dtype": "float32",
         "flashtree_source_gguf": _source_record(reader, gguf_path),
+        **moe,
     }
     rope_scaling = _rope_scaling(reader, gguf_path, arch, theta, head_dim)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _moe_config(arch_key, tensor_names: set[str], gguf_path: Path) -> dict[str, Any]:
+    """A Qwen3-MoE GGUF's routing in Hugging Face's keys. llama.cpp renormalizes the chosen experts'
+    weights of ``qwen3moe`` (``norm_topk_prob``) unless ``expert_weights_norm`` says otherwise; a layer
+    without ``ffn_gate_exps`` is dense (``mlp_only_layers``)."""
+    gating = arch_key("expert_gating_func", _SOFTMAX_GATING)
+    if int(gating) != _SOFTMAX_GATING:
+        raise ConfigError(f"{gguf_path}: expert_gating_func={gating} is not supported; allowed: "
+                          f"{_SOFTMAX_GATING} (softmax)")
+    layers = int(arch_key("block_count"))
+    return {
+        "num_experts": int(arch_key("expert_count")),
+        "num_experts_per_tok": int(arch_key("expert_used_count")),
+        "moe_intermediate_size": int(arch_key("expert_feed_forward_length")),
+        "norm_topk_prob": bool(arch_key("expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names],
+    }
 
 
 def _metadata(reader: gguf.GGUFReader, key: str, gguf_path: Path, default: Any = ...) -> Any:
