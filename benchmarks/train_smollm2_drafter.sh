@@ -1,36 +1,39 @@
 #!/usr/bin/env bash
 # Train a DFlash drafter for SmolLM2-135M-Instruct on one H200, in one or two device calls:
-#   PHASE=first   1. regenerate assistant turns for ShareGPT first-turn prompts with SmolLM2 itself
-#                    (our engine, greedy by default),
+#   PHASE=first   1. regenerate assistant turns for the exported prompts with SmolLM2 itself
+#                    (our engine, greedy by default) into the shard directory $WORK/regen,
 #                 2. train a 3-layer drafter (block 8 by default, bf16 autocast) until the call's
 #                    deadline or the total time budget, saving a resumable checkpoint;
 #   PHASE=resume  2'. continue that training (same cosine schedule: it follows TRAIN_S in total),
-#                 3. check the checkpoint size (< 40 MB) and measure tau and tokens/s in the engine
+#                 3. check the checkpoint size (< 60 MB) and measure tau and tokens/s in the engine
 #                    (flashtree bench on held-out ShareGPT and HumanEval prompts).
 #   PHASE=all     both in one go (when the whole run fits one call).
-#   PHASE=regen   only step 1, appending to $WORK/regenerated.jsonl (skips answered ids): more data
-#                 over several calls before PHASE=first (with REGEN_APPEND=1) and PHASE=resume.
-#   PHASE=train   steps 2 and 3 on the answers already in $WORK/regenerated.jsonl (e.g. greedy and
-#                 sampled answers regenerated in an earlier call, concatenated), from INIT if given.
-# A device call lasts at most 600 s, so each phase stops training DEADLINE_S seconds after the
-# script started, minus what it still has to do. Notes, inputs, files to carry: train_smollm2.md.
+#   PHASE=regen   only step 1: new shards in $WORK/regen (answered ids are skipped, every call adds shards):
+#                 more data over several calls before PHASE=train.
+#   PHASE=train   steps 2 and 3 on the answers already in $WORK/regen, from INIT if given.
+# A device call lasts at most 600 s, so each phase ends DEADLINE_S seconds after the script started,
+# minus what it still has to do (--max-minutes of regenerate and train-drafter: both save and exit
+# in time, and the next call resumes exactly). Notes, inputs, files to carry: train_smollm2.md.
 #
 # Environment (all optional):
 #   MODEL        target (default: the carried GGUF in $STASH, else the embedded 'smollm2')
 #   CARRY        folder with the exported prompt files (default benchmarks/out/train_carry)
-#   PROMPTS      prompts to regenerate (default $CARRY/sharegpt_prompts.jsonl, both splits; the
-#                trainer holds out the held-out split's chats again, by the same id hash)
+#   PROMPTS      prompts to regenerate (default $CARRY/prompts.jsonl.gz: export-prompts --sources, both splits,
+#                each record with its split; the trainer holds out the records marked heldout)
 #   HELDOUT / HUMANEVAL   bench prompt files (default $CARRY/sharegpt_heldout_prompts.jsonl and
 #                $CARRY/humaneval_prompts.jsonl)
 #   WORK         scratch folder (default benchmarks/out/smollm2-drafter)
-#   REGEN_S      wall-clock budget of the regeneration (default 200)
+#   REGEN_S      wall-clock budget of the regeneration (default 200; PHASE=regen: the whole call)
+#   REGEN_SAMPLES  answers per prompt (default 1; more needs REGEN_TEMPERATURE > 0)
 #   REGEN_TEMPERATURE  sampling temperature of the regenerated answers (default 0: greedy)
 #   REGEN_FLAGS  extra engine flags for the regeneration (default: the contents of $STASH/regen_flags,
 #                which benchmarks/regen_speed.sh writes with the faster attention variant; else none)
-#   REGEN_APPEND 1: regenerate adds to the existing answers instead of starting over (PHASE=regen sets it)
-#   TRAIN_S      total training wall time over all phases (default 680): sets the cosine schedule
+#   TRAIN_STEPS  total optimizer steps over all calls: the cosine schedule follows steps, so a resumed run is
+#                exactly the uninterrupted one (recommended for long runs)
+#   TRAIN_S      without TRAIN_STEPS: total training wall time over all phases (default 680) sets the schedule
 #   DEADLINE_S   seconds after the start by which a phase must be done (default 570)
 #   LAYERS / BLOCK / ANCHORS / LR   drafter layers (3), block size (8), anchors per sequence (128), lr (6e-4)
+#   TRAIN_FLAGS  extra train-drafter flags (the levers: --loss-gamma, --target-layer-ids, --intermediate-size, ...)
 #   NEW_TOKENS   max new tokens per regenerated answer (default 256)
 #   MAX_CONTEXT  prompt + answer tokens while regenerating, and the training sequence length (768)
 #   INIT         a drafter checkpoint directory to start the first phase from (its weights and shape; a new
@@ -52,17 +55,21 @@ GGUF="$STASH/SmolLM2-135M-Instruct.Q4_1.gguf"
 if [[ -z "${MODEL:-}" ]]; then
   if [[ -f "$GGUF" ]]; then MODEL="$GGUF"; else MODEL=smollm2; fi
 fi
-PROMPTS=${PROMPTS:-$CARRY/sharegpt_prompts.jsonl}
+PROMPTS=${PROMPTS:-$CARRY/prompts.jsonl.gz}
 HELDOUT=${HELDOUT:-$CARRY/sharegpt_heldout_prompts.jsonl}
 HUMANEVAL=${HUMANEVAL:-$CARRY/humaneval_prompts.jsonl}
 WORK=${WORK:-benchmarks/out/smollm2-drafter}
+DEADLINE_S=${DEADLINE_S:-570}
+[[ "$PHASE" == regen && -z "${REGEN_S:-}" ]] && REGEN_S=$DEADLINE_S  # regen alone: the whole call
 REGEN_S=${REGEN_S:-200}
 REGEN_TEMPERATURE=${REGEN_TEMPERATURE:-0}
-REGEN_APPEND=${REGEN_APPEND:-0}
+REGEN_SAMPLES=${REGEN_SAMPLES:-1}
+TRAIN_FLAGS=${TRAIN_FLAGS:-}
 if [[ -z "${REGEN_FLAGS+set}" ]]; then REGEN_FLAGS=$(cat "$STASH/regen_flags" 2>/dev/null || true); fi
-[[ "${PHASE:-all}" == regen ]] && REGEN_APPEND=1
 TRAIN_S=${TRAIN_S:-680}
-DEADLINE_S=${DEADLINE_S:-570}
+TRAIN_STEPS=${TRAIN_STEPS:-}
+SCHEDULE=(--steps 100000 --time-budget-s "$TRAIN_S")
+[[ -n "$TRAIN_STEPS" ]] && SCHEDULE=(--steps "$TRAIN_STEPS")
 LAYERS=${LAYERS:-3}
 BLOCK=${BLOCK:-8}
 ANCHORS=${ANCHORS:-128}
@@ -81,24 +88,25 @@ mkdir -p "$WORK"
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 left() { echo $(( DEADLINE_S - ($(date +%s) - start) - $1 )); }  # seconds left after a reserve
+minutes() { awk -v s="$1" 'BEGIN { printf "%.2f", (s < 30 ? 30 : s) / 60 }'; }
 
 regenerate() {
   stamp "regenerate: $MODEL answers the prompts of $PROMPTS (budget ${REGEN_S}s, temperature $REGEN_TEMPERATURE, flags '$REGEN_FLAGS')"
   $PY -m flashtree.cli regenerate --model "$MODEL" --prompts "$PROMPTS" --split all \
     --max-new-tokens "$NEW_TOKENS" --temperature "$REGEN_TEMPERATURE" --max-running "$MAX_RUNNING" \
-    --max-context "$MAX_CONTEXT" --device "$DEVICE" --time-budget-s "$REGEN_S" --output "$WORK/regenerated.jsonl" \
-    --no-progress $( (( REGEN_APPEND )) && echo --append ) $REGEN_FLAGS
+    --max-context "$MAX_CONTEXT" --device "$DEVICE" --time-budget-s "$REGEN_S" --output "$WORK/regen" \
+    --samples "$REGEN_SAMPLES" --max-minutes "$(minutes "$(left 10)")" --no-progress $REGEN_FLAGS
 }
 
 train() {  # $1: seconds to reserve after training in this phase; $2...: extra train-drafter flags
   local reserve=$1; shift
   local stop; stop=$(left "$reserve")
-  stamp "train-drafter: $LAYERS layers, block $BLOCK, stop after ${stop}s of this run (total budget ${TRAIN_S}s)"
-  $PY -m flashtree.cli train-drafter --model "$MODEL" --data "$WORK/regenerated.jsonl" --output "$WORK/drafter" \
+  stamp "train-drafter: $LAYERS layers, block $BLOCK, end within ${stop}s (schedule: ${SCHEDULE[*]})"
+  $PY -m flashtree.cli train-drafter --model "$MODEL" --data "$WORK/regen" --output "$WORK/drafter" \
     --layers "$LAYERS" --block-size "$BLOCK" --dtype bfloat16 --device "$DEVICE" --batch-size 16 \
-    --anchors-per-seq "$ANCHORS" --max-seq-len "$MAX_CONTEXT" --steps 100000 --time-budget-s "$TRAIN_S" --stop-after-s "$stop" \
-    --lr "$LR" --warmup 100 --eval-every 1000 --eval-batches 8 --heldout-percent 2 --log-every 100 \
-    --max-shard-mb 15 --no-progress "$@" | tee -a "$WORK/train_summary.json"
+    --anchors-per-seq "$ANCHORS" --max-seq-len "$MAX_CONTEXT" "${SCHEDULE[@]}" \
+    --max-minutes "$(minutes "$stop")" --lr "$LR" --warmup 100 --eval-every 1000 --eval-batches 8 --log-every 100 \
+    --max-shard-mb 15 --no-progress $TRAIN_FLAGS "$@" | tee -a "$WORK/train_summary.json"
 }
 
 bench() {  # $1: dataset file, $2: name, $3: batch size, $4: dtype
@@ -110,7 +118,7 @@ bench() {  # $1: dataset file, $2: name, $3: batch size, $4: dtype
 checks_and_bench() {
   local bytes; bytes=$(du -cb "$WORK"/drafter/*.safetensors | tail -1 | cut -f1)
   stamp "checkpoint weights: $bytes bytes"
-  if (( bytes >= 40 * 1024 * 1024 )); then echo "FAIL: checkpoint is not under 40 MB"; exit 1; fi
+  if (( bytes >= 60 * 1024 * 1024 )); then echo "FAIL: checkpoint is not under 60 MB"; exit 1; fi
   stamp "bench: held-out ShareGPT and HumanEval, $BENCH_TOKENS new tokens"
   bench "$HELDOUT" sharegpt 1 float32
   bench "$HUMANEVAL" humaneval 1 float32
@@ -136,8 +144,8 @@ if [[ -n "${OUT:-}" ]]; then  # bring back the checkpoint (shards < 16 MiB) and 
   mkdir -p "$OUT/drafter"
   cp "$WORK"/drafter/config.json "$WORK"/drafter/*.safetensors "$OUT/drafter/"
   cp "$WORK"/drafter/model.safetensors.index.json "$OUT/drafter/" 2>/dev/null || true
-  cp "$WORK"/drafter/train_metrics.json "$OUT/" 2>/dev/null || true
+  cp "$WORK"/drafter/train_metrics.json "$WORK"/drafter/train_curve.png "$OUT/" 2>/dev/null || true
   if [[ -d "$WORK/bench" ]]; then tar czf "$OUT/bench.tgz" -C "$WORK" bench; fi
-  gzip -c "$WORK/regenerated.jsonl" > "$OUT/regenerated.jsonl.gz"  # the data, for later runs (if under 16 MiB)
-  (( $(stat -c %s "$OUT/regenerated.jsonl.gz") < 16 * 1024 * 1024 )) || rm "$OUT/regenerated.jsonl.gz"
+  tar czf "$OUT/regen.tgz" -C "$WORK" regen  # the data, for later runs (if under 16 MiB)
+  (( $(stat -c %s "$OUT/regen.tgz") < 16 * 1024 * 1024 )) || rm "$OUT/regen.tgz"
 fi

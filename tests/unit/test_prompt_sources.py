@@ -2,6 +2,7 @@
 hash band left out, the held-out band, HumanEval-style prompts from Python files; JSONL shards
 that grow run after run, and a line cut off by a killed writer."""
 
+import gzip
 import json
 
 import pytest
@@ -59,6 +60,10 @@ def test_dedup_bench_exclusion_and_split_bands(tmp_path):
                                       "messages": [{"role": "user", "content": "A held-out question about trees."}]}
     with pytest.raises(ConfigError, match="heldout-percent"):
         collect_prompts([str(chats)], heldout_percent=99.0)
+    packed = tmp_path / "chats.jsonl.gz"  # a gzipped file reads the same (smaller to carry)
+    packed.write_bytes(gzip.compress(chats.read_bytes()))
+    assert [p.prompt_id for p in collect_prompts([str(packed)], heldout_percent=3.0, bench_percent=2.0)[0]] == \
+        [p.prompt_id for p in collect_prompts([str(chats)], heldout_percent=3.0, bench_percent=2.0)[0]]
 
 
 def test_python_function_prompts_show_signature_and_docstring_only(tmp_path):
