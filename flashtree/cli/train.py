@@ -20,7 +20,7 @@ def register(subparsers) -> None:
 
 # ---------------------------------------------------------------------------- train-drafter
 def _register_train(subparsers) -> None:
-    from flashtree.train.config import ATTENTION_KINDS, TrainConfig
+    from flashtree.train.config import ARCHES, ATTENTION_KINDS, TrainConfig
 
     d = TrainConfig()
     p = subparsers.add_parser("train-drafter", help="train a DFlash drafter for a target model",
@@ -38,6 +38,9 @@ def _register_train(subparsers) -> None:
                    help="drafter checkpoint whose weights (and shape) start a NEW run: new optimizer, schedule "
                         "and data position (e.g. the shipped drafter trained further on new data)")
     levers = p.add_argument_group("drafter shape and loss (the recipe's levers)")
+    levers.add_argument("--arch", default=d.arch, choices=ARCHES,
+                        help="a new drafter's format: dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel: "
+                             "grouped local convolutions and a candidate selector); --resume / --init keep theirs")
     levers.add_argument("--layers", type=int, default=d.layers, help="drafter depth: decoder layers")
     levers.add_argument("--intermediate-size", type=int, default=None,
                         help="drafter width: MLP intermediate size (default: the target's); the hidden size is "
@@ -52,6 +55,8 @@ def _register_train(subparsers) -> None:
     levers.add_argument("--loss-gamma", type=float, default=None,
                         help="position-decayed loss: drafted slot k weighs exp(-(k-1)/gamma) (default by block "
                              "size: 4, 5, 7 for blocks 8, 10, 16); 0: no decay, every slot weighs 1")
+    levers.add_argument("--selector-loss-weight", type=float, default=d.selector_loss_weight,
+                        help="dflash2: weight of the candidate selector's loss beside the block loss")
     levers.add_argument("--mask-token-id", type=int, default=None,
                         help="mask token id (default: <|MASK|> if the tokenizer has it, else an unused special)")
     p.add_argument("--output-norm-init", type=float, default=d.output_norm_init,
@@ -110,7 +115,8 @@ def train_config_from_args(args) -> TrainConfig:
     if args.batch_size is None and args.batch_tokens is None:
         batch_size = TrainConfig.batch_size
     return TrainConfig(
-        model=args.model, data=args.data, output=args.output, resume=args.resume, init=args.init, layers=args.layers,
+        model=args.model, data=args.data, output=args.output, resume=args.resume, init=args.init, arch=args.arch,
+        selector_loss_weight=args.selector_loss_weight, layers=args.layers,
         intermediate_size=args.intermediate_size, loss_gamma=args.loss_gamma, block_size=args.block_size, target_layer_ids=parse_layer_ids(args.target_layer_ids),
         mask_token_id=args.mask_token_id, output_norm_init=args.output_norm_init, max_seq_len=args.max_seq_len,
         batch_size=batch_size, batch_tokens=args.batch_tokens, anchors_per_seq=args.anchors_per_seq,

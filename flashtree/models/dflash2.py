@@ -144,18 +144,25 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
 
+    def edge_scores(self, previous: torch.Tensor, gates: torch.Tensor, candidates: torch.Tensor,
+                    unary: torch.Tensor) -> torch.Tensor:
+        """``s(p, c)`` ``[M, k]`` float32 for previous tokens ``[M]``, gates ``[M, R]`` (the
+        hidden projection of the slot's normed hidden), candidates (token ids) and their unary
+        scores ``[M, k]``."""
+        context = self.predecessor_codebook[previous].float() * gates.float()  # [M, R]
+        successors = self.successor_codebook[candidates].float()  # [M, k, R]
+        return unary + torch.einsum("mr,mkr->mk", context, successors)  # [M, k]
+
     def walk_scores(self, hidden: torch.Tensor, candidates: torch.Tensor, unary: torch.Tensor,
                     anchor: torch.Tensor) -> torch.Tensor:
         """The walk's scores ``s_l(y_{l-1}, c)`` ``[B, L, k]`` float32 for normed hidden ``[B, L, H]``,
         candidates (token ids) and their unary scores ``[B, L, k]``, and the bonus tokens ``[B]``.
         No host sync: the walk's choices stay on the device."""
-        gates = self.hidden_projection(hidden).float()  # [B, L, R]
-        successors = self.successor_codebook[candidates].float()  # [B, L, k, R]
+        gates = self.hidden_projection(hidden)  # [B, L, R]
         previous = anchor  # [B] token ids
         scores = []
         for slot in range(candidates.shape[1]):
-            context = self.predecessor_codebook[previous].float() * gates[:, slot]  # [B, R]
-            step = unary[:, slot] + torch.einsum("br,bkr->bk", context, successors[:, slot])  # [B, k]
+            step = self.edge_scores(previous, gates[:, slot], candidates[:, slot], unary[:, slot])  # [B, k]
             best = step.argmax(dim=-1, keepdim=True)  # [B, 1]: the first of equals, the larger z
             previous = candidates[:, slot].gather(-1, best)[:, 0]  # [B]
             scores.append(step)
@@ -178,16 +185,18 @@ class DFlash2Drafter(DFlashDrafter):
         scale = self.config.input_embedding_scale
         return x if scale == 1.0 else x * scale
 
+    def unary_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """``c * tanh(m * z / c)`` (``m * z`` without a cap) of lm_head logits, float32, any shape."""
+        cfg = self.config
+        scores = logits.float() * cfg.output_multiplier
+        cap = cfg.final_logit_softcapping
+        return scores if cap is None else cap * torch.tanh(scores / cap)
+
     def unary(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The candidates of lm_head logits ``[B, L, V]``: unary scores (float32) and token ids,
         ``[B, L, k]`` each, best first."""
-        cfg = self.config
-        top = logits.topk(cfg.selector_top_k, dim=-1)  # [B, L, k] x2
-        scores = top.values.float() * cfg.output_multiplier
-        cap = cfg.final_logit_softcapping
-        if cap is not None:
-            scores = cap * torch.tanh(scores / cap)
-        return scores, top.indices
+        top = logits.topk(self.config.selector_top_k, dim=-1)  # [B, L, k] x2
+        return self.unary_scores(top.values), top.indices
 
     @torch.inference_mode()
     def draft_logits(self, cache: KVCache, slots: torch.Tensor, bonus: torch.Tensor, starts: torch.Tensor,

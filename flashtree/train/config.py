@@ -11,6 +11,7 @@ from flashtree.errors import ConfigError
 GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
 ATTENTION_KINDS = ("auto", "flex", "dense")
 SAVE_DTYPES = ("bfloat16", "float16", "float32")
+ARCHES = ("dflash", "dflash2")  # a new drafter's format: DFlashDraftModel or DFlash2DraftModel (models/dflash2.py)
 
 
 def loss_gamma(block_size: int, override: float | None = None) -> float:
@@ -35,6 +36,7 @@ class TrainConfig:
     resume: str | None = None  # checkpoint directory with trainer_state/ (continue that run exactly)
     init: str | None = None  # drafter checkpoint to start a new run from (its weights and shape only)
     # drafter shape
+    arch: str = "dflash"  # a new drafter's format (ARCHES); a resumed / --init drafter keeps its own
     layers: int = 3
     intermediate_size: int | None = None  # drafter MLP width; None: the target's
     block_size: int = 16
@@ -47,6 +49,7 @@ class TrainConfig:
     batch_tokens: int | None = None  # padded tokens per step (wins over batch_size)
     anchors_per_seq: int = 64
     loss_gamma: float | None = None  # slot k weighs exp(-(k-1)/gamma); None: by block size; 0: no decay
+    selector_loss_weight: float = 1.0  # DFlash2: weight of the candidate selector's loss beside the block loss
     heldout_percent: float = 2.0
     max_conversations: int | None = None  # cap on conversations read (quick runs)
     # optimization
@@ -99,6 +102,10 @@ class TrainConfig:
             raise ConfigError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.heldout_percent < 100:
             raise ConfigError(f"--heldout-percent must be in [0, 100), got {self.heldout_percent}")
+        if self.arch not in ARCHES:
+            raise ConfigError(f"--arch {self.arch!r}; allowed: {', '.join(ARCHES)}")
+        if not (self.selector_loss_weight >= 0 and math.isfinite(self.selector_loss_weight)):
+            raise ConfigError(f"--selector-loss-weight must be a number >= 0, got {self.selector_loss_weight}")
         if self.attention not in ATTENTION_KINDS:
             raise ConfigError(f"--attention {self.attention!r}; allowed: {', '.join(ATTENTION_KINDS)}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:

@@ -1,8 +1,9 @@
 """The drafter's training forward: every block of every sequence in one pass.
 
 It runs the inference drafter's own modules (``fc``, ``hidden_norm``, each layer's projections,
-q/k norms, MLP and norms, the final ``norm``, its RoPE table; the target's embedding) in the
-order :class:`flashtree.models.dflash.DFlashDrafter` runs them at inference
+q/k norms, MLP and norms, a DFlash2 layer's convolutions, the final ``norm``, its RoPE table; the
+target's embedding) in the order :class:`flashtree.models.dflash.DFlashDrafter` (or
+:class:`flashtree.models.dflash2.DFlash2Drafter`) runs them at inference
 (``observe`` for the context, ``draft_logits`` for a block), so a trained checkpoint drafts
 exactly what training optimized. Only the key layout and mask differ:
 
@@ -42,19 +43,37 @@ def context_kv(drafter: DFlashDrafter, features: torch.Tensor) -> list[tuple[tor
 
 
 def block_layer(layer, x: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor], rope, attend: Attend,
-                window: int | None) -> torch.Tensor:
-    """One pre-norm Qwen3 layer over the block queries ``x [B, Q, hidden]`` (keys: context + blocks)."""
+                window: int | None, block_size: int) -> torch.Tensor:
+    """One pre-norm Qwen3 layer over the block queries ``x [B, Q, hidden]`` (keys: context + blocks);
+    a DFlash2 layer's attention and MLP each inside its grouped convolution (``models/dflash2.py``)."""
     attn = layer.self_attn
     rows, n_query, _ = x.shape
-    h = layer.input_layernorm(x)
-    q = attn.q_norm(attn.q_proj(h).view(rows, n_query, attn.heads, attn.head_dim))
-    q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, Q, D]
-    k, v = attn.key_value(h, rope)  # [B, KVH, Q, D] x2
-    keys = torch.cat([ctx[0], k], dim=2)  # [B, KVH, N + Q, D]
-    values = torch.cat([ctx[1], v], dim=2)  # [B, KVH, N + Q, D]
-    out = attend(q, keys, values, window)  # [B, H, Q, D]
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, n_query, attn.heads * attn.head_dim))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def attention(h: torch.Tensor) -> torch.Tensor:
+        q = attn.q_norm(attn.q_proj(h).view(rows, n_query, attn.heads, attn.head_dim))
+        q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, Q, D]
+        k, v = attn.key_value(h, rope)  # [B, KVH, Q, D] x2
+        keys = torch.cat([ctx[0], k], dim=2)  # [B, KVH, N + Q, D]
+        values = torch.cat([ctx[1], v], dim=2)  # [B, KVH, N + Q, D]
+        out = attend(q, keys, values, window)  # [B, H, Q, D]
+        return attn.o_proj(out.transpose(1, 2).reshape(rows, n_query, attn.heads * attn.head_dim))
+
+    x = x + convolved(getattr(layer, "attention_conv", None), attention, layer.input_layernorm(x), block_size)
+    return x + convolved(getattr(layer, "mlp_conv", None), layer.mlp, layer.post_attention_layernorm(x), block_size)
+
+
+def convolved(conv, sublayer: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, block_size: int
+              ) -> torch.Tensor:
+    """``sublayer(h)`` for ``h [B, Q, hidden]`` (Q = A blocks of ``block_size``), inside ``conv``
+    (a DFlash2 ``GroupedDynamicConv``, or None: no convolution), whose taps run within each block."""
+    if conv is None:
+        return sublayer(h)
+    rows, n_query, hidden = h.shape
+
+    def per_block(u: torch.Tensor) -> torch.Tensor:  # [B * A, b, hidden] -> the same
+        return sublayer(u.reshape(rows, n_query, hidden)).reshape(-1, block_size, hidden)
+
+    return conv.around(per_block, h.reshape(-1, block_size, hidden)).reshape(rows, n_query, hidden)
 
 
 def make_attend(kind: str, positions: torch.Tensor, context_len: int, block_size: int) -> Attend:
@@ -101,8 +120,8 @@ def training_hidden(drafter: DFlashDrafter, features: torch.Tensor, blocks: Anch
     ctx = context_kv(drafter, features)
     attend = make_attend(attention, blocks.positions, features.shape[1], block)
     ids = blocks.block_ids.reshape(rows, anchors * block)  # [B, Q]
-    x = drafter.target.embed(ids).to(drafter.fc.weight.dtype)  # [B, Q, hidden]
+    x = drafter.embed_block(ids)  # [B, Q, hidden]
     rope = drafter.rope.lookup(blocks.block_positions.reshape(rows, anchors * block))  # [B, 1, Q, D] x2
     for index, layer in enumerate(drafter.layers):
-        x = block_layer(layer, x, ctx[index], rope, attend, drafter.config.window(index))
+        x = block_layer(layer, x, ctx[index], rope, attend, drafter.config.window(index), block)
     return drafter.norm(x).view(rows, anchors, block, -1)[:, :, 1:]  # [B, A, b-1, hidden]

@@ -13,6 +13,7 @@ chat template does not use; else a spare embedding row past the tokenizer (recor
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -20,16 +21,23 @@ import torch
 from flashtree.errors import ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashDrafter, build_drafter
+from flashtree.models.dflash2 import DFlash2Drafter, build_dflash2_drafter
+from flashtree.models.dflash2_config import parse_dflash2_config
 from flashtree.models.dflash_config import (
     DEFAULT_MASK_TOKEN,
+    DFLASH2_ARCHITECTURE,
     DRAFTER_ARCHITECTURE,
     FULL_ATTENTION,
     default_target_layer_ids,
+    is_dflash2,
     parse_dflash_config,
 )
 from flashtree.models.transformer import CausalLM
 
 UNUSED_SPECIAL_TOKENS = ("<issue_start>",)  # never in chat: SmolLM2's code-metadata specials
+# a new DFlash2 drafter's own numbers: the published checkpoints' (2 taps, groups of 16 channels, codebooks
+# of rank 256, 16 candidates per slot); no output multiplier or soft cap (the targets flashtree runs have none)
+DFLASH2_TAPS, DFLASH2_GROUP, DFLASH2_RANK, DFLASH2_TOP_K = 2, 16, 256, 16
 
 
 class MaskToken(NamedTuple):
@@ -83,9 +91,10 @@ def spread_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int
 
 def drafter_config_dict(target: ModelConfig, layers: int, block_size: int, mask: MaskToken,
                         target_layer_ids: tuple[int, ...] | None = None, dtype: str = "bfloat16",
-                        intermediate_size: int | None = None) -> dict[str, Any]:
+                        intermediate_size: int | None = None, arch: str = "dflash") -> dict[str, Any]:
     """The z-lab ``config.json`` of a new drafter for ``target`` (MLP width ``intermediate_size``,
-    the target's when None; the hidden size is always the target's: the format requires it)."""
+    the target's when None; the hidden size is always the target's: the format requires it);
+    ``arch`` "dflash2": a DFlash2 drafter (:func:`dflash2_keys`)."""
     ids = target_layer_ids or spread_layer_ids(target.num_hidden_layers, layers)
     raw: dict[str, Any] = {
         "architectures": [DRAFTER_ARCHITECTURE], "model_type": "qwen3",
@@ -104,19 +113,56 @@ def drafter_config_dict(target: ModelConfig, layers: int, block_size: int, mask:
         raw["rope_scaling"] = {"rope_type": scaling.rope_type, "factor": scaling.factor,
                                "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
                                "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    if arch == "dflash2":
+        raw.update(architectures=[DFLASH2_ARCHITECTURE], is_causal=False, hidden_act="silu")
+        raw["dflash_config"].update(block_size=raw.pop("block_size"), **dflash2_keys(target))
     return raw
+
+
+def dflash2_keys(target: ModelConfig) -> dict[str, int]:
+    """A new DFlash2 drafter's ``dflash_config`` keys (models/dflash2_config.py) for ``target``: the
+    published numbers, the group a divisor of the hidden size, at most a vocabulary of candidates."""
+    return {"conv_kernel_size": DFLASH2_TAPS, "conv_group_size": math.gcd(target.hidden_size, DFLASH2_GROUP),
+            "selector_rank": DFLASH2_RANK, "selector_top_k": min(DFLASH2_TOP_K, target.vocab_size)}
 
 
 def trainable_drafter(raw: dict[str, Any], target: CausalLM, tokenizer, device: torch.device,
                       weights: dict[str, torch.Tensor] | None = None, seed: int = 0,
                       source: str = "new drafter config.json") -> DFlashDrafter:
-    """Build the inference :class:`DFlashDrafter` from ``raw`` (validated like a loaded checkpoint)
-    in float32 master weights, unfused, with grads on: training uses its modules as they are."""
-    config = parse_dflash_config(raw, source, target.config, tokenizer)
-    drafter = build_drafter(config, target, weights, device, torch.float32, seed=seed)
+    """Build the inference :class:`DFlashDrafter` (a :class:`DFlash2Drafter` for a DFlash2 config)
+    from ``raw`` (validated like a loaded checkpoint) in float32 master weights, unfused, with grads
+    on: training uses its modules as they are. ``weights`` None: a new drafter (random weights; a
+    DFlash2 drafter's additions start as no-ops, :func:`start_dflash2_as_dflash`)."""
+    if is_dflash2(raw):
+        config = parse_dflash2_config(raw, source, target.config, tokenizer)
+        drafter = build_dflash2_drafter(config, target, weights, device, torch.float32, seed=seed)
+        if weights is None:
+            start_dflash2_as_dflash(drafter, seed)
+    else:
+        config = parse_dflash_config(raw, source, target.config, tokenizer)
+        drafter = build_drafter(config, target, weights, device, torch.float32, seed=seed)
     unfuse(drafter)
     drafter.requires_grad_(True).train()
     return drafter
+
+
+@torch.no_grad()
+def start_dflash2_as_dflash(drafter: DFlash2Drafter, seed: int) -> None:
+    """A new DFlash2 drafter's convolutions pass their input through (tap 0's base 1, the other
+    taps and the input-dependent part 0) and its selector adds nothing (hidden projection 0), so it
+    starts as a first-generation drafter; the codebooks get unit-variance rows of ``A * B`` so that
+    the selector learns as soon as its projection moves."""
+    for layer in drafter.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel.zero_()
+            conv.base_kernel[:, 0] = 1.0
+            conv.kernel_projection.weight.zero_()
+    selector = drafter.candidate_selector
+    selector.hidden_projection.weight.zero_()
+    gen = torch.Generator(device=selector.predecessor_codebook.device).manual_seed(seed)
+    rank = selector.predecessor_codebook.shape[1]
+    for codebook in (selector.predecessor_codebook, selector.successor_codebook):
+        codebook.normal_(0.0, rank ** -0.25, generator=gen)
 
 
 def unfuse(drafter: DFlashDrafter) -> None:

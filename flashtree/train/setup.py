@@ -90,7 +90,7 @@ def drafter_source(cfg: TrainConfig, target: CausalLM, tokenizer
     if source is None:
         mask = choose_mask_token(tokenizer, target.config.vocab_size, cfg.mask_token_id)
         return drafter_config_dict(target.config, cfg.layers, cfg.block_size, mask, cfg.target_layer_ids,
-                                   cfg.save_dtype, cfg.intermediate_size), None, None
+                                   cfg.save_dtype, cfg.intermediate_size, cfg.arch), None, None
     raw, weights = checkpoint.read_drafter(source)
     state = trainer_state.load(source) if cfg.resume is not None else None
     if cfg.resume is not None and state is None:

@@ -23,12 +23,14 @@ from collections.abc import Iterable
 
 import torch
 
+from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.train import checkpoint, trainer_state
 from flashtree.train.anchors import AnchorBlocks, make_blocks
 from flashtree.train.batching import TokenBatch, collate
 from flashtree.train.config import TrainConfig
 from flashtree.train.curve import write_curve
 from flashtree.train.deadline import Deadline
+from flashtree.train.dflash2_loss import dflash2_block_loss
 from flashtree.train.forward import training_hidden
 from flashtree.train.loss import BlockLoss, MetricTotals, block_loss
 from flashtree.train.setup import TrainSetup, prepare
@@ -86,6 +88,8 @@ def batch_loss(setup: TrainSetup, batch: TokenBatch, generator: torch.Generator)
     with _autocast(setup):
         hidden = training_hidden(setup.drafter, features, blocks, _attention(setup))  # [B, A, b-1, hidden]
         gamma = cfg.gamma(setup.drafter.config.block_size)
+        if isinstance(setup.drafter, DFlash2Drafter):
+            return dflash2_block_loss(setup.drafter, hidden, blocks, gamma, cfg.selector_loss_weight)
         return block_loss(hidden, setup.drafter.target.head, blocks.labels, blocks.label_mask, gamma)
 
 
