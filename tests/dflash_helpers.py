@@ -242,7 +242,7 @@ class CopyingProposer(PlainProposer):
         self.engine = engine
         return self
 
-    def propose(self, rows, nodes: int | None = None):
+    def propose(self, rows, nodes: int | None = None, refine=None, allot=None):
         nodes = self.max_nodes if nodes is None else nodes
         by_slot = {r.slot: r for r in self.engine.scheduler.active}
         requests = [by_slot[s] for s in rows.slots.tolist()]
@@ -253,7 +253,7 @@ class CopyingProposer(PlainProposer):
         vocab = self.target.config.vocab_size
         noise = torch.rand(copy.shape[0], self.max_depth, vocab, generator=self.generator).to(copy.device)
         logits = noise + 8.0 * torch.nn.functional.one_hot(copy, vocab)  # [B, depth, V]
-        return build_tree(logits, rows.budgets.clamp(max=nodes), nodes)
+        return build_tree(logits, rows.budgets.clamp(max=nodes), nodes, allot=allot)
 
 
 def use_copying_proposer(monkeypatch, depth: int, budget: int | None = None) -> list[CopyingProposer]:

@@ -36,6 +36,7 @@ from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.overlap import QueuedRounds
 from flashtree.engine.prefill import FirstToken, Prefill
 from flashtree.engine.request import Request, Status
+from flashtree.engine.round import RowAllotment
 from flashtree.engine.runner import LaunchedRound, ModelRunner, RoundResult, round_span
 from flashtree.engine.scheduler import PageBudget, Scheduler
 from flashtree.engine.stage_timer import StageTimer
@@ -319,13 +320,24 @@ class LLMEngine:
         self._warmed_options.add(option)
         started = time.perf_counter()
         captured = self._catch_up_drafter(rows, nodes)  # part of the round's cost
-        return self.runner.launch(rows, nodes), started, captured or after_idle or first_of_option
+        launched = self.runner.launch(rows, nodes, self._allotment(rows, nodes))
+        return launched, started, captured or after_idle or first_of_option
+
+    def _allotment(self, rows: Sequence[Request], nodes: int) -> RowAllotment | None:
+        """Per-row budgets from each row's own tree for an eager drafted tree round, by the policy's
+        cost curve (the verify forward is padded to the widest row); None: every row keeps ``nodes``."""
+        if nodes == 0 or self.proposer.chain or self.runner.graphs is not None:
+            return None
+        costs = self.policy.round_costs(len(rows), nodes)
+        return None if costs is None else RowAllotment(torch.tensor(costs, device=self.device), padded=True)
 
     def _record(self, launched: LaunchedRound, result: RoundResult, seconds: float | None, wall: float) -> None:
         """The round's measurement to the policy (``seconds`` None: untimed) and the traces."""
         rows, nodes = launched.rows, launched.nodes
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
+        if nodes and seconds is not None:  # the cost of the entries per row it verified (per-row budgets)
+            self.policy.record_width(len(rows), max(result.tree_sizes, default=0) + 1, seconds)
         if self.policy_tracer is not None:
             self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy, wall)
         self.rounds_by_nodes[nodes] += 1

@@ -41,8 +41,10 @@ from flashtree.sampling import (
     choose_tokens,
     token_logprobs,
 )
+from flashtree.policy.row_budgets import allot_budgets
 from flashtree.speculative.proposer import Proposer
-from flashtree.speculative.tree.draft_tree import root_only_tree
+from flashtree.speculative.tree.build import Allot
+from flashtree.speculative.tree.draft_tree import narrowed, root_only_tree
 from flashtree.speculative.verify import AcceptResult, accept_walk
 
 INT_FIELDS = 8  # RoundInputs' integer fields (all but temperature and top_p), in their order
@@ -81,6 +83,14 @@ class RoundShape(NamedTuple):
     adjust: bool = False  # some row's logits are adjusted (min_tokens, penalties: flashtree/penalties.py)
 
 
+class RowAllotment(NamedTuple):
+    """How a round splits its nodes among its rows: each row keeps the best of its tree's nodes for
+    the most expected tokens per cost (``policy/row_budgets.allot_budgets``), at most its budget."""
+
+    cost: torch.Tensor  # [T + 1] float on the device: the round's cost by verified tokens (the policy's curve)
+    padded: bool  # the verify forward is [B, widest row] (True today) rather than the rows' tokens packed
+
+
 class RoundOutput(NamedTuple):
     packed: torch.Tensor  # [B, 2 + D + 1] per row: acceptance length, tree size, emitted tokens (see pack)
     trace: tuple[torch.Tensor, ...] | None  # with a tree trace: tokens, parents, valid [B, N], path [B, P]
@@ -97,9 +107,11 @@ class DeviceRound:
         self.token_state: SlotTokenState | None = None  # the engine's, once a request adjusts its logits
 
     def __call__(self, shape: RoundShape, *tensors: torch.Tensor, timer: StageTimer | None = None,
-                 grammar: GrammarRound | None = None) -> RoundOutput:
+                 grammar: GrammarRound | None = None, allotment: RowAllotment | None = None) -> RoundOutput:
         """``grammar``: the round's rows with structured output (eager rounds only: it reads the trees
-        on the host); their trees hold only what the grammar allows, and each node's choice is masked."""
+        on the host); their trees hold only what the grammar allows, and each node's choice is masked.
+        ``allotment``: each row's budget comes from its tree (trees only; None: every row keeps its
+        budget). On a CPU the verify forward then narrows to the widest row (reading it costs no sync)."""
         rows = RoundInputs(*tensors)
         nodes = shape.nodes
         if nodes == 0 and self.kernels.plain_fast_path:
@@ -111,6 +123,10 @@ class DeviceRound:
             tree = root_only_tree(rows.bonus)
         elif grammar is not None:  # grammar rows' trees rebuilt from the drafter's candidates
             tree = self.proposer.propose(rows, nodes, refine=grammar.refine)
+        elif allotment is not None and not self.proposer.chain:
+            tree = self.proposer.propose(rows, nodes, allot=row_allot(allotment, rows))
+            if tree.valid.device.type == "cpu":  # host memory: the widest row is known without a sync
+                tree = narrowed(tree, int(tree.valid.sum(dim=1).max()))  # [B, widest row]
         else:
             tree = self.proposer.propose(rows, nodes)
         tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, N]
@@ -194,6 +210,13 @@ class DeviceRound:
             trace = (rows.bonus[:, None], zeros - 1, zeros == 0, zeros)
         logprobs = None if shape.logprobs is None else token_logprobs(out.logits, next_bonus[:, None], shape.logprobs)
         return RoundOutput(packed, trace, logprobs)
+
+
+def row_allot(allotment: RowAllotment, rows: RoundInputs) -> Allot:
+    """The tree build's per-row rule for ``allotment``: the live rows (a pad row has no output yet)
+    share the round by their trees' path probabilities."""
+    live = rows.generated > 0  # [B]
+    return lambda ranked, caps: allot_budgets(ranked, caps, allotment.cost, live, allotment.padded)
 
 
 def sampling_of(shape: RoundShape, rows: RoundInputs) -> SamplingTensors:

@@ -26,7 +26,7 @@ from flashtree.device_copy import to_device
 from flashtree.engine.constraint import GrammarRound
 from flashtree.engine.graphs import GraphCache
 from flashtree.engine.request import Request
-from flashtree.engine.round import INT_FIELDS, DeviceRound, RoundInputs, RoundShape
+from flashtree.engine.round import INT_FIELDS, DeviceRound, RoundInputs, RoundShape, RowAllotment
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.traces import RecentTrees, TreeTracer
 from flashtree.kv.cache import KVCache
@@ -102,8 +102,10 @@ class ModelRunner:
         most ``proposer.max_nodes``; rows' own budgets cap theirs)."""
         return self.finish(self.launch(rows, nodes), meanwhile)
 
-    def launch(self, rows: Sequence[Request], nodes: int | None = None) -> LaunchedRound:
-        """Queue a round's device work; :meth:`finish` reads its results."""
+    def launch(self, rows: Sequence[Request], nodes: int | None = None, allotment: RowAllotment | None = None
+               ) -> LaunchedRound:
+        """Queue a round's device work; :meth:`finish` reads its results. ``allotment``: the rows'
+        budgets come from their trees (eager rounds; a graph replays its rows' budgets as they are)."""
         nodes = self.proposer.max_nodes if nodes is None else nodes
         if not 0 <= nodes <= self.proposer.max_nodes:
             raise ValueError(f"nodes must be in [0, {self.proposer.max_nodes}], got {nodes}")
@@ -115,7 +117,7 @@ class ModelRunner:
         if GrammarRound.needed(rows):
             grammar = GrammarRound(rows, len(rows) + pads, self.model.config.vocab_size, self.device, nodes,
                                    self.proposer.chain, min(nodes, self.proposer.max_depth))
-        return self._launch(list(rows), shape, len(rows) + pads, ints, floats, grammar)
+        return self._launch(list(rows), shape, len(rows) + pads, ints, floats, grammar, allotment)
 
     def launch_plain_after(self, previous: LaunchedRound, catch_up: bool = False) -> LaunchedRound | None:
         """Queue the plain round that follows the plain round ``previous`` for the same rows, before
@@ -176,13 +178,14 @@ class ModelRunner:
         return self.graphs.has((len(rows) + self._pad_rows(len(rows)), self._shape(rows, nodes)))
 
     def _launch(self, rows: list[Request], shape: RoundShape, width: int, ints: torch.Tensor,
-                floats: torch.Tensor, grammar: GrammarRound | None = None) -> LaunchedRound:
+                floats: torch.Tensor, grammar: GrammarRound | None = None,
+                allotment: RowAllotment | None = None) -> LaunchedRound:
         """``grammar``: the rows with structured output (the round then runs eagerly)."""
         launched_at = self.timer.mark()
         captures = self.graphs.captures if self.graphs is not None else 0
         inputs = RoundInputs.of(ints, floats)
         if self.graphs is None or grammar is not None:
-            out = self.round_program(shape, *inputs, timer=self.timer, grammar=grammar)
+            out = self.round_program(shape, *inputs, timer=self.timer, grammar=grammar, allotment=allotment)
         else:
             out = self.graphs.run((width, shape), lambda *t: self.round_program(shape, *t), inputs)
         host, trace, logprobs, done = out.packed, out.trace, out.logprobs, None

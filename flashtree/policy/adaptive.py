@@ -34,6 +34,13 @@ after every round (:meth:`AdaptivePolicy.record`).
   for an option that cannot beat the best one (:meth:`worth_a_graph`); the next probe then waits
   twice as long.
 
+- Per-row budgets: a drafted round's option is the most nodes a row may verify; each row then keeps
+  the best of its own tree's nodes for the most expected tokens per second (``row_budgets.py``), by
+  the round's cost curve over verified tokens (:meth:`AdaptivePolicy.round_costs`: drafted rounds'
+  times by the entries per row they verified, linear in between, flat past the widest; the plain
+  round's time is the floor of the narrowest). Whether to draft at all stays the option's choice:
+  the drafter runs before any tree exists.
+
 Everything is deterministic given the same measurements.
 """
 
@@ -47,6 +54,7 @@ from typing import Sequence
 from flashtree.config import PolicyConfig
 from flashtree.policy.base import PLAIN_NODES, rows_bucket
 from flashtree.policy.estimates import DOMINATED, Estimates
+from flashtree.policy.row_budgets import cost_curve
 
 BACKOFF_BELOW = 0.8  # a probe below this fraction of the best score doubles the probe interval
 PROBE_WEIGHT = 0.75  # EMA weight of a probe's measurements (at least; the estimate it refreshes is old)
@@ -238,6 +246,21 @@ class AdaptivePolicy:
     def fold_settled(self) -> None:
         """The held settled rounds into the estimates, in order; the best option is recomputed once."""
         self._fold_held()
+
+    def round_costs(self, rows: int, nodes: int) -> list[float] | None:
+        """A drafted round's cost by verified tokens (see "Per-row budgets"); None for a plain round,
+        or before anything of ``rows``' bucket was timed."""
+        if nodes == PLAIN_NODES:
+            return None
+        bucket = rows_bucket(rows)
+        points = {rows * width: seconds for width, seconds in self.estimates.width_seconds(bucket).items()}
+        plain = self.estimates.seconds(bucket, PLAIN_NODES)
+        if plain is not None:
+            points.setdefault(rows, plain)  # a width-1 drafted round without its drafter pass (a floor)
+        return cost_curve(points, rows * (nodes + 1)) if points else None
+
+    def record_width(self, rows: int, width: int, seconds: float) -> None:
+        self.estimates.measure_width(rows_bucket(rows), width, seconds)
 
     def _is_settled(self, bucket: int, nodes: int) -> bool:
         """A round of ``nodes`` is a settled one: no probe in progress, ``bucket`` explored and

@@ -45,6 +45,15 @@ class Policy(Protocol):
     def fold_settled(self) -> None:
         """Fold held measurements in (the engine calls it while the device runs a round)."""
 
+    def round_costs(self, rows: int, nodes: int) -> list[float] | None:
+        """A round of ``rows`` rows and ``nodes`` nodes: its cost by verified tokens ``0 .. rows x
+        (nodes + 1)``, from which each row's budget is chosen from its own tree
+        (``policy/row_budgets.py``); None: every row verifies the round's nodes."""
+
+    def record_width(self, rows: int, width: int, seconds: float) -> None:
+        """A drafted round of ``rows`` rows that verified ``width`` entries per row (its widest tree
+        plus the root) took ``seconds``."""
+
     def worth_a_graph(self, rows: int, nodes: int) -> bool:
         """Whether ``nodes`` could beat the best option for ``rows`` rows."""
 
@@ -98,6 +107,12 @@ class FixedNodes:
         pass
 
     def fold_settled(self) -> None:
+        pass
+
+    def round_costs(self, rows: int, nodes: int) -> list[float] | None:
+        return None  # every row at the fixed count
+
+    def record_width(self, rows: int, width: int, seconds: float) -> None:
         pass
 
     def worth_a_graph(self, rows: int, nodes: int) -> bool:

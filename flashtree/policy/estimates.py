@@ -75,6 +75,7 @@ class Estimates:
         self._seconds: dict[tuple[int, int], Ema] = {}  # (rows bucket, nodes) -> round seconds
         self._timed_at: dict[tuple[int, int], int] = {}  # (rows bucket, nodes) -> the bucket's round count
         # when that option was last timed
+        self._width_seconds: dict[int, dict[int, Ema]] = {}  # rows bucket -> verified width -> drafted round seconds
         self.version = 0  # measurements fed so far (the score cache's version)
         self._cache: dict[int, BucketEstimates] = {}  # rows bucket -> its estimates, as last computed
 
@@ -179,7 +180,20 @@ class Estimates:
         return [n for n in self.ladder
                 if self.allowed(bucket, n) and self.timed(bucket, n) < self.config.explore_rounds and worth_trying(n)]
 
+    def width_seconds(self, bucket: int) -> dict[int, float]:
+        """Drafted rounds' seconds by the entries per row they verified (the widest row's tree plus
+        its root), as measured in ``bucket``: the cost curve of the per-row allotment."""
+        return {width: ema.value for width, ema in self._width_seconds.get(bucket, {}).items()}
+
     # ------------------------------------------------------------------ feeding
+    def measure_width(self, bucket: int, width: int, seconds: float) -> None:
+        """A drafted round of ``bucket`` that verified ``width`` entries per row took ``seconds``."""
+        by_width = self._width_seconds.setdefault(bucket, {})
+        ema = by_width.get(width)
+        if ema is None:
+            ema = by_width[width] = Ema(self.config.smoothing, OUTLIER_FACTOR)
+        ema.add(seconds)
+
     def measure(self, bucket: int, nodes: int, seconds: float | None, acceptance: float | None, weight: float,
                 rows: int, pace: bool, round_index: int) -> None:
         """Feed one measurement (``weight``: the least EMA weight it gets; ``rows``: rows whose mean

@@ -2,8 +2,8 @@
 
 Glossary
 - budget: drafted nodes per tree (the root excluded); ``max_nodes`` is the most a round verifies,
-  each round verifies ``nodes <= max_nodes`` (the speculation policy's choice) and each row may ask
-  for fewer (``rows.budgets``).
+  each round verifies ``nodes <= max_nodes`` (the speculation policy's choice), each row may ask
+  for fewer (``rows.budgets``), and a round's per-row rule (``allot``) may keep fewer still.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from flashtree.speculative.drafter import DrafterProposer, DrafterRunner
 from flashtree.speculative.proposer import CANDIDATES, Refine, RoundRows
 from flashtree.speculative.tree import build_tree
+from flashtree.speculative.tree.build import Allot
 from flashtree.speculative.tree.draft_tree import DraftTree
 
 
@@ -34,10 +35,12 @@ class DDTreeProposer(DrafterProposer):
         super().__init__(runner, max_nodes=budget)
         self.tree_kernel = tree_kernel  # the tree build and the accept walk in Triton kernels (same trees)
 
-    def propose(self, rows: RoundRows, nodes: int, refine: Refine | None = None) -> DraftTree:
+    def propose(self, rows: RoundRows, nodes: int, refine: Refine | None = None, allot: Allot | None = None
+                ) -> DraftTree:
         depth = min(nodes, self.max_depth)  # a tree of n nodes is at most n deep
         logits = self.runner.draft_logits(rows, depth=depth)  # [B, depth, V] (V: the draft vocabulary's N)
-        tree = build_tree(logits, rows.budgets.clamp(max=nodes), nodes, kernel=self.tree_kernel)  # [B, nodes + 1]
+        caps = rows.budgets.clamp(max=nodes)  # [B]
+        tree = build_tree(logits, caps, nodes, kernel=self.tree_kernel, allot=allot)  # [B, nodes + 1]
         tree = self.runner.tree_token_ids(tree)
         if refine is not None:
             tree = refine(tree, self.runner.candidates(logits, max(nodes, CANDIDATES)))

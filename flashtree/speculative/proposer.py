@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 import torch
 
 from flashtree.kernels.feature_sink import FeatureSink
+from flashtree.speculative.tree.build import Allot
 from flashtree.speculative.tree.draft_tree import DraftTree
 
 if TYPE_CHECKING:
@@ -57,10 +58,13 @@ class Proposer(Protocol):
     tree_kernel: bool  # the accept walk may run as one Triton kernel per row
     lag: "DrafterLag"  # the host's count of each slot's deferred features (capacity 0: nothing deferred)
 
-    def propose(self, rows: RoundRows, nodes: int, refine: Refine | None = None) -> DraftTree:
+    def propose(self, rows: RoundRows, nodes: int, refine: Refine | None = None, allot: Allot | None = None
+                ) -> DraftTree:
         """The round's trees with ``nodes`` drafted nodes per row (1 <= nodes <= max_nodes):
         every tensor has ``nodes + 1`` entries on the node axis. ``refine``: passed the trees and the
-        drafter's candidates, it returns the trees to verify (rows with a grammar rebuilt)."""
+        drafter's candidates, it returns the trees to verify (rows with a grammar rebuilt).
+        ``allot``: each row's budget from its tree's ranked path weights (``tree.build.Allot``;
+        trees only: the engine passes it only to proposers whose ``chain`` is false)."""
 
     def context_entry_bytes(self) -> int:
         """Bytes of the proposer's own KV context per cached position (0: it keeps none)."""

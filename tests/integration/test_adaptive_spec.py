@@ -289,7 +289,7 @@ class OracleProposer(PlainProposer):
         self.max_nodes = self.max_depth if chain else BUDGET
         self.engine = None
 
-    def propose(self, rows, nodes: int):
+    def propose(self, rows, nodes: int, refine=None, allot=None):
         self.pause(self.delay)
         by_slot = {r.slot: r for r in self.engine.scheduler.active}
         drafts = []
@@ -306,7 +306,7 @@ class OracleProposer(PlainProposer):
         logits = logits + 8.0 * torch.nn.functional.one_hot(draft, VOCAB)
         if not self.match:
             logits[:, 0].scatter_(1, right[:, :1], -30.0)  # far below every deeper prefix of the tree
-        return build_tree(logits, rows.budgets, nodes)
+        return build_tree(logits, rows.budgets, nodes, allot=allot)
 
 
 class RecordingPolicy:

@@ -94,10 +94,10 @@ def test_neighbour_probes_without_a_graph_are_declined_unless_worth_one(pair, mo
         declined.append(policy._probe.nodes)
         real_decline()
 
-    def spy(rows, nodes=None):
+    def spy(rows, nodes=None, *rest):
         if policy.probing:
             probe_rounds.append(nodes)
-        return real_launch(rows, nodes)
+        return real_launch(rows, nodes, *rest)
 
     monkeypatch.setattr(policy, "decline_probe", decline)
     monkeypatch.setattr(runner, "launch", spy)

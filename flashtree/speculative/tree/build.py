@@ -24,7 +24,7 @@ same tree, fewer small ops).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,15 +44,24 @@ class _Level(NamedTuple):
     tokens: torch.Tensor  # [R, B] int64
 
 
+# a round's per-row budget rule: (each row's best path log-weights [R, B] descending, the rows' caps
+# [R] int64) -> budgets [R] int64 with 0 <= budgets <= caps; device work, no host sync
+Allot = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def build_tree(
     draft_logits: torch.Tensor, budgets: torch.Tensor | int, max_budget: int, kernel: bool = False,
-    host: bool | None = None,
+    host: bool | None = None, allot: Allot | None = None,
 ) -> DraftTree:
     """Best ``budgets[r]`` prefixes of each row's factorized draft distribution, as a tree.
 
     draft_logits: [R, L, V] per-depth drafter logits (marginals = softmax over V).
     budgets: [R] int64 (or an int for all rows), 0 <= budget <= max_budget; 0 = root only.
-    max_budget: B, the static node count.
+    max_budget: B, the static node count; a row with a smaller budget keeps its best ``budgets[r]``
+    nodes and its other node slots are padding (invalid: see ``draft_tree``).
+    allot: given each row's best ``max_budget`` path log-weights ``[R, B]`` (descending, -inf where
+    fewer prefixes exist) and ``budgets`` as caps, the budgets the tree keeps (e.g. the policy's
+    per-row allotment, ``policy/row_budgets.py``); every path below gives it the same weights.
     kernel: compute the per-depth kept lists, then the tree, with two Triton kernels per row
     (``models/tree_kernels.expand_levels`` and ``select_nodes``; same result) where they can run:
     float32 log-probs on CUDA with Triton (or the interpreter). The engine turns it on with its
@@ -76,16 +85,19 @@ def build_tree(
     elif host and device.type != "cpu":
         raise ValueError(f"host=True builds trees of CPU tensors only, got draft_logits on {device}")
     if host:
-        return tree_host.build_tree_on_host(top_logp, top_tokens, budgets, max_budget)
+        return tree_host.build_tree_on_host(top_logp, top_tokens, budgets, max_budget, allot)
     if kernel and top_logp.dtype == torch.float32 and gpu_kernels.usable_on(top_logp):
         pairs = _kernel_pairs(max_budget, top_logp.shape[2], device)  # [M] x2
         weights, parents, tokens = tree_kernels.expand_levels(top_logp, top_tokens, max_budget, *pairs)  # [R, L, B] x3
         if depth * max_budget <= SELECT_KERNEL_MAX_NODES:
+            if allot is not None:  # the kept lists' best B weights (float32: the same as any path ranks)
+                ranked = torch.topk(weights.reshape(num_rows, -1), max_budget, dim=1).values  # [R, B]
+                budgets = allot(ranked, budgets)  # [R]
             return DraftTree(*tree_kernels.select_nodes(weights, parents, tokens, budgets, max_budget))
         levels = [_Level(weights[:, d], parents[:, d], tokens[:, d]) for d in range(depth)]
     else:
         levels = _expand_levels(top_logp, top_tokens, max_budget)
-    return _select_nodes(levels, budgets, max_budget)
+    return _select_nodes(levels, budgets, max_budget, allot)
 
 
 # CPU trees are built on the host by default (host.py) up to this budget and rows x budget, the
@@ -252,8 +264,10 @@ def _best_flat(weights: torch.Tensor, top_values: torch.Tensor, count: int) -> t
     return flat.scatter_(1, slot, index)[:, :count]  # [R, count]
 
 
-def _select_nodes(levels: list[_Level], budgets: torch.Tensor, max_budget: int) -> DraftTree:
-    """Best ``budget`` prefixes over all depths, laid out as the node axis of a DraftTree."""
+def _select_nodes(levels: list[_Level], budgets: torch.Tensor, max_budget: int, allot: Allot | None = None
+                  ) -> DraftTree:
+    """Best ``budget`` prefixes over all depths, laid out as the node axis of a DraftTree
+    (``allot``: see :func:`build_tree`)."""
     depth = len(levels)
     device = budgets.device
     all_w = torch.cat([lv.log_weights for lv in levels], dim=1)  # [R, L*B]; (depth, lex) order
@@ -265,6 +279,8 @@ def _select_nodes(levels: list[_Level], budgets: torch.Tensor, max_budget: int) 
     # Rank order (weight desc, stable): the first `budget` existing ones are the tree.
     by_weight = torch.sort(all_w.gather(1, chosen), dim=1, descending=True, stable=True)
     ranked = chosen.gather(1, by_weight.indices)  # [R, B]
+    if allot is not None:
+        budgets = allot(by_weight.values, budgets)  # [R]
     rank = torch.arange(max_budget, device=device)  # [B]
     valid = (rank[None, :] < budgets[:, None]) & (by_weight.values > float("-inf"))  # [R, B]
     node_depth = ranked // max_budget + 1  # [R, B]

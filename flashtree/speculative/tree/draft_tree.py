@@ -66,3 +66,10 @@ def root_only_tree(bonus: torch.Tensor) -> DraftTree:
         ancestor_mask=torch.ones(rows, 1, 1, dtype=torch.bool, device=device),
         log_weights=torch.zeros(rows, 1, device=device),
     )
+
+
+def narrowed(tree: DraftTree, width: int) -> DraftTree:
+    """The first ``width`` entries of the node axis (``[R, width]``, the mask ``[R, width, width]``): the
+    same trees when every valid node lies there (the DDTree build lays valid nodes out first)."""
+    return DraftTree(tree.tokens[:, :width], tree.parents[:, :width], tree.depths[:, :width], tree.valid[:, :width],
+                     tree.ancestor_mask[:, :width, :width], tree.log_weights[:, :width])

@@ -20,6 +20,8 @@ Glossary: as in ``tree.py`` (R rows, L depth, B max budget, K = min(B, V) tokens
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -27,15 +29,17 @@ from flashtree.speculative.tree.draft_tree import NO_PARENT, PAD_TOKEN, ROOT, RO
 
 
 def build_tree_on_host(top_logp: torch.Tensor, top_tokens: torch.Tensor, budgets: torch.Tensor,
-                       max_budget: int) -> DraftTree:
+                       max_budget: int, allot: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                       ) -> DraftTree:
     """The tree of ``tree.build_tree`` from its per-depth top-K (CPU tensors).
 
     top_logp: [R, L, K] float log-probabilities, rank order; top_tokens: [R, L, K] int64;
-    budgets: [R] int64 in [0, max_budget]; max_budget: B >= 1 (K <= B)."""
+    budgets: [R] int64 in [0, max_budget]; max_budget: B >= 1 (K <= B). allot: as in
+    ``tree.build_tree`` (given the ranked weights as a tensor)."""
     logp = top_logp.detach().numpy()  # [R, L, K]
     tokens = top_tokens.detach().numpy()  # [R, L, K]
     weights, parent_pos, level_tokens = _kept_lists(logp, tokens, max_budget)  # [R, L, B] x3
-    return _tree(weights, parent_pos, level_tokens, budgets.numpy(), max_budget)
+    return _tree(weights, parent_pos, level_tokens, budgets, max_budget, allot)
 
 
 def _first_best(weights: np.ndarray, count: int) -> np.ndarray:
@@ -63,15 +67,19 @@ def _kept_lists(logp: np.ndarray, tokens: np.ndarray, max_budget: int) -> tuple[
     return weights, parent_pos, kept_tokens
 
 
-def _tree(weights: np.ndarray, parent_pos: np.ndarray, level_tokens: np.ndarray, budgets: np.ndarray,
-          max_budget: int) -> DraftTree:
-    """The best ``budgets[r]`` prefixes over all kept lists, laid out as a DraftTree."""
+def _tree(weights: np.ndarray, parent_pos: np.ndarray, level_tokens: np.ndarray, budgets: torch.Tensor,
+          max_budget: int, allot: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> DraftTree:
+    """The best ``budgets[r]`` prefixes over all kept lists (``allot``: see ``build_tree_on_host``), laid out as
+    a DraftTree."""
     num_rows, depth, _ = weights.shape
     rows = np.arange(num_rows)[:, None]  # [R, 1]
     all_w = weights.reshape(num_rows, -1)  # [R, L*B]; (depth, lex) order
     chosen = _first_best(all_w, max_budget)  # [R, B]
     ranked = np.take_along_axis(chosen, np.argsort(-all_w[rows, chosen], axis=1, kind="stable"), axis=1)  # [R, B]
     ranked_w = all_w[rows, ranked]  # [R, B]
+    if allot is not None:
+        budgets = allot(torch.from_numpy(ranked_w), budgets)  # [R]
+    budgets = budgets.numpy()  # [R]
     valid = (np.arange(max_budget)[None, :] < budgets[:, None]) & (ranked_w > -np.inf)  # [R, B]
     node_depth = ranked // max_budget + 1  # [R, B]
     layout = np.argsort(np.where(valid, node_depth, depth + 1), axis=1, kind="stable")  # [R, B]
