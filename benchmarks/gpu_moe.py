@@ -158,7 +158,7 @@ def layer_rows(model, tokens: list[int], reps: int, bandwidth: float, expert: in
     rows = []
     for n in tokens:
         x = torch.randn(n, moe.gate.weight.shape[1], device=device, dtype=dtype)
-        _, ids = moe_kernels.route(x, moe.gate.weight, moe.top_k, moe.normalize)
+        _, ids, _ = moe_kernels.route(x, moe.gate.weight, moe.top_k, moe.normalize)
         touched = int(ids.unique().numel())
         graphed = device.type == "cuda"
         row = {"tokens": n, "experts_touched": touched, "floor_ms": (router + touched * expert) / bandwidth * 1000,

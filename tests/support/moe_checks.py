@@ -15,6 +15,7 @@ returns per case and dtype:
 - ``tokens_invariant``: every token's output bit-identical alone, in a batch of 37, beside other
   tokens at other rows (tokens 5..11), and 37 copies of one token (one expert's pairs filling
   several blocks) equal to that token alone;
+- ``route_counts_ok``: the routing programs' pair counts add up to each expert's pairs;
 - ``plan_valid``: the expert grouping of random ids puts every pair once in a block of its expert;
 - ``stacked_views``: after ``fuse()`` every expert parameter is a view into the stacked weights.
 """
@@ -61,11 +62,20 @@ def given_routing(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: t
     return out
 
 
+def group_counts(ids: torch.Tensor, experts: int, group: int = 16) -> torch.Tensor:
+    """``[groups, E_PAD]`` pair counts per expert of each ``group`` consecutive pairs (what the routing
+    programs write)."""
+    e_pad = moe_kernels._experts_padded(experts)
+    chunks = ids.view(-1).long().split(group)
+    return torch.stack([torch.bincount(chunk, minlength=e_pad) for chunk in chunks]).to(torch.int32)
+
+
 def plan_valid(experts: int, pairs: int, device: str, seed: int = 3) -> bool:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, experts, (pairs,), generator=gen).to(torch.int32)
     ids[: pairs // 2] = 1  # one expert with many pairs (several blocks)
-    plan = moe_kernels.sort_by_expert(ids.to(device).view(-1, 1), experts)
+    counts = group_counts(ids, experts)
+    plan = moe_kernels.sort_by_expert(ids.to(device).view(-1, 1), counts.to(device), experts)
     slots, block_experts, block_rows = (t.cpu() for t in plan)
     seen = []
     for block, (expert, rows) in enumerate(zip(block_experts.tolist(), block_rows.tolist())):
@@ -78,7 +88,7 @@ def plan_valid(experts: int, pairs: int, device: str, seed: int = 3) -> bool:
             return False
         seen += picked
     used = [e for e in block_experts.tolist() if e >= 0]
-    return sorted(seen) == list(range(pairs)) and used == sorted(used)
+    return sorted(seen) == list(range(pairs)) and used == sorted(used) and block_experts[len(used):].eq(-1).all()
 
 
 def stacked_views(moe: SparseMoE) -> bool:
@@ -129,7 +139,9 @@ def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
                 x = torch.randn(t, HIDDEN, generator=gen).to(device, dtype)
                 fused = moe(x)
                 reference = moe.reference(x)
-                weights, ids = moe_kernels.route(x, moe.gate.weight, top_k, normalize)
+                weights, ids, counts = moe_kernels.route(x, moe.gate.weight, top_k, normalize)
+                row["route_counts_ok"] = row.get("route_counts_ok", True) and torch.equal(
+                    counts.sum(0).cpu(), group_counts(ids.cpu(), experts, group=10 ** 9).sum(0))
                 ref_weights, ref_ids = moe.route(x)
                 alike = (ids.long() == ref_ids).all(dim=1)  # [T]
                 row["route_agreement"] = min(row["route_agreement"], alike.float().mean().item())
@@ -146,7 +158,8 @@ def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
             row["tokens_invariant"] = tokens_invariant(moe, x)
             row["stacked_views"] = stacked_views(moe)
             results[f"{name}/{dtype}"] = row
-    results["plan_valid"] = all(plan_valid(e, p, device) for e in (6, 8, 128) for p in (1, 7, 74, 300))
+    results["plan_valid"] = all(plan_valid(e, p, device) for e, p in [(6, 1), (6, 7), (8, 74), (8, 300), (128, 1),
+                                                                     (128, 300), (128, 2000), (6, 1100)])
     return results
 
 

@@ -5,9 +5,10 @@ no host sync (so a MoE target's rounds replay as CUDA graphs).
 
 1. :func:`route`: each token's router logits, a float32 softmax over the experts, its ``top_k``
    experts by rank (renormalized to sum 1 with ``normalize``), as ``SparseMoE.route`` chooses them;
-2. :func:`sort_by_expert`: the token-expert *pairs* grouped by expert on the device, each expert's
-   group padded to a multiple of :data:`BLOCK_M`, inside a fixed bound (:func:`padded_length`) so the
-   shapes depend only on the token count;
+2. :func:`sort_by_expert`: the token-expert *pairs* grouped by expert on the device (one program
+   per expert, from the pair counts the routing programs write), each expert's group padded to a
+   multiple of :data:`BLOCK_M`, inside a fixed bound (:func:`padded_length`) so the shapes depend
+   only on the token count;
 3. gate + up: one grouped product per block of BLOCK_M pairs of one expert against its rows of the
    stacked ``gate_up [E, 2I, H]``, then ``silu(gate) * up``;
 4. down: the same against ``down [E, H, I]``, each pair's row scaled by its routing weight (float32);
@@ -32,6 +33,7 @@ from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 BLOCK_M, BLOCK_K = 16, 64  # every grouped product's rows per block and reduction step (a token's arithmetic)
 ROUTE_BLOCK_M = 16  # tokens per routing program
 SUM_BLOCK = 1024  # columns per program of the rank-order sum
+SORT_CHUNK = 1024  # pairs a grouping program reads at a time
 
 
 class Tiles(NamedTuple):
@@ -68,35 +70,47 @@ def padded_length(pairs: int, experts: int) -> int:
     return -(-slots // BLOCK_M) * BLOCK_M
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights ``[T, k]`` float32, expert ids ``[T, k]`` int32) for tokens x ``[T, H]`` and router
-    weight ``[E, H]``: the float32 softmax of the logits (rounded to x's dtype first), its ``top_k``
-    largest by rank (the lower id on a tie), renormalized to sum 1 when ``normalize``."""
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights ``[T, k]`` float32, expert ids ``[T, k]`` int32, pair counts ``[programs, E_PAD]``)
+    for tokens x ``[T, H]`` and router weight ``[E, H]``: the float32 softmax of the logits (rounded
+    to x's dtype first), its ``top_k`` largest by rank (the lower id on a tie), renormalized to sum
+    1 when ``normalize``; each routing program's row of counts says how many of its tokens' pairs
+    each expert got (:func:`sort_by_expert` adds them up)."""
     t, hidden = x.shape
     experts = router.shape[0]
+    e_pad = _experts_padded(experts)
+    programs = -(-t // ROUTE_BLOCK_M)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
+    counts = torch.empty(programs, e_pad, dtype=torch.int32, device=x.device)
     if t:
-        _kernels()._route_kernel[(-(-t // ROUTE_BLOCK_M),)](
-            x, router, weights, ids, t, experts, hidden, x.stride(0), router.stride(0),
+        _kernels()._route_kernel[(programs,)](
+            x, router, weights, ids, counts, t, experts, hidden, x.stride(0), router.stride(0),
             TOP_K=top_k, TOP_K_PAD=_next_power_of_2(top_k), NORMALIZE=normalize, BLOCK_M=ROUTE_BLOCK_M,
-            E_PAD=max(16, _next_power_of_2(experts)), BLOCK_K=64, IEEE=x.dtype == torch.float32)
-    return weights, ids
+            E_PAD=e_pad, BLOCK_K=64, IEEE=x.dtype == torch.float32)
+    return weights, ids, counts
 
 
-def sort_by_expert(ids: torch.Tensor, experts: int) -> ExpertPlan:
+def sort_by_expert(ids: torch.Tensor, counts: torch.Tensor, experts: int) -> ExpertPlan:
     """Group the pairs of ``ids [T, k]`` by expert (experts in id order, an expert's pairs in pair
-    order), each group padded to a multiple of BLOCK_M slots; one program, no host sync."""
+    order), each group padded to a multiple of BLOCK_M slots; ``counts``: :func:`route`'s. One
+    program per expert, no host sync."""
     pairs = ids.numel()
     slots = padded_length(pairs, experts)
     blocks = slots // BLOCK_M
     plan = ExpertPlan(torch.empty(slots, dtype=torch.int32, device=ids.device),
                       torch.empty(blocks, dtype=torch.int32, device=ids.device),
                       torch.empty(blocks, dtype=torch.int32, device=ids.device))
-    e_pad = max(16, _next_power_of_2(experts))
-    _kernels()._sort_by_expert_kernel[(1,)](ids.contiguous(), *plan, pairs, experts, blocks,
-                                            BLOCK_M=BLOCK_M, E_PAD=e_pad, TILE=max(16, 4096 // e_pad))
+    e_pad = counts.shape[1]
+    _kernels()._sort_by_expert_kernel[(experts,)](
+        ids.contiguous(), counts, *plan, pairs, counts.shape[0], blocks,
+        BLOCK_M=BLOCK_M, E_PAD=e_pad, GROUP_TILE=max(1, 4096 // e_pad), CHUNK=SORT_CHUNK)
     return plan
+
+
+def _experts_padded(experts: int) -> int:
+    return max(16, _next_power_of_2(experts))
 
 
 def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
@@ -116,8 +130,8 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down
     out = torch.empty_like(x)
     if t == 0:
         return out
-    weights, ids = route(x, router, top_k, normalize)  # [T, k] each
-    plan = sort_by_expert(ids, experts)
+    weights, ids, counts = route(x, router, top_k, normalize)  # [T, k] each
+    plan = sort_by_expert(ids, counts, experts)
     blocks = plan.block_experts.numel()
     ieee = x.dtype == torch.float32
     triton_moe = _kernels()

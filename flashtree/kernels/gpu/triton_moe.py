@@ -10,12 +10,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(x_ptr, gate_ptr, weights_ptr, ids_ptr, T, E, H, stride_x, stride_gate,
+def _route_kernel(x_ptr, gate_ptr, weights_ptr, ids_ptr, counts_ptr, T, E, H, stride_x, stride_gate,
                   TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                   E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """Router logits of BLOCK_M tokens (rounded to x's dtype, as a linear layer returns them), a
     float32 softmax over the experts, the TOP_K most probable (the lower id on a tie), renormalized
-    to sum 1 when NORMALIZE; writes weights (float32) and ids ``[T, TOP_K]``, by rank."""
+    to sum 1 when NORMALIZE; writes weights (float32) and ids ``[T, TOP_K]``, by rank, and how many
+    of these tokens' pairs each expert got (``counts [programs, E_PAD]``, this program's row)."""
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     experts = tl.arange(0, E_PAD)  # [EP]
     depth = tl.arange(0, BLOCK_K)  # [BK]
@@ -37,9 +38,12 @@ def _route_kernel(x_ptr, gate_ptr, weights_ptr, ids_ptr, T, E, H, stride_x, stri
     ranks = tl.arange(0, TOP_K_PAD)  # [KP]
     chosen = tl.zeros((BLOCK_M, TOP_K_PAD), dtype=tl.float32)
     chosen_ids = tl.zeros((BLOCK_M, TOP_K_PAD), dtype=tl.int32)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, axis=1)  # [BM]
         best_id = tl.min(tl.where(probs == best[:, None], experts[None, :], E_PAD), axis=1)  # [BM]
+        picked = (experts[None, :] == best_id[:, None]) & (tokens[:, None] < T)  # [BM, EP]
+        counts += tl.sum(picked.to(tl.int32), axis=0)
         chosen = tl.where(ranks[None, :] == j, best[:, None], chosen)
         chosen_ids = tl.where(ranks[None, :] == j, best_id[:, None], chosen_ids)
         probs = tl.where(experts[None, :] == best_id[:, None], -1.0, probs)  # (probabilities are >= 0)
@@ -49,44 +53,49 @@ def _route_kernel(x_ptr, gate_ptr, weights_ptr, ids_ptr, T, E, H, stride_x, stri
     keep = (tokens[:, None] < T) & (ranks[None, :] < TOP_K)
     tl.store(weights_ptr + out, chosen, mask=keep)
     tl.store(ids_ptr + out, chosen_ids, mask=keep)
+    tl.store(counts_ptr + tl.program_id(0) * E_PAD + experts, counts)
 
 
 @triton.jit
-def _sort_by_expert_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, block_rows_ptr, P, E, NUM_BLOCKS,
-                           BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, TILE: tl.constexpr):
-    """One program: counts pairs per expert, pads each count up to a multiple of BLOCK_M, and writes
-    each pair's index at its slot (experts in id order, an expert's pairs in pair order); then, per
-    block of BLOCK_M slots, its expert and real rows (-1 and 0 past the last expert's blocks)."""
+def _sort_by_expert_kernel(ids_ptr, counts_ptr, sorted_pairs_ptr, block_experts_ptr, block_rows_ptr, P, GROUPS,
+                           NUM_BLOCKS, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, GROUP_TILE: tl.constexpr,
+                           CHUNK: tl.constexpr):
+    """One program per expert e: the experts' pair counts (summed over the routing programs' rows of
+    ``counts [GROUPS, E_PAD]``) padded up to multiples of BLOCK_M give e's first slot (experts in id
+    order); e's pairs go to its slots in pair order, and its blocks get their expert and real rows.
+    Expert 0 also marks the blocks past the last expert's (-1, 0 rows)."""
+    expert = tl.program_id(0)
     experts = tl.arange(0, E_PAD)  # [EP]
-    lanes = tl.arange(0, TILE)  # [TILE]
+    groups = tl.arange(0, GROUP_TILE)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, P, TILE):
-        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < P, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    for g0 in range(0, GROUPS, GROUP_TILE):
+        rows = g0 + groups
+        counts += tl.sum(tl.load(counts_ptr + rows[:, None] * E_PAD + experts[None, :], mask=rows[:, None] < GROUPS,
+                                 other=0), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [EP]
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    seen = tl.zeros((E_PAD,), dtype=tl.int32)  # pairs of each expert placed so far
-    for p0 in range(0, P, TILE):
+    starts = tl.cumsum(padded, axis=0) - padded
+    start = tl.sum(tl.where(experts == expert, starts, 0), axis=0)  # this expert's first slot
+    count = tl.sum(tl.where(experts == expert, counts, 0), axis=0)
+    lanes = tl.arange(0, CHUNK)
+    placed = 0  # this expert's pairs placed so far
+    for p0 in range(0, P, CHUNK):
         pairs = p0 + lanes
-        ids = tl.load(ids_ptr + pairs, mask=pairs < P, other=-1)
-        hot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [TILE, EP]
-        before = tl.cumsum(hot, axis=0) - hot + seen[None, :]  # the expert's pairs ahead of this one
-        slot = tl.sum(hot * (starts[None, :] + before), axis=1)  # [TILE]
-        tl.store(sorted_pairs_ptr + slot, pairs, mask=pairs < P)
-        seen += tl.sum(hot, axis=0)
-    for b0 in range(0, NUM_BLOCKS, TILE):
-        blocks = b0 + lanes
-        first = blocks * BLOCK_M  # [TILE] the block's first slot
-        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)  # experts whose slots end before it
-        is_owner = experts[None, :] == owner[:, None]  # [TILE, EP]
-        owner_start = tl.sum(tl.where(is_owner, starts[None, :], 0), axis=1)
-        owner_count = tl.sum(tl.where(is_owner, counts[None, :], 0), axis=1)
-        rows = tl.minimum(owner_count - (first - owner_start), BLOCK_M)
-        used = first < total
-        tl.store(block_experts_ptr + blocks, tl.where(used, owner, -1), mask=blocks < NUM_BLOCKS)
-        tl.store(block_rows_ptr + blocks, tl.where(used, rows, 0), mask=blocks < NUM_BLOCKS)
+        mine = (tl.load(ids_ptr + pairs, mask=pairs < P, other=-1) == expert).to(tl.int32)  # [CHUNK]
+        slot = start + placed + tl.cumsum(mine, axis=0) - mine
+        tl.store(sorted_pairs_ptr + slot, pairs, mask=mine != 0)
+        placed += tl.sum(mine, axis=0)
+    first_block = start // BLOCK_M
+    for b0 in range(0, count, BLOCK_M * CHUNK):  # its blocks (none without pairs)
+        block = b0 // BLOCK_M + lanes
+        rows = tl.minimum(count - block * BLOCK_M, BLOCK_M)
+        tl.store(block_experts_ptr + first_block + block, expert + 0 * block, mask=rows > 0)
+        tl.store(block_rows_ptr + first_block + block, rows, mask=rows > 0)
+    if expert == 0:
+        used = tl.sum(padded, axis=0) // BLOCK_M
+        for b0 in range(used, NUM_BLOCKS, CHUNK):
+            block = b0 + lanes
+            tl.store(block_experts_ptr + block, -1 + 0 * block, mask=block < NUM_BLOCKS)
+            tl.store(block_rows_ptr + block, 0 * block, mask=block < NUM_BLOCKS)
 
 
 @triton.jit
