@@ -2,7 +2,8 @@
 
 Each token's router logits (a linear map to the experts) go through a float32 softmax; its
 ``num_experts_per_tok`` most probable experts run (renormalized to sum 1 when the checkpoint says
-``norm_topk_prob``), and their SwiGLU outputs, weighted, are added in expert order. Module names
+``norm_topk_prob``), and their SwiGLU outputs, weighted, are added (in expert order on the
+reference path, in rank order on the fused one). Module names
 follow the checkpoints (``mlp.gate.weight``, ``mlp.experts.N.{gate,up,down}_proj.weight``).
 
 Two paths give the same values up to rounding. With the Triton kernels on (the model's ``kernels``
