@@ -1,8 +1,8 @@
 """DFlash2Drafter: the second-generation DFlash drafter (``DFlash2DraftModel``), and its loading.
 
-Learned from the public implementations (vLLM ``qwen3_dflash2.py`` and its DFlash2 speculator,
-llama.cpp ``dflash.cpp``, SGLang's DFLASH worker, the z-lab checkpoint fixtures); written here
-in our own terms. Everything a first-generation drafter does (``dflash.py``) stays: the context
+Learned from the public implementations (vLLM's ``qwen3_dflash2.py`` and DFlash2 speculator,
+llama.cpp's ``dflash.cpp``, the z-lab DFlash2 config and tensor-header fixtures; SGLang's code was
+not at hand, only its PR's description); written here in our own terms. Everything a first-generation drafter does (``dflash.py``) stays: the context
 features -> ``fc`` -> ``hidden_norm`` -> per-layer context K/V, the block ``[bonus, MASK x (b-1)]``
 at positions ``start .. start+b-1`` with non-causal attention over context + block, the final
 ``norm``, the target's embedding and lm_head. DFlash2 adds:
