@@ -324,9 +324,11 @@ class LLMEngine:
         return launched, started, captured or after_idle or first_of_option
 
     def _allotment(self, rows: Sequence[Request], nodes: int) -> RowAllotment | None:
-        """Per-row budgets from each row's own tree for an eager drafted tree round, by the policy's
-        cost curve (the verify forward is padded to the widest row); None: every row keeps ``nodes``."""
-        if nodes == 0 or self.proposer.chain or self.runner.graphs is not None:
+        """Per-row budgets from each row's own tree for a drafted tree round, by the policy's cost curve;
+        None: every row keeps ``nodes``. On a CPU only: there the verify forward narrows to the widest
+        row (padded layout); a CUDA round's forward stays [B, nodes + 1] (one graph per node count)
+        until the ragged verify forward, so fewer nodes would save nothing there."""
+        if nodes == 0 or self.proposer.chain or self.device.type != "cpu":
             return None
         costs = self.policy.round_costs(len(rows), nodes)
         return None if costs is None else RowAllotment(torch.tensor(costs, device=self.device), padded=True)

@@ -10,7 +10,8 @@ Glossary
 - bonus token: the newest output token, chosen by the target and not yet run through it: the root.
 - lag: tokens whose drafter features a row has deferred so far (``speculative/drafter.py``).
 
-1. propose: the proposer's trees ``[B, N]`` rooted at each row's bonus token (plain: the root alone).
+1. propose: the proposer's trees ``[B, N]`` rooted at each row's bonus token (plain: the root alone);
+   with a row allotment each row keeps the best of its own tree's nodes (``policy/row_budgets.py``).
 2. verify: one target forward over every tree, each node at position start + depth, attending to
    the committed context and its ancestors; the target's own choice at every node (argmax, or a
    keyed sample: ``flashtree/sampling.py``).

@@ -25,7 +25,7 @@ class PlainProposer:
     def __init__(self):
         self.lag = DrafterLag(capacity=0)
 
-    def propose(self, rows: RoundRows, nodes: int = 0, refine=None) -> DraftTree:
+    def propose(self, rows: RoundRows, nodes: int = 0, refine=None, allot=None) -> DraftTree:
         return root_only_tree(rows.bonus)
 
     def context_entry_bytes(self) -> int:
