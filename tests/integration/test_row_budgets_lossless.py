@@ -142,3 +142,24 @@ def test_the_adaptive_default_allots_and_stays_lossless(pair, plain, monkeypatch
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
     drafted = sum(n for nodes, n in llm.engine.rounds_by_nodes.items() if nodes)
     assert drafted and calls, (dict(llm.engine.rounds_by_nodes), len(calls))
+
+
+def test_narrowed_rounds_keep_logprobs_penalties_and_traces(pair, plain, monkeypatch, tmp_path):
+    """Rounds narrowed to their widest row (per-row budgets on a CPU) with per-token log-probabilities,
+    a repetition penalty and a tree trace: the same tokens and log-probabilities as plain decoding,
+    and every traced tree holds its row's nodes only."""
+    import json
+
+    trace = tmp_path / "trees.jsonl"
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, trace_trees=str(trace),
+              **ENGINE)
+    with_allotment(llm, monkeypatch, RotatingBudgets())
+    prompts = [PROMPTS[i] for i in (0, 2, 3)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2, repetition_penalty=1.3)
+    got, want = llm.generate(prompts, params), plain.generate(prompts, params)
+    for out, ref in zip(got, want):
+        assert out.token_ids == ref.token_ids
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+    llm.engine.close_traces()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert records and {len(r["tokens"]) - 1 for r in records} >= {0, 1, BUDGET}, records[:3]

@@ -162,3 +162,25 @@ def test_cost_curve_interpolates_and_extends_flat():
     assert cost_curve({4: 2.0}, 2) == [2.0, 2.0, 2.0]
     with pytest.raises(ValueError):
         cost_curve({}, 3)
+
+
+def test_the_adaptive_policy_offers_its_cost_curve_by_verified_width():
+    """Drafted rounds' times by the entries per row they verified, at rows x width tokens, linear in
+    between and flat past the widest; the plain round's time is the floor of the narrowest; none for
+    plain rounds, fixed counts, or before anything was timed."""
+    from flashtree.policy import AdaptivePolicy, FixedNodes
+
+    policy = AdaptivePolicy((8, 4, 0))
+    assert policy.round_costs(2, 8) is None  # nothing timed yet
+    policy.record(2, 0, 0.010, None)  # a plain round: 10 ms
+    assert policy.round_costs(2, 0) is None
+    assert policy.round_costs(2, 8) == pytest.approx([0.010] * 19)  # plain only: flat
+    policy.record_width(2, 5, 0.018)  # a drafted round, widest row 4 nodes: 18 ms at 10 tokens
+    curve = policy.round_costs(2, 8)
+    assert len(curve) == 2 * 9 + 1
+    assert curve[2] == pytest.approx(0.010) and curve[10] == pytest.approx(0.018)
+    assert curve[6] == pytest.approx(0.014) and curve[18] == pytest.approx(0.018)
+    policy.record_width(2, 1, 0.016)  # a drafted round of roots only costs the drafter pass too
+    assert policy.round_costs(2, 8)[2] == pytest.approx(0.016)
+    assert policy.round_costs(3, 8) is None  # another rows bucket (4): nothing timed there
+    assert FixedNodes(8).round_costs(2, 8) is None
