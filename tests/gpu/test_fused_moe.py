@@ -76,7 +76,7 @@ def test_a_moe_forward_replays_as_a_cuda_graph():
         graph.replay()
         replayed = captured.clone()
         eager = model(_decode_batch(ids.clone(), lengths.clone()), cache).logits
-        assert torch.equal(replayed, eager)
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)  # (cuBLAS may pick other kernels eagerly)
     assert not torch.equal(replayed[0], replayed[2])  # the inputs reached the graph
 
 
