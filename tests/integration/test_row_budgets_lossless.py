@@ -11,7 +11,12 @@ import torch
 import flashtree.engine.round as round_module
 from flashtree import LLM, SamplingParams
 from flashtree.policy.row_budgets import allot_budgets
-from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401 (one_thread: a fixture)
+from tests.dflash_helpers import (  # noqa: F401 (one_thread: a fixture)
+    assert_first_tokens_match_target,
+    one_thread,
+    sample_first_tokens,
+    tiny_pair,
+)
 from tests.support.workload import BLOCK, ENGINE, PROMPTS, SAMPLE_ENGINE, SAMPLE_PROMPT, VOCAB, mixed_params
 
 BUDGET = 8
@@ -122,6 +127,18 @@ def test_seeded_sampling_with_mixed_budgets_equals_plain(small, monkeypatch, row
     got = ddtree.generate(many, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(many, params)]
     assert {0, 1, BUDGET} <= {b for budgets in rule.rounds for b in budgets}
+
+
+def test_sampled_tokens_with_mixed_budgets_follow_the_target(small, monkeypatch):
+    """3000 seeded requests in rounds whose rows keep 0, 1, 2 or all of their nodes: the first three
+    tokens follow the target's exact distribution (chi-square)."""
+    pair, _ = small
+    ddtree = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, **SAMPLE_ENGINE)
+    rule = RotatingBudgets()
+    with_allotment(ddtree, monkeypatch, rule)
+    samples = sample_first_tokens(ddtree, SAMPLE_PROMPT, range(3000), temperature=1.0)
+    assert_first_tokens_match_target(samples, pair.hf, SAMPLE_PROMPT, temperature=1.0)
+    assert any(len(set(budgets)) >= 3 for budgets in rule.rounds)
 
 
 def test_the_adaptive_default_allots_and_stays_lossless(pair, plain, monkeypatch):
