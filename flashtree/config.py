@@ -10,6 +10,7 @@
 | :class:`SchedulerConfig` | continuous batching: running and waiting requests, prefill chunks, queued rounds, grammars |
 | :class:`KernelConfig` | which kernels and execution paths run (each one can be switched off to compare) |
 | :class:`TraceConfig` | trace files; tracing observes and never changes what runs |
+| :class:`ParallelConfig` | tensor parallelism: how many processes (one per device) hold the target's shards |
 
 Every field has a command-line flag of the same meaning (``flashtree generate --help`` lists them
 with their defaults). :meth:`EngineConfig.of` builds a config from flat keyword arguments (the
@@ -238,6 +239,19 @@ class TraceConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # processes (one per device) that each hold 1/N of the target's heads,
+    # MLP width and vocabulary (engine/tp_executor.py); 1: one process, no collectives
+    worker_timeout_s: float = 600.0  # a collective that waits this long for a tensor-parallel worker fails
+
+    def __post_init__(self) -> None:
+        _check_positive_ints(self, "tensor_parallel_size")
+        timeout = self.worker_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, float | int) or timeout <= 0:
+            raise ConfigError(f"worker_timeout_s must be a number of seconds > 0, got {timeout!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     target: TargetConfig = TargetConfig()
     speculation: SpeculationConfig = SpeculationConfig()
@@ -245,6 +259,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     kernels: KernelConfig = KernelConfig()
     trace: TraceConfig = TraceConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @classmethod
     def of(cls, spec: SpeculationConfig | None = None, **flat) -> "EngineConfig":
@@ -262,7 +277,7 @@ class EngineConfig:
 
 
 SECTIONS = {"target": TargetConfig, "speculation": SpeculationConfig, "cache": CacheConfig,
-            "scheduler": SchedulerConfig, "kernels": KernelConfig, "trace": TraceConfig}
+            "scheduler": SchedulerConfig, "kernels": KernelConfig, "trace": TraceConfig, "parallel": ParallelConfig}
 # flat keyword -> (section, field); the flat name is the field's, except where a prefix says what it is
 _RENAMED = {("speculation", "adaptive"): "adaptive_spec", ("speculation", "policy"): "spec_policy",
             ("trace", "trees"): "trace_trees", ("trace", "policy"): "trace_policy", ("trace", "steps"): "trace_steps"}

@@ -17,6 +17,7 @@ from flashtree.config import (
     CacheConfig,
     EngineConfig,
     KernelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculationConfig,
     TargetConfig,
@@ -136,6 +137,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                          help="exact per-stage times: synchronizes the device around stages, so rounds run "
                               "eagerly (no CUDA graphs); a profiling mode, not for serving")
 
+    parallel = parser.add_argument_group("tensor parallelism (ParallelConfig)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=ParallelConfig.tensor_parallel_size,
+                          metavar="N", help="split the target's heads, MLP width and vocabulary over N processes, one "
+                                            "per device (cuda:0 .. cuda:N-1, or N CPU processes); the engine starts them")
+    parallel.add_argument("--worker-timeout", dest="worker_timeout_s", type=float,
+                          default=ParallelConfig.worker_timeout_s, metavar="SECONDS",
+                          help="a collective that waits this long for a tensor-parallel worker fails the engine")
+
     trace = parser.add_argument_group("traces (TraceConfig): they observe and never change what runs")
     trace.add_argument("--trace-trees", default=TraceConfig.trees, metavar="FILE",
                        help="write each round's trees and accepted paths as JSON lines")
@@ -153,7 +162,7 @@ ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_
                 "kv_pages", "gpu_memory_utilization", "prefix_caching", "max_running",
                 "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
                 "grammar_backend", *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps",
-                "recent_trees")
+                "recent_trees", "tensor_parallel_size", "worker_timeout_s")
 
 
 def speculation_from_args(args: argparse.Namespace) -> SpeculationConfig:

@@ -20,6 +20,7 @@ waits longer before the next probe.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ from flashtree.engine.runner import LaunchedRound, ModelRunner, RoundResult, rou
 from flashtree.engine.scheduler import PageBudget, Scheduler
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.token_state import SlotTokenState
+from flashtree.engine.tp_executor import TensorParallelExecutor
 from flashtree.engine.traces import PolicyTracer, RecentTrees, StepTracer, TreeTracer
 from flashtree.errors import ConfigError, RequestError
 from flashtree.grammar.backends import Grammars
@@ -76,7 +78,9 @@ class LLMEngine:
         self.device = resolve_device(config.target.device)
         self.dtype = resolve_dtype(config.target.dtype, self.device)
         t0 = time.perf_counter()
-        self.model, self.tokenizer = target or load_target(config, self.device, self.dtype)
+        self.executor = self._start_executor(target)
+        self.model, self.tokenizer = (target or load_target(config, self.device, self.dtype) if self.executor is None
+                                      else self.executor.target)
         self.proposer = make_proposer(config, self.model, self.tokenizer)
         self.lag = self.proposer.lag
         self.pages = self._make_pages()
@@ -91,6 +95,8 @@ class LLMEngine:
         tree_tracer = TreeTracer(config.trace.trees) if config.trace.trees else None
         if config.trace.recent_trees:
             tree_tracer = RecentTrees(config.trace.recent_trees, then=tree_tracer)
+        if self.executor is not None:  # (a replayed graph would skip the commands to the workers)
+            kernels = dataclasses.replace(kernels, cuda_graphs=False)
         self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, kernels, tree_tracer,
                                   pad_slot=scheduling.max_running)
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)
@@ -116,6 +122,14 @@ class LLMEngine:
         self.graph_capture_seconds = self._capture_graphs()
         self._captures_at_start = self.runner.graphs.captures if self.runner.graphs is not None else 0
         self.load_seconds = time.perf_counter() - t0
+
+    def _start_executor(self, target: LoadedTarget | None) -> TensorParallelExecutor | None:
+        """With ``tensor_parallel_size`` > 1: the workers, started, and rank 0's shard of the target."""
+        if self.config.parallel.tensor_parallel_size == 1:
+            return None
+        if target is not None:
+            raise ConfigError("a loaded target cannot be shared with a tensor-parallel engine: it loads its own shards")
+        return TensorParallelExecutor(self.config, self.device, self.dtype)
 
     @property
     def graph_counts(self) -> tuple[int, int]:
@@ -149,7 +163,8 @@ class LLMEngine:
         per_request = pages_for(cache.max_context + span, cache.page_size)
         requests = cache.kv_pages or self._pages_in_memory() or scheduling.max_running * per_request
         pool = PagePool(1 + pages_for(span, cache.page_size) + requests)
-        pages = PageTable(pool, scheduling.max_running + 1, cache.max_context + widest, cache.page_size, self.device)
+        table = PageTable if self.executor is None else self.executor.page_table  # (its writes reach the workers)
+        pages = table(pool, scheduling.max_running + 1, cache.max_context + widest, cache.page_size, self.device)
         pages.ensure([scheduling.max_running], [span])
         return pages
 
@@ -176,7 +191,10 @@ class LLMEngine:
         scratch = max(self.proposer.max_nodes + 1, config.scheduler.prefill_chunk)
         spec = KVCacheSpec(cfg.num_hidden_layers, config.scheduler.max_running + 1, config.cache.max_context,
                            scratch, cfg.num_key_value_heads, cfg.head_dim, config.cache.page_size)
-        cache = KVCache(spec, self.dtype, self.device, self.pages)
+        if self.executor is None:
+            cache = KVCache(spec, self.dtype, self.device, self.pages)
+        else:  # each rank's cache holds its KV heads (the shard's config); commits run on every rank
+            cache = self.executor.make_cache(spec, self.dtype)
         cache.commit_kernel = (config.kernels.gpu_kernels and config.kernels.triton_tree
                                and gpu_kernels.usable_on(cache.storage))
         return cache

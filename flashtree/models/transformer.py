@@ -396,7 +396,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         if self.rope is None:
             self.setup_rope(self.config.max_position_embeddings)
         self.rope.ensure(int(batch.kv_len) + 1)
-        x = self.embed(batch.input_ids)  # [B, N, hidden]
+        x = self.input_embedding(batch.input_ids)  # [B, N, hidden]
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, N, head_dim]
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
         if self.uses_kernel_attention(batch.num_new, batch.prefill):
@@ -428,7 +428,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, M, hidden]
-        return ForwardOutput(logits=self.head(self.final_norm(x)), hidden=hidden)
+        return ForwardOutput(logits=self.output_logits(self.final_norm(x)), hidden=hidden)
 
     def _run_layer_stack(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                          write_index: tuple[torch.Tensor, torch.Tensor], keepers: dict,
@@ -460,6 +460,11 @@ class CausalLM(FusedKernelSwitch, nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on already-normed hidden states (the drafter uses the target's head)."""
         return product(self.kernels)(hidden, self.lm_head.weight, None, self.lm_head_quant).float()
+
+    # the forward's own embedding and head; a tensor-parallel shard's look up and score its slice of the
+    # vocabulary (models/parallel.py), while embed and head stay the whole vocabulary's (the drafter's)
+    input_embedding = embed
+    output_logits = head
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.model.norm
