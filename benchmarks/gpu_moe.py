@@ -13,7 +13,8 @@
    touched expert, each read once) and time / floor. ``--reference`` also times the host-routed
    reference path (experts one after another, eager) at each N, the path the fused kernels replace.
 3. The first MoE layer's fused call alone at each N (graph-replayed) against its floor (the router
-   and the touched experts); ``--sweep`` also times it by the grouped products' tiles.
+   and the touched experts), with each kernel's device time (torch.profiler); ``--sweep`` also
+   times it by the grouped products' tiles.
 
 Random weights route near-uniformly, so N tokens touch about as many experts as they can: a real
 model's routing is more skewed (fewer experts, a lower floor).
@@ -146,6 +147,23 @@ def timed_ms(fn, reps: int, graphed: bool, device: torch.device) -> float:
     return (time.perf_counter() - start) * 1000 / reps
 
 
+def kernel_us(fn, reps: int) -> dict[str, float]:
+    """Device microseconds per call of ``fn()`` by kernel name (torch.profiler, eager calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
+            times[event.key[:60]] = event.self_device_time_total / reps
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
 def layer_rows(model, tokens: list[int], reps: int, bandwidth: float, expert: int, sweep: bool) -> list[dict]:
     """The first MoE layer's fused call alone on N random tokens, graph-replayed: the experts its
     routing touches, ms, the floor (router + touched experts) and, with ``sweep``, ms by the tiles of
@@ -164,6 +182,11 @@ def layer_rows(model, tokens: list[int], reps: int, bandwidth: float, expert: in
         row = {"tokens": n, "experts_touched": touched, "floor_ms": (router + touched * expert) / bandwidth * 1000,
                "ms": timed_ms(lambda: moe(x), reps, graphed, device)}  # noqa: B023 (timed at once)
         row["time_over_floor"] = row["ms"] / row["floor_ms"]
+        if graphed:
+            try:
+                row["kernels_us"] = kernel_us(lambda: moe(x), reps)  # noqa: B023
+            except Exception as err:  # noqa: BLE001 (a profiler that cannot read the device: the rest still runs)
+                row["kernels_us"] = {"error": repr(err)}
         for name, index in (("gate_up", 0), ("down", 1)):
             for tiles in choices:
                 picked = list(defaults)

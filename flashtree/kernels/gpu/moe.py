@@ -1,14 +1,15 @@
 """The fused mixture-of-experts MLP on CUDA: routing, the grouped expert products and the sum, with
 no host sync (so a MoE target's rounds replay as CUDA graphs).
 
-:func:`fused_moe` runs five kernels (``triton_moe.py``):
+:func:`fused_moe` runs six kernels (``triton_moe.py``), five for one token:
 
-1. :func:`route`: each token's router logits, a float32 softmax over the experts, its ``top_k``
+1. :func:`route`: each token's router logits, then a float32 softmax over the experts, its ``top_k``
    experts by rank (renormalized to sum 1 with ``normalize``), as ``SparseMoE.route`` chooses them;
 2. :func:`sort_by_expert`: the token-expert *pairs* grouped by expert on the device (one program
    per expert, from the pair counts the routing programs write), each expert's group padded to a
    multiple of :data:`BLOCK_M`, inside a fixed bound (:func:`padded_length`) so the shapes depend
-   only on the token count;
+   only on the token count; a lone token's pairs (distinct experts) get a block each from the
+   routing instead;
 3. gate + up: one grouped product per block of BLOCK_M pairs of one expert against its rows of the
    stacked ``gate_up [E, 2I, H]``, then ``silu(gate) * up``;
 4. down: the same against ``down [E, H, I]``, each pair's row scaled by its routing weight (float32);
@@ -32,6 +33,7 @@ from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 
 BLOCK_M, BLOCK_K = 16, 64  # every grouped product's rows per block and reduction step (a token's arithmetic)
 ROUTE_BLOCK_M = 16  # tokens per routing program
+ROUTER_BLOCK_E = 16  # experts per router-logits program
 SUM_BLOCK = 1024  # columns per program of the rank-order sum
 SORT_CHUNK = 1024  # pairs a grouping program reads at a time
 
@@ -70,26 +72,43 @@ def padded_length(pairs: int, experts: int) -> int:
     return -(-slots // BLOCK_M) * BLOCK_M
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
+          plan: ExpertPlan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights ``[T, k]`` float32, expert ids ``[T, k]`` int32, pair counts ``[programs, E_PAD]``)
     for tokens x ``[T, H]`` and router weight ``[E, H]``: the float32 softmax of the logits (rounded
     to x's dtype first), its ``top_k`` largest by rank (the lower id on a tie), renormalized to sum
-    1 when ``normalize``; each routing program's row of counts says how many of its tokens' pairs
-    each expert got (:func:`sort_by_expert` adds them up)."""
+    1 when ``normalize``; each selecting program's row of counts says how many of its tokens' pairs
+    each expert got (:func:`sort_by_expert` adds them up). ``plan`` (one token only, ``top_k``
+    blocks): filled with one block per pair, so no grouping is needed. Two kernels: the logits
+    (programs over tokens x experts, so one token's router read is spread out), the selection."""
     t, hidden = x.shape
     experts = router.shape[0]
     e_pad = _experts_padded(experts)
     programs = -(-t // ROUTE_BLOCK_M)
+    logits = torch.empty(t, e_pad, dtype=torch.float32, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     counts = torch.empty(programs, e_pad, dtype=torch.int32, device=x.device)
+    if plan is not None and (t != 1 or plan.block_experts.numel() != top_k):
+        raise ValueError(f"route: a plan of one block per pair needs one token and {top_k} blocks, "
+                         f"got {t} tokens and {plan.block_experts.numel()} blocks")
     if t:
-        _kernels()._route_kernel[(programs,)](
-            x, router, weights, ids, counts, t, experts, hidden, x.stride(0), router.stride(0),
+        triton_moe = _kernels()
+        triton_moe._router_logits_kernel[(programs, -(-experts // ROUTER_BLOCK_E))](
+            x, router, logits, t, experts, hidden, x.stride(0), router.stride(0), logits.stride(0),
+            BLOCK_M=ROUTE_BLOCK_M, BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32)
+        triton_moe._select_experts_kernel[(programs,)](
+            logits, weights, ids, counts, *(plan or (ids, ids, ids)), t, experts, logits.stride(0),
             TOP_K=top_k, TOP_K_PAD=_next_power_of_2(top_k), NORMALIZE=normalize, BLOCK_M=ROUTE_BLOCK_M,
-            E_PAD=e_pad, BLOCK_K=64, IEEE=x.dtype == torch.float32)
+            E_PAD=e_pad, PLAN_M=BLOCK_M, PAIR_BLOCKS=plan is not None)
     return weights, ids, counts
+
+
+def _empty_plan(slots: int, device: torch.device) -> ExpertPlan:
+    blocks = slots // BLOCK_M
+    return ExpertPlan(torch.empty(slots, dtype=torch.int32, device=device),
+                      torch.empty(blocks, dtype=torch.int32, device=device),
+                      torch.empty(blocks, dtype=torch.int32, device=device))
 
 
 def sort_by_expert(ids: torch.Tensor, counts: torch.Tensor, experts: int) -> ExpertPlan:
@@ -97,14 +116,10 @@ def sort_by_expert(ids: torch.Tensor, counts: torch.Tensor, experts: int) -> Exp
     order), each group padded to a multiple of BLOCK_M slots; ``counts``: :func:`route`'s. One
     program per expert, no host sync."""
     pairs = ids.numel()
-    slots = padded_length(pairs, experts)
-    blocks = slots // BLOCK_M
-    plan = ExpertPlan(torch.empty(slots, dtype=torch.int32, device=ids.device),
-                      torch.empty(blocks, dtype=torch.int32, device=ids.device),
-                      torch.empty(blocks, dtype=torch.int32, device=ids.device))
+    plan = _empty_plan(padded_length(pairs, experts), ids.device)
     e_pad = counts.shape[1]
     _kernels()._sort_by_expert_kernel[(experts,)](
-        ids.contiguous(), counts, *plan, pairs, counts.shape[0], blocks,
+        ids.contiguous(), counts, *plan, pairs, counts.shape[0], plan.block_experts.numel(),
         BLOCK_M=BLOCK_M, E_PAD=e_pad, GROUP_TILE=max(1, 4096 // e_pad), CHUNK=SORT_CHUNK)
     return plan
 
@@ -130,8 +145,12 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down
     out = torch.empty_like(x)
     if t == 0:
         return out
-    weights, ids, counts = route(x, router, top_k, normalize)  # [T, k] each
-    plan = sort_by_expert(ids, counts, experts)
+    if t == 1:  # one token's experts are distinct: one block per pair, no grouping
+        plan = _empty_plan(padded_length(top_k, experts), x.device)
+        weights, ids, _ = route(x, router, top_k, normalize, plan)  # [1, k] each
+    else:
+        weights, ids, counts = route(x, router, top_k, normalize)  # [T, k] each
+        plan = sort_by_expert(ids, counts, experts)
     blocks = plan.block_experts.numel()
     ieee = x.dtype == torch.float32
     triton_moe = _kernels()

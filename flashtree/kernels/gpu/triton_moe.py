@@ -10,31 +10,46 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(x_ptr, gate_ptr, weights_ptr, ids_ptr, counts_ptr, T, E, H, stride_x, stride_gate,
-                  TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                  E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """Router logits of BLOCK_M tokens (rounded to x's dtype, as a linear layer returns them), a
-    float32 softmax over the experts, the TOP_K most probable (the lower id on a tie), renormalized
-    to sum 1 when NORMALIZE; writes weights (float32) and ids ``[T, TOP_K]``, by rank, and how many
-    of these tokens' pairs each expert got (``counts [programs, E_PAD]``, this program's row)."""
+def _router_logits_kernel(x_ptr, gate_ptr, logits_ptr, T, E, H, stride_x, stride_gate, stride_logits,
+                          BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """Router logits of BLOCK_M tokens for BLOCK_E experts, K in BLOCK_K steps from 0 up, float32
+    accumulation, rounded to x's dtype (as a linear layer returns them) and stored as float32."""
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    experts = tl.arange(0, E_PAD)  # [EP]
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
     depth = tl.arange(0, BLOCK_K)  # [BK]
-    acc = tl.zeros((BLOCK_M, E_PAD), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + depth
         x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_x + k[None, :],
                     mask=(tokens[:, None] < T) & (k[None, :] < H), other=0.0)  # [BM, BK]
         g = tl.load(gate_ptr + experts[:, None] * stride_gate + k[None, :],
-                    mask=(experts[:, None] < E) & (k[None, :] < H), other=0.0)  # [EP, BK]
+                    mask=(experts[:, None] < E) & (k[None, :] < H), other=0.0)  # [BE, BK]
         if IEEE:
             acc = tl.dot(x, tl.trans(g), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(g), acc)
     logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    logits = tl.where(experts[None, :] < E, logits, float("-inf"))  # [BM, EP]
+    tl.store(logits_ptr + tokens[:, None] * stride_logits + experts[None, :], logits,
+             mask=(tokens[:, None] < T) & (experts[None, :] < E))
+
+
+@triton.jit
+def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, block_experts_ptr,
+                           block_rows_ptr, T, E, stride_logits, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+                           NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                           PLAN_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """A float32 softmax over BLOCK_M tokens' router logits, the TOP_K most probable experts (the
+    lower id on a tie), renormalized to sum 1 when NORMALIZE; writes weights (float32) and ids
+    ``[T, TOP_K]``, by rank, and how many of these tokens' pairs each expert got (``counts
+    [programs, E_PAD]``, this program's row). PAIR_BLOCKS (one token: its experts are distinct)
+    also writes the plan of one block of PLAN_M slots per pair, in rank order."""
+    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    experts = tl.arange(0, E_PAD)  # [EP]
+    logits = tl.load(logits_ptr + tokens[:, None] * stride_logits + experts[None, :],
+                     mask=(tokens[:, None] < T) & (experts[None, :] < E), other=float("-inf"))  # [BM, EP]
     probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = probs / tl.sum(probs, axis=1)[:, None]
+    probs = tl.where(experts[None, :] < E, probs, -1.0)  # (rows past T are all -inf: NaN, never stored)
     ranks = tl.arange(0, TOP_K_PAD)  # [KP]
     chosen = tl.zeros((BLOCK_M, TOP_K_PAD), dtype=tl.float32)
     chosen_ids = tl.zeros((BLOCK_M, TOP_K_PAD), dtype=tl.int32)
@@ -54,6 +69,10 @@ def _route_kernel(x_ptr, gate_ptr, weights_ptr, ids_ptr, counts_ptr, T, E, H, st
     tl.store(weights_ptr + out, chosen, mask=keep)
     tl.store(ids_ptr + out, chosen_ids, mask=keep)
     tl.store(counts_ptr + tl.program_id(0) * E_PAD + experts, counts)
+    if PAIR_BLOCKS:  # pair p (= its rank, of token 0) in block p, alone
+        tl.store(sorted_pairs_ptr + out * PLAN_M, out, mask=keep)
+        tl.store(block_experts_ptr + out, chosen_ids, mask=keep)
+        tl.store(block_rows_ptr + out, 1 + 0 * out, mask=keep)
 
 
 @triton.jit
