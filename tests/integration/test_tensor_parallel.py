@@ -2,7 +2,7 @@
 single-process forward (logits within 1e-5 in fp32, captured hidden states, KV reads of earlier
 forwards, random weights drawn alike), and an engine with ``tensor_parallel_size=2`` gives the
 single-process engine's greedy tokens and acceptance lengths for plain decoding, DFlash and DDTree
-(prefix caching and the adaptive policy included); a worker killed or stopped makes the engine raise
+(prefix caching and the adaptive policy included), a MoE target too (experts replicated); a worker killed or stopped makes the engine raise
 a TensorParallelError within a bounded time, and no call hangs after that."""
 
 from __future__ import annotations
@@ -181,3 +181,18 @@ def test_lost_worker_raises_a_clear_error(pair, how):
     assert not worker.is_alive()  # (a stopped worker is killed)
     with pytest.raises(TensorParallelError):  # the engine refuses further work at once
         llm.generate(PROMPTS[:1], params)
+
+
+def test_moe_target_keeps_its_experts_whole_on_every_rank(tmp_path):
+    from tests.helpers import tiny_hf_model
+
+    tiny_hf_model("qwen3_moe", vocab_size=40).save_pretrained(tmp_path)
+    settings = {"max_context": 64, "max_running": 4}
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = LLM(str(tmp_path), **settings).generate(PROMPTS[:3], params)
+    parallel = LLM(str(tmp_path), tensor_parallel_size=2, **settings)
+    try:
+        got = parallel.generate(PROMPTS[:3], params)
+    finally:
+        parallel.engine.executor.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
