@@ -46,7 +46,7 @@ def differing(a: list[list[int]], b: list[list[int]]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="a model directory or GGUF (or --qwen3-8b-shape)")
     parser.add_argument("--draft", default=None, help="the drafter (default: the model's default drafter)")
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--qwen3-8b-shape", metavar="DIR", help="write the 8B-shape configs under DIR first")
@@ -62,6 +62,8 @@ def main() -> None:
     if args.qwen3_8b_shape:
         args.model = str(write_config(Path(args.qwen3_8b_shape) / "target", QWEN3_8B))
         args.draft = str(write_config(Path(args.qwen3_8b_shape) / "drafter", QWEN3_8B_DFLASH))
+    if not args.model:
+        parser.error("--model or --qwen3-8b-shape is required")
     batches = [int(b) for b in args.batches.split(",")]
     common = {"dtype": args.dtype, "device": args.device, "exact": args.exact, "random_weights": args.random_weights,
               "max_running": max(batches), "max_context": 1024, "adaptive_spec": False}
@@ -70,6 +72,13 @@ def main() -> None:
     count = max(max(batches), -(-args.tokens // args.max_tokens))
     prompts = prompts_for(count, vocab, seed=0)
     reference, rows = {}, []
+
+    def save() -> None:  # after every row: a run cut short still leaves its rows
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                                              "torch": torch.__version__, "model": args.model, "exact": args.exact,
+                                              "rows": rows}, indent=1))
+
     for batch in batches:
         n = max(count, batch) // batch * batch
         tokens, seconds = run(plain, prompts[:n], batch, args.max_tokens)
@@ -83,6 +92,7 @@ def main() -> None:
                      "differ_vs_batch_1": differing(tokens, reference[batches[0]]),
                      "copy_pairs_differing": differing(copy_tokens[:half], copy_tokens[half:])})
         print(json.dumps(rows[-1]), flush=True)
+        save()
     del plain
     for method in filter(None, args.methods.split(",")):
         name, _, budget = method.partition(":")
@@ -94,10 +104,8 @@ def main() -> None:
                          "seconds": seconds, "differ_vs_plain": differing(tokens, reference[batch]),
                          "differ_vs_plain_batch_1": differing(tokens, reference[batches[0]][:n])})
             print(json.dumps(rows[-1]), flush=True)
+            save()
         del llm
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
-                                          "model": args.model, "exact": args.exact, "rows": rows}, indent=1))
     exact = all(r.get(k, 0) == 0 for r in rows for k in ("differ_pass_to_pass", "differ_vs_batch_1",
                                                          "copy_pairs_differing", "differ_vs_plain",
                                                          "differ_vs_plain_batch_1"))
