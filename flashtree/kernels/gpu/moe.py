@@ -33,7 +33,8 @@ from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 
 BLOCK_M, BLOCK_K = 16, 64  # every grouped product's rows per block and reduction step (a token's arithmetic)
 ROUTE_BLOCK_M = 16  # tokens per routing program
-ROUTER_BLOCK_E = 16  # experts per router-logits program
+ROUTER_BLOCK_E, ROUTER_BLOCK_K = 16, 256  # experts per router-logits program, its reduction step (few, long
+# steps: a lone token's router read is latency-bound)
 SUM_BLOCK = 1024  # columns per program of the rank-order sum
 SORT_CHUNK = 1024  # pairs a grouping program reads at a time
 
@@ -96,7 +97,7 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
         triton_moe = _kernels()
         triton_moe._router_logits_kernel[(programs, -(-experts // ROUTER_BLOCK_E))](
             x, router, logits, t, experts, hidden, x.stride(0), router.stride(0), logits.stride(0),
-            BLOCK_M=ROUTE_BLOCK_M, BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32)
+            BLOCK_M=ROUTE_BLOCK_M, BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K, IEEE=x.dtype == torch.float32)
         triton_moe._select_experts_kernel[(programs,)](
             logits, weights, ids, counts, *(plan or (ids, ids, ids)), t, experts, logits.stride(0),
             TOP_K=top_k, TOP_K_PAD=_next_power_of_2(top_k), NORMALIZE=normalize, BLOCK_M=ROUTE_BLOCK_M,
