@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.support.exact_attention_checks import check as check_attention
-from tests.support.exact_mode_checks import compare_exact_engine, plain_repeatability
+from tests.support.exact_mode_checks import EXACT_FAMILIES, compare_exact_engine, plain_repeatability
 from tests.support.kernel_checks import _check, compare
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -23,7 +23,7 @@ def test_the_exact_attention_depends_only_on_a_querys_logical_keys():
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
 def test_exact_logits_are_the_unfused_models_up_to_rounding(dtype, tolerance):
-    _check(compare("cuda", dtype, backend="exact"), tolerance)
+    _check(compare("cuda", dtype, backend="exact", families=EXACT_FAMILIES), tolerance)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -74,11 +74,11 @@ def _sink_step(model, cache, lengths: torch.Tensor, device: str) -> torch.Tensor
     return buffer
 
 
-def compare(device: str, dtype: torch.dtype, backend: str = "gpu") -> dict[str, float]:
+def compare(device: str, dtype: torch.dtype, backend: str = "gpu", families=FAMILIES) -> dict[str, float]:
     """Max abs difference (fused vs unfused) per family and output; ``backend`` "gpu" (Triton,
     with and without its attention), "exact" (the exact mode's backend) or "cpu" (the C++ kernels)."""
     diffs = {}
-    for family in FAMILIES:
+    for family in families:
         model = ours_from_hf(tiny_hf_model(family), device=device, dtype=dtype)
         assert not model.fused_kernels
         plain = _run(model, device)
