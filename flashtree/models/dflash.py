@@ -150,6 +150,9 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(FusedKernelSwitch, nn.Module):
     """Parameters carry the z-lab names: ``fc``, ``hidden_norm``, ``norm``, ``layers.i.*``."""
 
+    KIND = "DFlash"  # in error messages
+    OWN_TENSORS = "fc, hidden_norm, norm and layers.i.*"  # what its checkpoints hold
+
     def __init__(self, config: DFlashConfig, target: CausalLM):
         super().__init__()
         self.config = config
@@ -360,10 +363,13 @@ def check_fc_width(weights: dict[str, torch.Tensor], config: DFlashConfig, direc
 
 
 def build_drafter(config: DFlashConfig, target: CausalLM, weights: dict[str, torch.Tensor] | None,
-                  device: torch.device, dtype: torch.dtype, seed: int = 0) -> DFlashDrafter:
-    """A drafter on ``device`` in ``dtype``; ``weights=None`` means random weights."""
+                  device: torch.device, dtype: torch.dtype, seed: int = 0,
+                  drafter_class: type[DFlashDrafter] | None = None) -> DFlashDrafter:
+    """A drafter (``drafter_class``, :class:`DFlashDrafter` by default) on ``device`` in ``dtype``;
+    ``weights=None`` means random weights."""
+    drafter_class = drafter_class or DFlashDrafter
     with torch.device("meta"):
-        drafter = DFlashDrafter(config, target)
+        drafter = drafter_class(config, target)
     drafter = drafter.to_empty(device=device).to(dtype)
     if weights is None:
         init_random_weights(drafter, seed)
@@ -374,14 +380,16 @@ def build_drafter(config: DFlashConfig, target: CausalLM, weights: dict[str, tor
 
 def _load_weights(drafter: DFlashDrafter, weights: dict[str, torch.Tensor], source: str) -> None:
     expected = dict(drafter.named_parameters())
+    kind = drafter.KIND
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(
-            f"drafter weights beside {source} lack {len(missing)} tensor(s) the config implies, e.g. {missing[:3]}")
+            f"{kind} drafter weights beside {source} lack {len(missing)} tensor(s) the config implies, "
+            f"e.g. {missing[:3]}")
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
         raise CheckpointError(
-            f"drafter weights beside {source} carry {len(unexpected)} tensor(s) a DFlash drafter does not have, "
-            f"e.g. {unexpected[:3]}; allowed: fc, hidden_norm, norm and layers.i.* (the embedding and lm_head "
-            f"are the target's)")
+            f"{kind} drafter weights beside {source} carry {len(unexpected)} tensor(s) a {kind} drafter does not "
+            f"have, e.g. {unexpected[:3]}; allowed: {drafter.OWN_TENSORS} (the embedding and lm_head are the "
+            f"target's)")
     copy_weights(expected, weights, source)

@@ -63,14 +63,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashtree.errors import CheckpointError, ConfigError
+from flashtree.errors import ConfigError
 from flashtree.kv.cache import KVCache
 from flashtree.models.batch import ForwardBatch
-from flashtree.models.build import copy_weights, init_random_weights
 from flashtree.models.dflash import (
     IGNORED_TENSOR_SUFFIXES,
     DFlashDrafter,
     DrafterLayer,
+    build_drafter,
     check_fc_width,
 )
 from flashtree.models.dflash2_config import DFlash2Config, parse_dflash2_config
@@ -173,6 +173,10 @@ class DFlash2Drafter(DFlashDrafter):
     """Parameters carry the public names: the first generation's, ``layers.i.attention_conv.*``,
     ``layers.i.mlp_conv.*`` and ``candidate_selector.*``."""
 
+    KIND = "DFlash2"
+    OWN_TENSORS = ("fc, hidden_norm, norm, layers.i.* (attention_conv and mlp_conv included) and "
+                   "candidate_selector.*")
+
     config: DFlash2Config
 
     def __init__(self, config: DFlash2Config, target: CausalLM):
@@ -248,27 +252,4 @@ def load_dflash2_drafter(directory: Path, raw: dict, target: CausalLM, tokenizer
 def build_dflash2_drafter(config: DFlash2Config, target: CausalLM, weights: dict[str, torch.Tensor] | None,
                           device: torch.device, dtype: torch.dtype, seed: int = 0) -> DFlash2Drafter:
     """A DFlash2 drafter on ``device`` in ``dtype``; ``weights=None`` means random weights."""
-    with torch.device("meta"):
-        drafter = DFlash2Drafter(config, target)
-    drafter = drafter.to_empty(device=device).to(dtype)
-    if weights is None:
-        init_random_weights(drafter, seed)
-    else:
-        _load_weights(drafter, weights, config.source)
-    return drafter.eval().requires_grad_(False)
-
-
-def _load_weights(drafter: DFlash2Drafter, weights: dict[str, torch.Tensor], source: str) -> None:
-    expected = dict(drafter.named_parameters())
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise CheckpointError(
-            f"DFlash2 drafter weights beside {source} lack {len(missing)} tensor(s) the config implies, "
-            f"e.g. {missing[:3]}")
-    unexpected = sorted(set(weights) - set(expected))
-    if unexpected:
-        raise CheckpointError(
-            f"DFlash2 drafter weights beside {source} carry {len(unexpected)} tensor(s) a DFlash2 drafter does not "
-            f"have, e.g. {unexpected[:3]}; allowed: fc, hidden_norm, norm, layers.i.* (attention_conv and "
-            f"mlp_conv included) and candidate_selector.* (the embedding and lm_head are the target's)")
-    copy_weights(expected, weights, source)
+    return build_drafter(config, target, weights, device, dtype, seed=seed, drafter_class=DFlash2Drafter)

@@ -26,13 +26,19 @@ def _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q
     tree = tl.load(new_mask_ptr + (b * new_tokens + token)[:, None].to(tl.int64) * new_tokens + new[None, :],
                    mask=valid_q[:, None] & (new[None, :] >= 0) & in_range[None, :], other=0)
     visible = in_range[None, :] & tl.where(new[None, :] < 0, j[None, :] >= oldest, tree != 0)
-    s = tl.where(visible, s, float("-inf"))
+    v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    return _online_softmax_step(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc, IEEE)
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Fold a block of base-2 logits ``s`` [M, N] (-inf: not visible) and its values ``v`` [N, D] into the
+    running max ``m_i``, sum ``l_i`` and output ``acc``; returns the three updated."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -134,18 +140,9 @@ def _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(in_range[None, :], s * scale_log2, float("-inf"))  # [M, N], base-2 logits
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    s = tl.where(in_range[None, :], s * scale_log2, float("-inf"))  # [M, N], base-2 logits
+    return _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 
 
 @triton.jit
