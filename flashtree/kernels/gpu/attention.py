@@ -29,6 +29,13 @@ def _key_splits(programs: int, capacity: int, device: torch.device) -> int:
     return 1 << (want.bit_length() - 1)
 
 
+def check_head_layout(kernel: str, head_dim: int, heads: int, kv_heads: int) -> None:
+    """The attention kernels take a power-of-two head_dim >= 16 and query heads in groups per kv head."""
+    if head_dim < 16 or head_dim & (head_dim - 1) or heads % kv_heads:
+        raise ValueError(f"{kernel} needs a power-of-two head_dim >= 16 and heads divisible by kv heads, "
+                         f"got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads}")
+
+
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
                    splits: int | None = None) -> torch.Tensor:
@@ -43,9 +50,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """
     b, heads, n, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
-    if head_dim < 16 or head_dim & (head_dim - 1) or heads % kv_heads:
-        raise ValueError(f"tree_attention needs a power-of-two head_dim >= 16 and heads divisible by kv heads, "
-                         f"got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads}")
+    check_head_layout("tree_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
     block_m = min(64, max(16, _next_power_of_2(n * group)))
     m_tiles = -(-n * group // block_m)

@@ -23,7 +23,7 @@ import torch
 
 from flashtree.kernels.gpu import interpreting
 from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
-from flashtree.kernels.gpu.attention import _kernels, _multiprocessors
+from flashtree.kernels.gpu.attention import _kernels, _multiprocessors, check_head_layout
 
 BLOCK_N = 64  # logical keys per block
 SPLIT_KEYS = 512  # logical keys per split: split s of every query holds its logical keys 512 s .. 512 s + 511
@@ -65,9 +65,7 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     b, heads, n, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
-    if head_dim < 16 or head_dim & (head_dim - 1) or heads % kv_heads:
-        raise ValueError(f"exact_attention needs a power-of-two head_dim >= 16 and heads divisible by kv heads, "
-                         f"got head_dim={head_dim}, heads={heads}, kv_heads={kv_heads}")
+    check_head_layout("exact_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
     if parallel is None:
         parallel = b * kv_heads * n < 2 * _multiprocessors(q.device)
