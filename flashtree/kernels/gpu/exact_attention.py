@@ -67,8 +67,11 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     check_head_layout("exact_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
+    group_pad = _next_power_of_2(group)
+    block_m = max(16, group_pad)
+    tiles = _ceil_div(n, block_m // group_pad)  # token tiles per row
     if parallel is None:
-        parallel = b * kv_heads * n < 2 * _multiprocessors(q.device)
+        parallel = b * kv_heads * tiles < 2 * _multiprocessors(q.device)
     max_splits = _ceil_div(block_table.shape[1] * page_size, SPLIT_KEYS) if parallel else 1
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -76,11 +79,11 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lse = torch.empty(b, heads, n, max_splits, dtype=torch.float32, device=q.device) if parallel else out
     order, depth = key_order if key_order is not None else (lengths, lengths)  # (not read when causal)
     kernels = _kernels()
-    kernels._exact_attention_kernel[(b * kv_heads, n, max_splits)](
+    kernels._exact_attention_kernel[(b * kv_heads, tiles, max_splits)](
         q, k_cache, v_cache, block_table.contiguous(), slots.contiguous(), lengths.contiguous(), order, depth,
         out, part, lse, n, heads, kv_heads, head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
         SPLIT_KEYS, max_splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, _next_power_of_2(group)), BLOCK_N=BLOCK_N, PARALLEL=parallel,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, PARALLEL=parallel,
         CAUSAL=key_order is None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), **_launch_options())
     if parallel:
         kernels._merge_splits_kernel[(b * heads * n,)](part, lse, out, max_splits, HEAD_DIM=head_dim,

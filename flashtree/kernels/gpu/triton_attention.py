@@ -117,19 +117,21 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, HEA
 
 
 @triton.jit
-def _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new_tokens, table, head_base, d,
-                         k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, page_stride, page_size, cache_pos_stride,
-                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """Online-softmax update with the logical keys ``key0 .. key0 + BLOCK_N - 1`` (those before ``stop``): logical
-    key j < ``committed`` is cache position j; the others are the query's ancestor at depth j - committed, whose
-    entry sits at ``committed`` + its index among the new tokens (``order``; the index is the depth when CAUSAL)."""
+def _attend_logical_keys(q, m_i, l_i, acc, key0, stop, rows, committed, order_token, new_tokens, b, table,
+                         head_base, d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, page_stride, page_size,
+                         cache_pos_stride, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax update of the query rows ``rows`` [M] with the logical keys ``key0 .. key0 + BLOCK_N - 1``
+    (for each row those before its ``stop`` [M]); the other rows' state is left as it is (their logits are -inf:
+    the update adds exact zeros). Logical key j < ``committed`` is cache position j; the others are an ancestor
+    at depth j - committed of token ``order_token``, whose entry sits at ``committed`` + its index among the new
+    tokens (``order``; the index is the depth when CAUSAL, the same for every token of a chain)."""
     logical = key0 + tl.arange(0, BLOCK_N)  # [N]
-    in_range = logical < stop
+    in_range = logical < tl.max(tl.where(rows, stop, 0), axis=0)  # [N] keys some updated row sees
     depth_of = logical - committed
     if CAUSAL:
         new_index = depth_of
     else:
-        new_index = tl.load(order_ptr + row_token.to(tl.int64) * new_tokens + depth_of,
+        new_index = tl.load(order_ptr + (b * new_tokens + order_token).to(tl.int64) * new_tokens + depth_of,
                             mask=in_range & (depth_of >= 0), other=0)
     position = tl.where(depth_of >= 0, committed + new_index, logical)  # [N] where each entry sits in the slot
     page = tl.load(table + position // page_size, mask=in_range, other=0).to(tl.int64)
@@ -141,36 +143,63 @@ def _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new
     else:
         s = tl.dot(q, tl.trans(k))
     v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
-    s = tl.where(in_range[None, :], s * scale_log2, float("-inf"))  # [M, N], base-2 logits
+    visible = rows[:, None] & (logical[None, :] < stop[:, None])  # [M, N]
+    s = tl.where(visible, s * scale_log2, float("-inf"))  # base-2 logits
     return _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 
 
 @triton.jit
-def _split_partial(q, split, chunk, total, committed, row_token, new_tokens, table, head_base, d, k_cache_ptr,
-                   v_cache_ptr, order_ptr, scale_log2, page_stride, page_size, cache_pos_stride,
-                   BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One split's result: softmax attention over logical keys ``split * chunk .. min(+chunk, total) - 1`` in
-    blocks of BLOCK_N from the split's start -> (output ``[M, D]`` float32, base-2 log-sum-exp ``[M]``)."""
+def _attend_block(q, m_i, l_i, acc, key0, stop, valid, t_local, token0, committed, new_tokens, b, table, head_base,
+                  d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, page_stride, page_size, cache_pos_stride,
+                  BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """One block of logical keys for the tile's tokens: in one pass where every token reads the same entries (a
+    chain's tokens, or a block of committed context), else one pass per token (a tree's tokens past the
+    committed context see their own ancestors)."""
+    if CAUSAL:
+        m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, valid, committed, token0, new_tokens, b,
+                                             table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2,
+                                             page_stride, page_size, cache_pos_stride, BLOCK_N, CAUSAL, IEEE)
+    elif key0 + BLOCK_N <= committed:
+        m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, valid, committed, token0, new_tokens, b,
+                                             table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2,
+                                             page_stride, page_size, cache_pos_stride, BLOCK_N, CAUSAL, IEEE)
+    else:
+        for j in tl.static_range(TOKENS):
+            m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, valid & (t_local == j), committed,
+                                                 tl.minimum(token0 + j, new_tokens - 1), new_tokens, b, table,
+                                                 head_base, d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2,
+                                                 page_stride, page_size, cache_pos_stride, BLOCK_N, CAUSAL, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _split_partial(q, split, chunk, total, valid, t_local, token0, committed, new_tokens, b, table, head_base, d,
+                   k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, page_stride, page_size, cache_pos_stride,
+                   BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr,
+                   CAUSAL: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One split's result for each query row: softmax attention over its logical keys
+    ``split * chunk .. min(+chunk, total) - 1`` in blocks of BLOCK_N from the split's start -> (output ``[M, D]``
+    float32, base-2 log-sum-exp ``[M]``, -inf where the row has no key in the split)."""
     start = split * chunk
-    stop = tl.minimum(start + chunk, total)
+    stop = tl.minimum(start + chunk, total)  # [M]
+    tile_stop = tl.max(tl.where(valid, stop, start), axis=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
         key0 = start
-        while key0 < stop:
-            m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new_tokens,
-                                                 table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr,
-                                                 scale_log2, page_stride, page_size, cache_pos_stride,
-                                                 BLOCK_N, CAUSAL, IEEE)
+        while key0 < tile_stop:
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, key0, stop, valid, t_local, token0, committed,
+                                          new_tokens, b, table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr,
+                                          scale_log2, page_stride, page_size, cache_pos_stride, BLOCK_N, TOKENS,
+                                          CAUSAL, IEEE)
             key0 += BLOCK_N
     else:
-        for key0 in range(start, stop, BLOCK_N):
-            m_i, l_i, acc = _attend_logical_keys(q, m_i, l_i, acc, key0, stop, committed, row_token, new_tokens,
-                                                 table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr,
-                                                 scale_log2, page_stride, page_size, cache_pos_stride,
-                                                 BLOCK_N, CAUSAL, IEEE)
+        for key0 in range(start, tile_stop, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, key0, stop, valid, t_local, token0, committed,
+                                          new_tokens, b, table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr,
+                                          scale_log2, page_stride, page_size, cache_pos_stride, BLOCK_N, TOKENS,
+                                          CAUSAL, IEEE)
     part = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     return part, lse
@@ -181,8 +210,9 @@ def _merge_split(top, total_out, weight, part, lse):
     """Fold one split (``part`` [M, D], ``lse`` [M]) into the running merge (max log-sum-exp ``top``, weighted
     sum ``total_out``, sum of weights ``weight``): the one merge formula both exact kernels use, in split order."""
     new_top = tl.maximum(top, lse)
-    old_scale = tl.exp2(top - new_top)
-    scale = tl.exp2(lse - new_top)
+    base = tl.where(new_top == float("-inf"), 0.0, new_top)  # (padding rows: nothing merged yet, nor now)
+    old_scale = tl.exp2(top - base)
+    scale = tl.exp2(lse - base)
     total_out = total_out * old_scale[:, None] + part * scale[:, None]
     weight = weight * old_scale + scale
     return new_top, total_out, weight
@@ -193,55 +223,62 @@ def _exact_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, slots_ptr, lengths_ptr, order_ptr, depth_ptr, out_ptr, part_ptr,
         lse_ptr, new_tokens, heads, kv_heads, scale_log2, table_stride, page_size, chunk, max_splits,
         cache_page_stride, cache_head_stride, cache_pos_stride,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PARALLEL: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """The GROUP query heads of one (row, kv head, new token) over the logical keys the token sees (committed
-    context, then its ancestors by depth), split in runs of ``chunk`` logical keys. PARALLEL: this program does
-    split ``program_id(2)`` and stores its result and log-sum-exp (-inf for a split past the token's keys) for
-    :func:`_merge_splits_kernel`; else it does every split in order and merges them itself, with the same
-    formula (:func:`_merge_split`). Either way a query's arithmetic depends only on its logical keys."""
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PARALLEL: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+        INTERPRET: tl.constexpr):
+    """The GROUP query heads of TOKENS = BLOCK_M / GROUP_PAD new tokens of one (row, kv head), each token over
+    the logical keys it sees (committed context, then its ancestors by depth), split in runs of ``chunk``
+    logical keys. PARALLEL: this program does split ``program_id(2)`` and stores each query row's result and
+    log-sum-exp (-inf for a split past its keys) for :func:`_merge_splits_kernel`; else it does every split in
+    order and merges them itself, with the same formula (:func:`_merge_split`). Either way a query row's
+    arithmetic depends only on its logical keys: a row's tile neighbours only add exact zeros to its state."""
+    TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
     pid_bh = tl.program_id(0)
     b = pid_bh // kv_heads
     kv_head = pid_bh % kv_heads
-    token = tl.program_id(1)
-    g = tl.arange(0, BLOCK_M)  # [M] query heads of this kv head (rows past GROUP are padding)
-    valid_q = g < GROUP
+    token0 = tl.program_id(1) * TOKENS
+    r = tl.arange(0, BLOCK_M)  # [M] query rows: token t_local, head g of this kv head's group
+    t_local = r // GROUP_PAD
+    g = r % GROUP_PAD
+    token = token0 + t_local
+    valid = (g < GROUP) & (token < new_tokens)
     head = kv_head * GROUP + g
     d = tl.arange(0, HEAD_DIM)
     q_rows = ((b * heads + head) * new_tokens + token).to(tl.int64)  # q, out: [B, H, N, D]
-    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=valid_q[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
     committed = tl.load(lengths_ptr + b)
-    row_token = b * new_tokens + token
     if CAUSAL:
         depth = token
     else:
-        depth = tl.load(depth_ptr + row_token)
-    total = committed + depth + 1  # the token sees logical keys 0 .. committed + depth
+        depth = tl.load(depth_ptr + b * new_tokens + token, mask=valid, other=0)
+    total = committed + depth + 1  # [M] each row sees logical keys 0 .. committed + depth
     table = table_ptr + tl.load(slots_ptr + b).to(tl.int64) * table_stride
     head_base = kv_head.to(tl.int64) * cache_head_stride
     if PARALLEL:
         split = tl.program_id(2)
-        part, lse = _split_partial(q, split, chunk, total, committed, row_token, new_tokens, table, head_base, d,
-                                   k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, cache_page_stride, page_size,
-                                   cache_pos_stride, BLOCK_M, HEAD_DIM, BLOCK_N, CAUSAL, IEEE, INTERPRET)
+        part, lse = _split_partial(q, split, chunk, total, valid, t_local, token0, committed, new_tokens, b, table,
+                                   head_base, d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, cache_page_stride,
+                                   page_size, cache_pos_stride, BLOCK_M, HEAD_DIM, BLOCK_N, TOKENS, CAUSAL, IEEE,
+                                   INTERPRET)
         slot = q_rows * max_splits + split
-        tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], part, mask=valid_q[:, None])
-        tl.store(lse_ptr + slot, lse, mask=valid_q)
+        tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], part, mask=valid[:, None])
+        tl.store(lse_ptr + slot, lse, mask=valid)
     else:
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total_out = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         weight = tl.zeros([BLOCK_M], tl.float32)
+        tile_total = tl.max(tl.where(valid, total, 0), axis=0)
         split = 0
-        while split * chunk < total:
-            part, lse = _split_partial(q, split, chunk, total, committed, row_token, new_tokens, table, head_base,
-                                       d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2, cache_page_stride,
-                                       page_size, cache_pos_stride, BLOCK_M, HEAD_DIM, BLOCK_N, CAUSAL, IEEE,
-                                       INTERPRET)
+        while split * chunk < tile_total:  # a row past its last split merges exact no-ops (lse -inf)
+            part, lse = _split_partial(q, split, chunk, total, valid, t_local, token0, committed, new_tokens, b,
+                                       table, head_base, d, k_cache_ptr, v_cache_ptr, order_ptr, scale_log2,
+                                       cache_page_stride, page_size, cache_pos_stride, BLOCK_M, HEAD_DIM, BLOCK_N,
+                                       TOKENS, CAUSAL, IEEE, INTERPRET)
             top, total_out, weight = _merge_split(top, total_out, weight, part, lse)
             split += 1
-        out = total_out / weight[:, None]
+        out = total_out / tl.where(weight > 0, weight, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=valid_q[:, None])
+                 mask=valid[:, None])
 
 
 @triton.jit
