@@ -328,6 +328,14 @@ def load_drafter(path_or_hub_id: str, target: CausalLM, tokenizer=None, block_si
             f"{directory}: config.json not found, so this is not a drafter; --draft accepts {DRAFT_FORMS}")
     raw = read_json(config_path, ConfigError)
     config = parse_dflash_config(raw, str(config_path), target.config, tokenizer, block_size_override)
+    return build_drafter_from(directory, config, target, device, dtype, random_weights, seed)
+
+
+def build_drafter_from(directory: Path, config: DFlashConfig, target: CausalLM, device: torch.device | str | None,
+                       dtype: torch.dtype | None, random_weights: bool, seed: int,
+                       drafter_class: type[DFlashDrafter] | None = None) -> DFlashDrafter:
+    """The drafter of ``config`` with the weights in ``directory`` (random ones with ``random_weights``), on
+    ``device`` in ``dtype`` (the target's by default)."""
     weights = None
     if not random_weights:
         weights = {name: t for name, t in read_weights(directory).items()
@@ -335,7 +343,7 @@ def load_drafter(path_or_hub_id: str, target: CausalLM, tokenizer=None, block_si
         check_fc_width(weights, config, directory)
     reference = target.lm_head.weight
     return build_drafter(config, target, weights, torch.device(device) if device else reference.device,
-                         dtype or reference.dtype, seed=seed)
+                         dtype or reference.dtype, seed=seed, drafter_class=drafter_class)
 
 
 def resolve_drafter_dir(draft: str, *, need_weights: bool = True) -> Path:

@@ -67,14 +67,11 @@ from flashtree.errors import ConfigError
 from flashtree.kv.cache import KVCache
 from flashtree.models.batch import ForwardBatch
 from flashtree.models.dflash import (
-    IGNORED_TENSOR_SUFFIXES,
     DFlashDrafter,
     DrafterLayer,
-    build_drafter,
-    check_fc_width,
+    build_drafter_from,
 )
 from flashtree.models.dflash2_config import DFlash2Config, parse_dflash2_config
-from flashtree.models.loader import read_weights
 from flashtree.models.transformer import CausalLM
 
 SIDES = 2  # a convolution wrapper's two sides: before its sub-layer (0), after it (1)
@@ -239,17 +236,4 @@ def load_dflash2_drafter(directory: Path, raw: dict, target: CausalLM, tokenizer
     ``random_weights`` reads config.json alone."""
     config_path = directory / "config.json"
     config = parse_dflash2_config(raw, str(config_path), target.config, tokenizer, block_size_override)
-    weights = None
-    if not random_weights:
-        weights = {name: t for name, t in read_weights(directory).items()
-                   if not name.endswith(IGNORED_TENSOR_SUFFIXES)}
-        check_fc_width(weights, config, directory)
-    reference = target.lm_head.weight
-    return build_dflash2_drafter(config, target, weights, torch.device(device) if device else reference.device,
-                                 dtype or reference.dtype, seed=seed)
-
-
-def build_dflash2_drafter(config: DFlash2Config, target: CausalLM, weights: dict[str, torch.Tensor] | None,
-                          device: torch.device, dtype: torch.dtype, seed: int = 0) -> DFlash2Drafter:
-    """A DFlash2 drafter on ``device`` in ``dtype``; ``weights=None`` means random weights."""
-    return build_drafter(config, target, weights, device, dtype, seed=seed, drafter_class=DFlash2Drafter)
+    return build_drafter_from(directory, config, target, device, dtype, random_weights, seed, DFlash2Drafter)

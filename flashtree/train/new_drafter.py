@@ -21,7 +21,7 @@ import torch
 from flashtree.errors import ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.dflash import DFlashDrafter, build_drafter
-from flashtree.models.dflash2 import DFlash2Drafter, build_dflash2_drafter
+from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.models.dflash2_config import parse_dflash2_config
 from flashtree.models.dflash_config import (
     DEFAULT_MASK_TOKEN,
@@ -135,7 +135,7 @@ def trainable_drafter(raw: dict[str, Any], target: CausalLM, tokenizer, device: 
     DFlash2 drafter's additions start as no-ops, :func:`start_dflash2_as_dflash`)."""
     if is_dflash2(raw):
         config = parse_dflash2_config(raw, source, target.config, tokenizer)
-        drafter = build_dflash2_drafter(config, target, weights, device, torch.float32, seed=seed)
+        drafter = build_drafter(config, target, weights, device, torch.float32, seed=seed, drafter_class=DFlash2Drafter)
         if weights is None:
             start_dflash2_as_dflash(drafter, seed)
     else:

@@ -13,21 +13,31 @@ def _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q
     each read from the page the slot's block table (``table``) maps its position to."""
     j = key0 + tl.arange(0, BLOCK_N)  # [N]
     in_range = j < stop
-    page = tl.load(table + j // page_size, mask=in_range, other=0).to(tl.int64)  # [N]
-    entry = page * page_stride + (j % page_size).to(tl.int64) * cache_pos_stride + head_base  # [N]
+    s, v = _paged_scores(q, j, in_range, table, head_base, d, k_cache_ptr, v_cache_ptr, page_stride, page_size,
+                         cache_pos_stride, IEEE)
+    s = s * scale_log2  # [M, N], base-2 logits
+    new = j - committed  # index among the new tokens (negative: committed context)
+    tree = tl.load(new_mask_ptr + (b * new_tokens + token)[:, None].to(tl.int64) * new_tokens + new[None, :],
+                   mask=valid_q[:, None] & (new[None, :] >= 0) & in_range[None, :], other=0)
+    visible = in_range[None, :] & tl.where(new[None, :] < 0, j[None, :] >= oldest, tree != 0)
+    return _online_softmax_step(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc, IEEE)
+
+
+@triton.jit
+def _paged_scores(q, position, in_range, table, head_base, d, k_cache_ptr, v_cache_ptr, page_stride, page_size,
+                  cache_pos_stride, IEEE: tl.constexpr):
+    """The entries at slot positions ``position`` [N] (those ``in_range``), read through the slot's block table
+    (``table``): (q . k logits [M, N], values [N, D])."""
+    page = tl.load(table + position // page_size, mask=in_range, other=0).to(tl.int64)  # [N]
+    entry = page * page_stride + (position % page_size).to(tl.int64) * cache_pos_stride + head_base  # [N]
     kv_off = entry[:, None] + d[None, :]
     k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * scale_log2  # [M, N], base-2 logits
-    new = j - committed  # index among the new tokens (negative: committed context)
-    tree = tl.load(new_mask_ptr + (b * new_tokens + token)[:, None].to(tl.int64) * new_tokens + new[None, :],
-                   mask=valid_q[:, None] & (new[None, :] >= 0) & in_range[None, :], other=0)
-    visible = in_range[None, :] & tl.where(new[None, :] < 0, j[None, :] >= oldest, tree != 0)
     v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
-    return _online_softmax_step(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc, IEEE)
+    return s, v
 
 
 @triton.jit
@@ -134,15 +144,8 @@ def _attend_logical_keys(q, m_i, l_i, acc, key0, stop, rows, committed, order_to
         new_index = tl.load(order_ptr + (b * new_tokens + order_token).to(tl.int64) * new_tokens + depth_of,
                             mask=in_range & (depth_of >= 0), other=0)
     position = tl.where(depth_of >= 0, committed + new_index, logical)  # [N] where each entry sits in the slot
-    page = tl.load(table + position // page_size, mask=in_range, other=0).to(tl.int64)
-    entry = page * page_stride + (position % page_size).to(tl.int64) * cache_pos_stride + head_base
-    kv_off = entry[:, None] + d[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    s, v = _paged_scores(q, position, in_range, table, head_base, d, k_cache_ptr, v_cache_ptr, page_stride,
+                         page_size, cache_pos_stride, IEEE)
     visible = rows[:, None] & (logical[None, :] < stop[:, None])  # [M, N]
     s = tl.where(visible, s * scale_log2, float("-inf"))  # base-2 logits
     return _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
