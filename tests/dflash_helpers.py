@@ -175,16 +175,18 @@ class TinyPair(NamedTuple):
 
 def tiny_pair(tmp_path: str | Path, family: str = "qwen3_qknorm", vocab: int = 32, target_layers: int = 3,
               block_size: int = 4, drafter_layers: int = 1, seed: int = 0, tokenizer: bool = True,
-              **drafter_kwargs) -> TinyPair:
-    """A tiny random target (``tests.helpers`` family) and a random drafter for it."""
+              save_drafter=None, drafter_name: str = "drafter", **drafter_kwargs) -> TinyPair:
+    """A tiny random target (``tests.helpers`` family) and a random drafter for it, written by ``save_drafter``
+    (:func:`save_tiny_drafter` by default) into ``{drafter_name}-...``."""
     root = Path(tmp_path)
     hf = tiny_hf_model(family, seed=seed, vocab_size=vocab, layers=target_layers)
     target_dir = root / f"target-{family}-v{vocab}"
     hf.save_pretrained(target_dir)
     if tokenizer:
         save_tiny_tokenizer(target_dir, vocab)
-    drafter_dir = save_tiny_drafter(target_dir, root / f"drafter-{family}-v{vocab}-b{block_size}", block_size,
-                                    drafter_layers, seed=seed + 1, **drafter_kwargs)
+    drafter_dir = (save_drafter or save_tiny_drafter)(
+        target_dir, root / f"{drafter_name}-{family}-v{vocab}-b{block_size}", block_size, drafter_layers,
+        seed=seed + 1, **drafter_kwargs)
     return TinyPair(target_dir, drafter_dir, hf)
 
 

@@ -5,23 +5,13 @@ on CUDA: tests/gpu/test_dflash2_gpu.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.support.interpreter import run_interpreted
 
 
 @pytest.mark.slow  # about 80 s of interpreted kernels
 def test_dflash2_with_triton_kernels_in_the_interpreter(tmp_path):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "tests.support.dflash2_kernel_checks", str(tmp_path)], check=False, cwd=root,
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    diffs = json.loads(out.stdout.strip().splitlines()[-1])
+    diffs = run_interpreted("tests.support.dflash2_kernel_checks", str(tmp_path), timeout=900)
     assert diffs.pop("dflash2/max_score_difference") < 1e-3, diffs
     assert all(v == 0 for v in diffs.values()), diffs

@@ -7,34 +7,18 @@ compiles anything."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-
-def _run(module: str, *args: str) -> dict:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from tests.support.interpreter import run_interpreted
 
 
 def test_a_query_gets_what_its_logical_keys_give_whatever_shares_the_launch():
-    results = _run("tests.support.exact_attention_checks")["torch.float32"]
+    results = run_interpreted("tests.support.exact_attention_checks")["torch.float32"]
     assert results["tree_equals_plain"] and results["batch_and_chunk_invariant"]
     assert results["parallel_equals_sequential"]
     assert results["max_abs_diff"] < 1e-5
 
 
 def test_exact_mode_tokens_equal_plain_alone_and_batched(tmp_path):
-    results = _run("tests.support.exact_mode_checks", str(tmp_path))
+    results = run_interpreted("tests.support.exact_mode_checks", str(tmp_path), timeout=900)
     differing = results["tokens_differing"]
     assert differing and not any(differing.values()), differing
     assert max(results["vs_unfused"].values()) < 1e-4, results["vs_unfused"]  # logits, hidden states, KV entries

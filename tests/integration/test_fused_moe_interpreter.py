@@ -8,24 +8,14 @@ interpreter must be chosen before Triton compiles anything. (On CUDA: tests/gpu/
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.support.interpreter import run_interpreted
 
 
 @pytest.fixture(scope="module")
 def results():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "tests.support.moe_checks"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_interpreted("tests.support.moe_checks")
 
 
 def test_the_fused_moe_equals_the_reference_path(results):

@@ -6,22 +6,9 @@ random models, a drafter, attention, trees, top tokens, KV commits and a DDTree 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
+from tests.support.interpreter import run_interpreted
 from tests.support.kernel_checks import _check
 
 
 def test_fused_kernels_match_torch_ops_in_the_triton_interpreter(tmp_path):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "tests.support.kernel_checks", str(tmp_path)], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    _check(json.loads(out.stdout.strip().splitlines()[-1]), 1e-4)
+    _check(run_interpreted("tests.support.kernel_checks", str(tmp_path)), 1e-4)

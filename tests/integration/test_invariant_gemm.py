@@ -6,22 +6,10 @@ interpreter must be chosen before Triton compiles anything."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
+from tests.support.interpreter import run_interpreted
 
 
 def test_rows_are_identical_whatever_the_row_count(tmp_path):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "tests.support.gemm_checks"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    results = run_interpreted("tests.support.gemm_checks", timeout=300)
     assert results["torch.float32"]["rows_identical"]
     assert results["torch.float32"]["max_abs_diff"] < 1e-3

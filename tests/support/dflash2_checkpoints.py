@@ -12,11 +12,10 @@ from tests.dflash_helpers import (
     TinyPair,
     drafter_weight_shapes,
     random_drafter_weights,
-    save_tiny_tokenizer,
     tiny_drafter_config,
+    tiny_pair,
     write_drafter,
 )
-from tests.helpers import tiny_hf_model
 
 # the tiny drafters' DFlash2 numbers: hidden 32 (tests.helpers' targets) in groups of 8, 2 taps, rank 8
 DFLASH2_KEYS = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4,
@@ -82,12 +81,5 @@ def tiny_dflash2_pair(tmp_path: str | Path, family: str = "qwen3_qknorm", vocab:
                       block_size: int = 4, drafter_layers: int = 1, seed: int = 0, tokenizer: bool = True,
                       **dflash2_keys) -> TinyPair:
     """A tiny random target (``tests.helpers`` family) and a random DFlash2 drafter for it."""
-    root = Path(tmp_path)
-    hf = tiny_hf_model(family, seed=seed, vocab_size=vocab, layers=target_layers)
-    target_dir = root / f"target-{family}-v{vocab}"
-    hf.save_pretrained(target_dir)
-    if tokenizer:
-        save_tiny_tokenizer(target_dir, vocab)
-    drafter_dir = save_tiny_dflash2(target_dir, root / f"dflash2-{family}-v{vocab}-b{block_size}", block_size,
-                                    drafter_layers, seed=seed + 1, **dflash2_keys)
-    return TinyPair(target_dir, drafter_dir, hf)
+    return tiny_pair(tmp_path, family, vocab, target_layers, block_size, drafter_layers, seed, tokenizer,
+                     save_drafter=save_tiny_dflash2, drafter_name="dflash2", **dflash2_keys)
