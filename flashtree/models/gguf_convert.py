@@ -58,8 +58,14 @@ SUPPORTED_ARCHITECTURES = {  # GGUF general.architecture -> Hugging Face archite
 }
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # GGUF architecture -> Hugging Face model_type, where they differ
 _SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func for a softmax over the router logits
+# what gguf-py dequantizes (its numpy implementations follow ggml's): the float types, the legacy
+# 32-weight blocks, the k-quants of 256-weight super-blocks (Q4_K_M files mix Q4_K and Q6_K) and the
+# non-linear 4-bit codebooks; the CPU block kernel runs Q4_0 / Q4_1 / Q8_0 (gguf_blocks.py), the rest
+# compute from their float32 dequantization
 SUPPORTED_TENSOR_TYPES = tuple(
-    gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+    gguf.GGMLQuantizationType[name] for name in (
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 )
 _CACHE_FORMAT_VERSION = 1  # bump when the converted layout changes: old entries are ignored
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"

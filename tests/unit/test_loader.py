@@ -293,14 +293,14 @@ def test_gguf_llama3_rope_freqs_become_rope_scaling(tmp_path):
 
 
 def test_gguf_unsupported_tensor_type(tmp_path):
-    q2k = np.zeros((64, gguf.GGML_QUANT_SIZES[QT.Q2_K][1]), dtype=np.uint8)  # 64 rows of 256
-    write_tiny_gguf(tmp_path / "q2k.gguf", tiny_model("llama"), QT.F32,
-                    raw_overrides={"blk.1.ffn_down.weight": (q2k, QT.Q2_K)})
+    iq2 = np.zeros((64, gguf.GGML_QUANT_SIZES[QT.IQ2_XXS][1]), dtype=np.uint8)  # 64 rows of 256
+    write_tiny_gguf(tmp_path / "iq2.gguf", tiny_model("llama"), QT.F32,
+                    raw_overrides={"blk.1.ffn_down.weight": (iq2, QT.IQ2_XXS)})
     with pytest.raises(CheckpointError) as err:
-        load_checkpoint(str(tmp_path / "q2k.gguf"))
+        load_checkpoint(str(tmp_path / "iq2.gguf"))
     message = str(err.value)
-    assert "q2k.gguf" in message and "'blk.1.ffn_down.weight'" in message and "Q2_K" in message
-    assert "allowed types: F32, F16, BF16, Q8_0, Q4_0, Q4_1" in message
+    assert "iq2.gguf" in message and "'blk.1.ffn_down.weight'" in message and "IQ2_XXS" in message
+    assert "allowed types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K" in message
     assert not list((Path(os.environ["FLASHTREE_CACHE"]) / "gguf").iterdir())  # nothing half-written
 
 
