@@ -5,7 +5,8 @@
         --api-key KEY --max-waiting 128
 
 The KV-cache memory check runs before the port is bound; the model then loads and warms up
-while ``/health`` answers 503; a load failure stops the server with exit status 2.
+while ``/health`` answers 503; a load failure stops the server with exit status 2. A lost engine (a
+tensor-parallel worker died) answers 503 to every request and stops the server with exit status 1.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from flashtree.server.config import EVENT_LOOPS, HTTP_IMPLEMENTATIONS, LOOPBACK,
 API_KEY_ENV = "FLASHTREE_API_KEY"
 PLAYGROUND_TREES = 4  # each request's last draft trees kept for the playground (GET /)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class EngineLostError(FlashtreeError):
+    """The served engine stopped for good (a worker process died); the server stopped."""
+
+    exit_code = 1
 
 
 def register(subparsers) -> None:
@@ -120,7 +127,10 @@ def serve(config: ServerConfig) -> None:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(config, on_load_failure=stop_on_failure)
+    def stop_on_lost_engine(cause: str) -> None:
+        stop_on_failure(EngineLostError(f"{cause}; the server stopped"))
+
+    app = create_app(config, on_load_failure=stop_on_failure, on_fatal=stop_on_lost_engine)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            http=config.http, loop=config.loop, timeout_graceful_shutdown=5))
     with switch_interval(config.switch_interval_ms):

@@ -58,6 +58,7 @@ from flashtree.models.build import (
 )
 from flashtree.models.tokenizer import stop_token_ids_for
 from flashtree.policy import make_policy, rows_bucket
+from flashtree.policy.memory import PolicyMemory
 from flashtree.sampling import SamplingParams
 from flashtree.structured import StructuredOutput
 from flashtree.speculative.registry import make_proposer
@@ -106,7 +107,7 @@ class LLMEngine:
             device_type=self.device.type)
         graph_tokens = kernels.cuda_graph_max_tokens if self.runner.graphs is not None else None
         self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
-                                  graph_tokens)
+                                  graph_tokens, PolicyMemory.for_engine(config, self.device, self.dtype))
         queue = scheduling.queue_plain_rounds if scheduling.queue_plain_rounds is not None else self.runner.runs_ahead
         self.overlap = QueuedRounds(self.runner, self.lag, config.cache.max_context, enabled=queue)
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
@@ -130,6 +131,17 @@ class LLMEngine:
         if target is not None:
             raise ConfigError("a loaded target cannot be shared with a tensor-parallel engine: it loads its own shards")
         return TensorParallelExecutor(self.config, self.device, self.dtype)
+
+    def watch_workers(self, on_death) -> None:
+        """``on_death(what happened)`` is called once, from another thread, when a worker process of this
+        engine exits (tensor parallelism; nothing to watch otherwise): the engine cannot go on."""
+        if self.executor is not None:
+            self.executor.watch(on_death)
+
+    def close(self) -> None:
+        """Stop the engine's worker processes, if any (idempotent); it runs nothing afterwards."""
+        if self.executor is not None:
+            self.executor.close()
 
     @property
     def graph_counts(self) -> tuple[int, int]:

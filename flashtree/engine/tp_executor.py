@@ -19,6 +19,8 @@ rank 0 alone, from rank 0's whole embedding and LM head and the hidden states it
 A worker that dies or hangs fails rank 0's next pipe write or collective (gloo notices a closed
 connection at once; a hang waits ``worker_timeout_s``), and the engine raises
 :class:`TensorParallelError` naming the rank and its exit status; the other workers are stopped.
+:meth:`TensorParallelExecutor.watch` also reports a worker's death the moment its process exits, from
+a thread of its own, so a server learns it while its engine is idle or blocked.
 Rounds run eagerly: a replayed CUDA graph would skip the commands to the workers.
 """
 
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_any
 from typing import NoReturn
 
@@ -48,10 +51,13 @@ from flashtree.models.parallel_load import load_target_shard
 
 STOP_WAIT_S = 5.0  # a stopped worker that has not exited after this long is terminated
 EXIT_WAIT_S = 2.0  # after a failed collective, how long to wait for a dying worker's exit status
+WATCH_POLL_S = 0.5  # how often the watcher thread checks whether the executor was closed
 
 
 class TensorParallelError(FlashtreeError):
     """A tensor-parallel worker died, failed or stopped answering; the engine cannot go on."""
+
+    exit_code = 1
 
 
 class MirroredPageTable(PageTable):
@@ -90,6 +96,7 @@ class _Process:
 
     def __init__(self, rank: int, process, conn):
         self.rank, self.process, self.conn = rank, process, conn
+        self.death: str | None = None  # what happened to it, once it has exited (see ``_death_of``)
 
     def describe(self) -> str:
         return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid})"
@@ -105,6 +112,8 @@ class TensorParallelExecutor:
         self.device = device
         self.failure: str | None = None  # why the workers are gone (no command is sent after that)
         self.pages: MirroredPageTable | None = None
+        self._closing = False  # close() began: workers that exit now were stopped, not lost
+        self._deaths = threading.Lock()  # (the engine thread and the watcher both read a dead worker's pipe)
         store = dist.TCPStore("127.0.0.1", 0, self.world_size, True,
                               timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
         self.workers = self._start_workers(config, store.port, dtype)
@@ -206,28 +215,42 @@ class TensorParallelExecutor:
             raise TensorParallelError(f"{self.failure}; the engine cannot continue") from err
         raise err
 
-    @staticmethod
-    def _death_of(worker: _Process, wait_s: float = 0.0) -> str | None:
+    def _death_of(self, worker: _Process, wait_s: float = 0.0) -> str | None:
         """What happened to ``worker`` if it has exited (within ``wait_s``): its exit status and the
         error it sent; None while it runs."""
         worker.process.join(wait_s)
         code = worker.process.exitcode
         if code is None:
             return None
-        text = f"{worker.describe()} exited with status {code}"
-        try:
-            while worker.conn.poll():
-                message = worker.conn.recv()
-                if message[0] == "error":
-                    text += f":\n{message[1]}"
-        except (EOFError, OSError):
-            pass
-        return text
+        with self._deaths:
+            if worker.death is None:
+                worker.death = f"{worker.describe()} exited with status {code}{_sent_error(worker.conn)}"
+        return worker.death
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """From now on, ``on_death(what happened)`` is called once, from a daemon thread, when a worker
+        process exits before :meth:`close` (the engine cannot go on; its next forward raises too)."""
+        sentinels = [worker.process.sentinel for worker in self.workers]
+        watcher = threading.Thread(target=self._watch, args=(sentinels, on_death), name="flashtree-tp-watch",
+                                   daemon=True)
+        watcher.start()
+
+    def _watch(self, sentinels: list[int], on_death: Callable[[str], None]) -> None:
+        while not (ready := wait_any(sentinels, timeout=WATCH_POLL_S)):
+            if self._closing:
+                return
+        if self._closing:
+            return
+        # (a closed sentinel may come a moment before the exit status)
+        dead = [self._death_of(worker, EXIT_WAIT_S if worker.process.sentinel in ready else 0.0)
+                for worker in self.workers]
+        on_death("; ".join(text for text in dead if text) or "a tensor-parallel worker exited")
 
     def close(self) -> None:
         """Stop the workers (idempotent); the engine cannot run the target afterwards."""
         if self.failure is None:
             self.failure = "the tensor-parallel workers were stopped"
+        self._closing = True
         self._finalizer()
 
 
@@ -236,6 +259,19 @@ def worker_device(device: torch.device, rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _sent_error(conn) -> str:
+    """The traceback a dead worker sent before it exited (``":\n" + text``), or ""."""
+    text = ""
+    try:
+        while conn.poll():
+            message = conn.recv()
+            if message[0] == "error":
+                text += f":\n{message[1]}"
+    except (EOFError, OSError):
+        pass
+    return text
 
 
 def _stop(workers: list[_Process]) -> None:

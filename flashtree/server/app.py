@@ -26,7 +26,10 @@ log = logging.getLogger("flashtree.server")
 
 
 def create_app(config: ServerConfig, *,
-               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_failure: Callable[[BaseException], None] | None = None,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The app; ``on_load_failure(error)`` when the model fails to load, ``on_fatal(cause)`` (any
+    thread) when the loaded engine is lost (a tensor-parallel worker died): it answers 503 from then on."""
     metrics = ServerMetrics()
 
     def load() -> LLMEngine:  # on the engine thread
@@ -38,7 +41,7 @@ def create_app(config: ServerConfig, *,
                                    device=str(engine.device), dtype=str(engine.dtype)).set(1)
         return engine
 
-    async_engine = AsyncEngine(load, metrics, on_load_failure)
+    async_engine = AsyncEngine(load, metrics, on_load_failure, on_fatal)
     ctx = ServerContext(async_engine, config.model_name, config.responses_store_size)
 
     @contextlib.asynccontextmanager

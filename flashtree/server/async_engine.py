@@ -10,7 +10,11 @@ Threads and ownership
   aborts the request and its slot is free after the next step.
 
 An exception from ``step()`` fails the requests that were in the batch (their streams get an
-error delta, the server answers 500) and the thread keeps serving the others.
+error delta, the server answers 500) and the thread keeps serving the others. An engine that cannot
+go on (a tensor-parallel worker died: ``step()`` raised TensorParallelError, or the executor's watcher
+saw the process exit while the engine was idle or blocked) is lost: :meth:`AsyncEngine.fail` answers
+every request in flight and every new one with 503 naming the cause, stops the thread, and calls
+``on_fatal`` (the command line's server exits).
 """
 
 from __future__ import annotations
@@ -22,17 +26,21 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict, deque
 from typing import AsyncIterator, Callable
 
 from flashtree.engine.engine import LLMEngine
 from flashtree.engine.output import StepEvent
 from flashtree.engine.request import Request
+from flashtree.engine.tp_executor import TensorParallelError
 from flashtree.sampling import SamplingParams
 from flashtree.server.logprobs import LogprobText, TokenTexts
 from flashtree.server.metrics import ServerMetrics
 
 log = logging.getLogger("flashtree.server")
+
+LOST_JOIN_S = 2.0  # how long stop() waits for a lost engine's thread (it may be blocked in a collective)
 
 
 class EngineState(enum.Enum):
@@ -44,6 +52,14 @@ class EngineState(enum.Enum):
 
 class EngineFailure(Exception):
     """The engine failed while running this request (HTTP 500)."""
+
+    status, code = 500, None
+
+
+class EngineLost(EngineFailure):
+    """The engine stopped for good while this request ran (a worker process died): HTTP 503."""
+
+    status, code = 503, "engine_unavailable"
 
 
 class EngineUnavailable(Exception):
@@ -79,6 +95,7 @@ class GenerationDelta:
     # the speculation behind it, when the request asked: {"rounds": acceptance lengths of its rounds,
     # "tree": the newest draft tree with its tokens' texts (absent when no new one)}
     speculation: dict | None = None
+    lost: bool = False  # with ``error``: the engine stopped for good (503), not a failure of this request (500)
 
     @property
     def finished(self) -> bool:
@@ -111,7 +128,7 @@ class RequestStream:
             if batch[-1].error is not None:
                 if len(batch) > 1:
                     yield batch[:-1]
-                raise EngineFailure(batch[-1].error)
+                raise (EngineLost if batch[-1].lost else EngineFailure)(batch[-1].error)
             yield batch
 
 
@@ -147,12 +164,16 @@ class _Tracked:
 
 class AsyncEngine:
     def __init__(self, load: Callable[[], LLMEngine], metrics: ServerMetrics,
-                 on_load_failure: Callable[[BaseException], None] | None = None):
+                 on_load_failure: Callable[[BaseException], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None):
         self._load = load
         self.metrics = metrics
         self._on_load_failure = on_load_failure
+        self._on_fatal = on_fatal  # called once, from any thread, with the cause when the engine is lost
         self.state = EngineState.LOADING
         self.load_error: str | None = None
+        self.fatal_error: str | None = None  # why the engine stopped for good (see :meth:`fail`)
+        self._live: weakref.WeakSet[RequestStream] = weakref.WeakSet()  # streams submitted (guarded by _wakeup)
         self.engine: LLMEngine | None = None
         self.loaded = threading.Event()  # set once the state leaves LOADING
         self._commands: deque[_Submit | _Abort] = deque()
@@ -167,12 +188,13 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the loop after the current step. A thread still loading is left behind (daemon)."""
+        """Stop the loop after the current step. A thread still loading is left behind (daemon), and so
+        is a lost engine's thread that stays blocked past ``LOST_JOIN_S``."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         if self._thread.is_alive() and self.state is not EngineState.LOADING:
-            self._thread.join(timeout)
+            self._thread.join(LOST_JOIN_S if self.fatal_error is not None else timeout)
 
     @property
     def ready(self) -> bool:
@@ -185,9 +207,13 @@ class AsyncEngine:
         engine's refusal (``RequestError``, ``QueueFullError``). ``after``: the stream of a request
         with the same prompt (n > 1) whose prefill this one waits for (``LLMEngine.add_request``);
         ``speculation``: its deltas carry its rounds and draft trees."""
+        if self.fatal_error is not None:
+            raise EngineUnavailable(self.fatal_error)
         if self.state is not EngineState.READY or self._stopping:
             raise EngineUnavailable(f"the engine is {'stopping' if self._stopping else self.state.value}")
         stream = RequestStream(asyncio.get_running_loop())
+        with self._wakeup:
+            self._live.add(stream)
         self._send(_Submit(stream, list(prompt_ids), params, budget, arrival or time.monotonic(), after, speculation))
         try:
             await stream.admitted
@@ -207,6 +233,24 @@ class AsyncEngine:
             self._commands.append(command)
             self._wakeup.notify()
 
+    def fail(self, cause: str) -> None:
+        """The engine is lost (any thread; once): every request submitted and not finished, and every
+        new one, is answered with 503 naming ``cause``; the engine thread stops; ``on_fatal(cause)``."""
+        message = f"the engine stopped: {cause}"
+        with self._wakeup:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error, self.state, self._stopping = message, EngineState.FAILED, True
+            streams = list(self._live)
+            self._commands.clear()
+            self._wakeup.notify()
+        log.error("%s; answering every request with 503", message)
+        for stream in streams:  # (the engine thread may be blocked: the deltas go from here)
+            _post(stream.loop, _settle, stream.admitted, EngineUnavailable(message))
+            _post(stream.loop, _deliver, [(stream, GenerationDelta((), "", None, error=message, lost=True))])
+        if self._on_fatal is not None:
+            self._on_fatal(message)
+
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         if not self._load_engine():
@@ -214,11 +258,15 @@ class AsyncEngine:
         while (commands := self._wait_for_work()) is not None:
             try:
                 self._iterate(commands)
+            except TensorParallelError as err:
+                self.fail(str(err))
             except Exception as err:  # noqa: BLE001 - a bug here must not stop the thread
                 self._fail_active(_incident("engine loop failed; failing the requests in the batch", err))
-        self._fail_all("the server is shutting down")
+        self._fail_all(self.fatal_error or "the server is shutting down")
         self.engine.close_traces()
-        self.state = EngineState.STOPPED
+        self.engine.close()
+        if self.fatal_error is None:
+            self.state = EngineState.STOPPED
 
     def _load_engine(self) -> bool:
         try:
@@ -234,6 +282,7 @@ class AsyncEngine:
         self._token_texts = TokenTexts(self.engine.tokenizer)
         self.state = EngineState.READY
         self.loaded.set()
+        self.engine.watch_workers(self.fail)
         return True
 
     def _wait_for_work(self) -> list[_Submit | _Abort] | None:
@@ -285,6 +334,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             events = self.engine.step()
+        except TensorParallelError:
+            raise  # (the engine is lost: _run fails everything)
         except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
             self._fail_active(_incident("engine step failed; failing the requests in the batch", err))
             return
@@ -353,7 +404,7 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         for tracked in list(self._tracked.values()):
-            self._send_error(tracked, message)
+            self._send_error(tracked, message, lost=self.fatal_error is not None)
         self._tracked.clear()
         with self._wakeup:
             pending = [c for c in self._commands if isinstance(c, _Submit)]
@@ -361,9 +412,9 @@ class AsyncEngine:
         for command in pending:
             _post(command.stream.loop, _settle, command.stream.admitted, EngineUnavailable(message))
 
-    def _send_error(self, tracked: _Tracked, message: str) -> None:
+    def _send_error(self, tracked: _Tracked, message: str, lost: bool = False) -> None:
         self.metrics.finished.labels(finish_reason="error").inc()
-        delta = GenerationDelta((), "", RequestUsage.of(tracked.request), error=message)
+        delta = GenerationDelta((), "", RequestUsage.of(tracked.request), error=message, lost=lost)
         _post(tracked.stream.loop, _deliver, [(tracked.stream, delta)])
 
     def _update_gauges(self) -> None:

@@ -9,7 +9,7 @@
 | 413 | request body over ``--max-request-bytes`` | invalid_request_error / request_too_large |
 | 429 | waiting queue full (with Retry-After) | rate_limit_error / queue_full |
 | 500 | the engine or the server failed on this request: "internal error" and an id the log has | server_error |
-| 503 | the model is loading (or failed to load) | service_unavailable |
+| 503 | the model is loading (or failed to load), or the engine was lost (a worker process died) | service_unavailable |
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ async def _guarded(streams: list[RequestStream], cancel: Callable[[RequestStream
                 yield "".join(events)
         yield SSE_DONE
     except EngineFailure as err:
-        yield sse(APIError(500, str(err)).body())
+        yield sse(APIError(err.status, str(err), code=err.code).body())
         yield SSE_DONE
     finally:
         for stream in streams:

@@ -96,6 +96,8 @@ class ServerContext:
         state = self.engine.state
         if state is EngineState.READY:
             return None
+        if self.engine.fatal_error is not None:
+            return self.engine.fatal_error
         if state is EngineState.FAILED:
             return f"the model failed to load: {self.engine.load_error}"
         return f"the model is {state.value}; retry when GET /health answers 200"
@@ -141,9 +143,9 @@ class ServerContext:
             return None
         try:
             return [r.result() for r in results]
-        except EngineFailure as err:  # (its message names the incident the log holds)
+        except EngineFailure as err:  # (its message names the incident the log holds, or the lost engine's cause)
             self.cancel_all(streams)
-            raise APIError(500, str(err)) from None
+            raise APIError(err.status, str(err), code=err.code) from None
 
 
 async def _client_left(request: Request) -> None:

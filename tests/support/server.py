@@ -66,8 +66,8 @@ def server_config(model: Path | str, *, method: str = "none", draft: str | None 
 class ServerThread:
     """A uvicorn server in a daemon thread: ``with ServerThread(config) as server: server.url``."""
 
-    def __init__(self, config: ServerConfig, wait_ready: bool = True):
-        self.app = create_app(config)
+    def __init__(self, config: ServerConfig, wait_ready: bool = True, **app_options):
+        self.app = create_app(config, **app_options)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                     http=config.http, loop=config.loop, timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
