@@ -178,9 +178,11 @@ def main() -> None:
         summary[system]["first_difference_from_flashtree_plain"] = [
             first_difference(r["tokens"], plain[(r["prompt"], r["repeat"])]) for r in runs
             if r["system"] == system and r["prompt"] >= 0]
-    base = summary["llama.cpp"]["decode_tok_s"]
-    for system in systems:
-        summary[system]["decode_vs_llamacpp"] = summary[system]["decode_tok_s"] / base
+    for reference in ("llama.cpp", "flashtree"):  # (--systems may leave either out)
+        if reference in summary:
+            for system in systems:
+                summary[system][f"decode_vs_{reference}"] = (summary[system]["decode_tok_s"]
+                                                             / summary[reference]["decode_tok_s"])
     out = {"cpu": platform.processor() or platform.machine(), "gguf": args.gguf, "threads": args.threads,
            "new_tokens": args.new_tokens, "pp_tokens": args.pp_tokens, "summary": summary, "runs": runs}
     if args.out:

@@ -98,6 +98,8 @@ class SpeculationConfig:
     # (speculative/draft_vocab.py); 0: the whole vocabulary; None: the device's default
     adaptive: bool = True  # pick each round's node count (0 = plain) for throughput; False: always the budget
     policy: PolicyConfig = PolicyConfig()  # knobs of the adaptive policy
+    policy_cache: bool = True  # the adaptive policy starts from what the last process of the same setup
+    # learned and keeps what it learns, under the user's cache directory (policy/memory.py)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -116,6 +118,7 @@ class SpeculationConfig:
                 raise ConfigError("--draft-vocab needs a drafter (--spec dflash or ddtree)")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive_spec must be True or False, got {self.adaptive!r}")
+        _check_bools(self, "policy_cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +195,8 @@ def prefill_tokens_for(config: SchedulerConfig, device_type: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     quant_kernels: bool = True  # CPU fp32 GGUF models: every product straight from the GGUF blocks (no fp32 copies)
+    int8_activations: bool = True  # with quant_kernels: each row of x rounded to int8 per 32 values (as llama.cpp
+    # does) and integer block dot products; False: float x (bit-comparable with the fp32 weights' products)
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (kernels/gpu/)
     cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (kernels/cpu/; AVX-512 or AVX2)
     cpu_layer_stack: bool = True  # with cpu_kernels and GGUF blocks: every decoder layer of a forward of

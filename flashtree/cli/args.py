@@ -71,6 +71,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                            "(None: 16384 on a CPU when the drafter ships a ranking, else 0)")
     _on_off(spec, "adaptive_spec", SpeculationConfig.adaptive,
             "pick each round's draft size (down to plain decoding) for the most tokens/s; the budget becomes a maximum")
+    _on_off(spec, "policy_cache", SpeculationConfig.policy_cache,
+            "the adaptive choice starts from what the last run of the same model, drafter and machine learned, "
+            "and keeps what it learns (a small JSON per setup under $FLASHTREE_POLICY_CACHE, else the cache "
+            "directory's policy/)")
 
     cache = parser.add_argument_group("KV cache (CacheConfig)")
     cache.add_argument("--max-context", "--max-model-len", type=int, default=CacheConfig.max_context,
@@ -108,6 +112,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     kernels = parser.add_argument_group("kernels (KernelConfig)")
     _on_off(kernels, "quant_kernels", KernelConfig.quant_kernels,
             "CPU fp32 GGUF models: every product straight from the GGUF blocks, no fp32 copies (AVX-512 / AVX2 kernel)")
+    _on_off(kernels, "int8_activations", KernelConfig.int8_activations,
+            "with --quant-kernels: round each row of activations to int8 per 32 values (as llama.cpp does) and take "
+            "integer block dot products (faster); off: float activations, the products of the fp32 weights")
     _on_off(kernels, "gpu_kernels", KernelConfig.gpu_kernels,
             "CUDA: norms, rotary and KV writes as fused Triton kernels (when Triton is installed)")
     _on_off(kernels, "cpu_kernels", KernelConfig.cpu_kernels,
@@ -158,8 +165,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 # flag dest -> flat engine setting (EngineConfig.of); the speculation method and drafter go apart
-ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "max_context", "page_size",
-                "kv_pages", "gpu_memory_utilization", "prefix_caching", "max_running",
+ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "policy_cache", "max_context",
+                "page_size", "kv_pages", "gpu_memory_utilization", "prefix_caching", "max_running",
                 "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
                 "grammar_backend", *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps",
                 "recent_trees", "tensor_parallel_size", "worker_timeout_s")

@@ -41,6 +41,11 @@ after every round (:meth:`AdaptivePolicy.record`).
   round's time is the floor of the narrowest). Whether to draft at all stays the option's choice:
   the drafter runs before any tree exists.
 
+- Learned start: :meth:`AdaptivePolicy.start_from` takes what an earlier process learned
+  (``learned.py``; ``memory.py`` keeps it on disk): acceptance and relative round times (see
+  ``estimates``), and each bucket's probe schedule, so that a fresh process neither explores again
+  nor probes sooner than the earlier one would have; :meth:`AdaptivePolicy.learned` gives it back.
+
 Everything is deterministic given the same measurements.
 """
 
@@ -54,6 +59,7 @@ from typing import Sequence
 from flashtree.config import PolicyConfig
 from flashtree.policy.base import PLAIN_NODES, rows_bucket
 from flashtree.policy.estimates import DOMINATED, Estimates
+from flashtree.policy.learned import Learned, LearnedBucket
 from flashtree.policy.row_budgets import cost_curve
 
 BACKOFF_BELOW = 0.8  # a probe below this fraction of the best score doubles the probe interval
@@ -98,6 +104,41 @@ class AdaptivePolicy:
         self._plain_timed_at: dict[int, int] = {}  # rows bucket -> its round count when plain was last timed
         self._settled: list[tuple] = []  # held settled rounds: (rows, nodes, seconds, acceptance), one bucket
         self._settled_bucket = 0  # the bucket of the held rounds
+        self._started_from: Learned | None = None  # what an earlier process learned (start_from)
+
+    # ------------------------------------------------------------------ learned across processes
+    def start_from(self, learned: Learned) -> None:
+        """Continue from what an earlier process learned (see "Learned start"); call before the first round."""
+        if self._rounds:
+            raise RuntimeError("start_from() must come before the policy's first round")
+        self._started_from = learned
+        self.estimates.start_from(learned.acceptance,
+                                  {b: data.relative_seconds for b, data in learned.buckets.items()})
+        for bucket, data in learned.buckets.items():
+            if data.probe_interval is not None and data.rounds_to_probe is not None:
+                self._interval[bucket] = data.probe_interval
+                self._next_probe[bucket] = data.rounds_to_probe
+
+    @property
+    def rounds_chosen(self) -> int:
+        """Rounds chosen so far, every bucket together."""
+        return sum(self._rounds.values())
+
+    def learned(self) -> Learned:
+        """What this policy knows now, to start another process from (buckets it did not run keep
+        what it started from)."""
+        started = self._started_from.buckets if self._started_from is not None else {}
+        buckets = {}
+        for bucket, ratios in self.estimates.learned_ratios().items():
+            if bucket in self._next_probe:
+                interval = self._interval.get(bucket, self.config.probe_interval)
+                rounds_to_probe = max(0, self._next_probe[bucket] - self._rounds[bucket])
+            elif bucket in started:
+                interval, rounds_to_probe = started[bucket].probe_interval, started[bucket].rounds_to_probe
+            else:
+                interval = rounds_to_probe = None
+            buckets[bucket] = LearnedBucket(ratios, interval, rounds_to_probe)
+        return Learned(self.estimates.learned_acceptance(), buckets)
 
     # ------------------------------------------------------------------ decisions
     def choose(self, rows: int) -> int:

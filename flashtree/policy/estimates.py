@@ -23,12 +23,19 @@ The policy scores an option by the tokens it expects per second per row,
   machine hits every option alike; what the choice depends on is their relative cost, which
   probes and exploration measure.
 
+- Learned start: a policy may start from what an earlier process learned (``learned.py``): each
+  option's acceptance, and per rows bucket each drafted option's round time relative to a plain
+  round's. The relative times wait for the bucket's first timed plain round, which scales them to
+  this process's pace; an option so started counts its earlier timed rounds (up to the EMA's
+  horizon), so it is explored no more than it would be in the earlier process.
+
 Scores are recomputed only after a new measurement (a round asks for them several times, and a
 round's host time is time the device may wait).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence
 
 from flashtree.config import PolicyConfig
@@ -47,6 +54,14 @@ class Ema:
 
     def __init__(self, smoothing: float, clip: float | None = None):
         self.value, self.count, self.smoothing, self.clip = 0.0, 0, smoothing, clip
+
+    @classmethod
+    def started(cls, smoothing: float, clip: float | None, value: float, count: int) -> Ema:
+        """An average that continues from ``value`` over ``count`` samples (capped at ``1 / smoothing``:
+        past it, an EMA weighs a new sample the same whatever came before)."""
+        ema = cls(smoothing, clip)
+        ema.value, ema.count = value, max(1, min(count, math.ceil(1.0 / smoothing)))
+        return ema
 
     def add(self, sample: float, least_weight: float = 0.0) -> None:
         if self.clip is not None and self.count:
@@ -76,6 +91,8 @@ class Estimates:
         self._timed_at: dict[tuple[int, int], int] = {}  # (rows bucket, nodes) -> the bucket's round count
         # when that option was last timed
         self._width_seconds: dict[int, dict[int, Ema]] = {}  # rows bucket -> verified width -> drafted round seconds
+        self._started_ratios: dict[int, dict[int, tuple[float, int]]] = {}  # rows bucket -> nodes -> (round
+        # time relative to plain's, timed rounds): learned earlier, applied at the bucket's first timed plain round
         self.version = 0  # measurements fed so far (the score cache's version)
         self._cache: dict[int, BucketEstimates] = {}  # rows bucket -> its estimates, as last computed
 
@@ -185,7 +202,42 @@ class Estimates:
         its root), as measured in ``bucket``: the cost curve of the per-row allotment."""
         return {width: ema.value for width, ema in self._width_seconds.get(bucket, {}).items()}
 
+    def learned_acceptance(self) -> dict[int, tuple[float, int]]:
+        """Drafted options' acceptance: nodes -> (mean, samples)."""
+        return {n: (ema.value, ema.count) for n, ema in self._acceptance.items()}
+
+    def learned_ratios(self) -> dict[int, dict[int, tuple[float, int]]]:
+        """Per rows bucket, drafted options' round time over plain's: nodes -> (ratio, timed rounds of
+        the option or of plain, whichever is fewer: a ratio is as sure as its shakier side); a bucket
+        this process has not timed plain rounds in keeps what it started from."""
+        ratios = {bucket: dict(started) for bucket, started in self._started_ratios.items()}
+        for (bucket, nodes), ema in self._seconds.items():
+            plain = self._seconds.get((bucket, PLAIN_NODES))
+            if nodes != PLAIN_NODES and plain is not None and plain.value > 0.0:
+                ratios.setdefault(bucket, {})[nodes] = (ema.value / plain.value, min(ema.count, plain.count))
+        return {bucket: by_nodes for bucket, by_nodes in ratios.items() if by_nodes}
+
     # ------------------------------------------------------------------ feeding
+    def start_from(self, acceptance: dict[int, tuple[float, int]],
+                   ratios: dict[int, dict[int, tuple[float, int]]]) -> None:
+        """Start from learned estimates (see "Learned start"); options off the ladder are ignored."""
+        self.version += 1
+        for nodes, (mean, samples) in acceptance.items():
+            if nodes in self.ladder and nodes != PLAIN_NODES:
+                self._acceptance[nodes] = Ema.started(self.config.acceptance_smoothing, None, mean, samples)
+        for bucket, by_nodes in ratios.items():
+            kept = {n: pair for n, pair in by_nodes.items() if n in self.ladder and n != PLAIN_NODES}
+            if kept:
+                self._started_ratios[bucket] = kept
+
+    def _apply_started_ratios(self, bucket: int, round_index: int) -> None:
+        """The bucket's first timed plain round: its learned relative round times, at this pace."""
+        plain = self._seconds[(bucket, PLAIN_NODES)].value
+        for nodes, (ratio, timed) in self._started_ratios.pop(bucket).items():
+            if (bucket, nodes) not in self._seconds:
+                self._seconds[(bucket, nodes)] = Ema.started(self.config.smoothing, OUTLIER_FACTOR, ratio * plain, timed)
+                self._timed_at[(bucket, nodes)] = round_index
+
     def measure_width(self, bucket: int, width: int, seconds: float) -> None:
         """A drafted round of ``bucket`` that verified ``width`` entries per row took ``seconds``."""
         by_width = self._width_seconds.setdefault(bucket, {})
@@ -209,6 +261,8 @@ class Estimates:
             if pace and before > 0.0:
                 self._follow_pace(bucket, nodes, ema.value / before)
             self._timed_at[(bucket, nodes)] = round_index
+            if nodes == PLAIN_NODES and bucket in self._started_ratios:
+                self._apply_started_ratios(bucket, round_index)
         if acceptance is not None and nodes != PLAIN_NODES:
             per_rows = 1.0 - (1.0 - self.config.acceptance_smoothing) ** rows  # each row one sample
             self._acceptance.setdefault(nodes, Ema(self.config.acceptance_smoothing)).add(
