@@ -48,6 +48,9 @@ def register(subparsers) -> None:
                        help="a request body larger than this is refused with 413 before it is read")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for torch (default: torch's choice; 1 helps on a busy shared CPU)")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=ServerConfig.data_parallel_size, metavar="N",
+                       help="N engine replicas behind one server (each on its own --tensor-parallel-size devices), "
+                            "a conversation kept on the replica holding its prompt's prefix pages")
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     serve.add_argument("--http", default="auto", choices=HTTP_IMPLEMENTATIONS,
                        help="uvicorn's HTTP protocol (default auto: httptools when installed, else h11)")
@@ -65,7 +68,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         log_level=args.log_level, freeze_gc=True, http=args.http, loop=args.loop,
                         switch_interval_ms=args.switch_interval_ms, max_request_bytes=args.max_request_bytes,
-                        responses_store_size=args.responses_store_size)
+                        responses_store_size=args.responses_store_size, data_parallel_size=args.data_parallel_size)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -1,7 +1,9 @@
 """The FastAPI app factory: ``create_app(ServerConfig)``.
 
 The engine loads on its own thread when the app starts (lifespan), so ``/health`` answers
-503 while loading and 200 once the warm-up generation is done.
+503 while loading and 200 once the warm-up generation is done. With ``data_parallel_size`` N > 1,
+N engines load side by side, each on its own thread and devices, behind a router
+(``server/replicas.py``); ``/health`` answers 200 once all are ready.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Callable
 
 from fastapi import FastAPI
 
+from flashtree.config import EngineConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.server.async_engine import AsyncEngine
 from flashtree.server.config import ServerConfig
@@ -19,6 +22,8 @@ from flashtree.server.errors import install_error_handlers
 from flashtree.server.generation import ServedModel
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.middleware import BodyLimit, Gate, ResponseCounter
+from flashtree.server.replicas import ReplicaSet, replica_configs
+from flashtree.server.router import PrefixRouter
 from flashtree.server.routes import ServerContext, build_router
 from flashtree.server.startup import freeze_startup_objects, load_engine
 
@@ -32,8 +37,8 @@ def create_app(config: ServerConfig, *,
     thread) when the loaded engine is lost (a tensor-parallel worker died): it answers 503 from then on."""
     metrics = ServerMetrics()
 
-    def load() -> LLMEngine:  # on the engine thread
-        engine = load_engine(config.engine)
+    def load(engine_config: EngineConfig) -> LLMEngine:  # on the engine thread
+        engine = load_engine(engine_config)
         if config.freeze_gc:
             log.info("%d startup objects exempt from garbage collection", freeze_startup_objects())
         ctx.served = ServedModel.of(engine, config.model_name)
@@ -41,7 +46,17 @@ def create_app(config: ServerConfig, *,
                                    device=str(engine.device), dtype=str(engine.dtype)).set(1)
         return engine
 
-    async_engine = AsyncEngine(load, metrics, on_load_failure, on_fatal)
+    if config.data_parallel_size == 1:
+        async_engine = AsyncEngine(lambda: load(config.engine), metrics, on_load_failure, on_fatal)
+    else:
+        engine_configs = replica_configs(config.engine, config.data_parallel_size)
+
+        def make_replica(index: int, **callbacks) -> AsyncEngine:
+            return AsyncEngine(lambda: load(engine_configs[index]), metrics, replica=index, **callbacks)
+
+        router = PrefixRouter(config.data_parallel_size, config.engine.cache.page_size,
+                              max_imbalance=config.engine.scheduler.max_running)
+        async_engine = ReplicaSet(config.data_parallel_size, make_replica, metrics, router, on_load_failure, on_fatal)
     ctx = ServerContext(async_engine, config.model_name, config.responses_store_size)
 
     @contextlib.asynccontextmanager

@@ -40,6 +40,7 @@ from flashtree.server.metrics import ServerMetrics
 
 log = logging.getLogger("flashtree.server")
 
+LOST_PREFIX = "the engine stopped: "  # what a lost engine's messages start with (then the cause)
 LOST_JOIN_S = 2.0  # how long stop() waits for a lost engine's thread (it may be blocked in a collective)
 
 
@@ -111,6 +112,7 @@ class RequestStream:
         self.deltas: asyncio.Queue[GenerationDelta] = asyncio.Queue()
         self.finished = False  # the last delta was read (event-loop side)
         self.request_id: str | None = None  # set by the engine thread at admission
+        self.replica = 0  # the data-parallel replica serving it (server/replicas.py)
 
     async def __aiter__(self) -> AsyncIterator[GenerationDelta]:
         async for batch in self.batches():
@@ -165,9 +167,10 @@ class _Tracked:
 class AsyncEngine:
     def __init__(self, load: Callable[[], LLMEngine], metrics: ServerMetrics,
                  on_load_failure: Callable[[BaseException], None] | None = None,
-                 on_fatal: Callable[[str], None] | None = None):
+                 on_fatal: Callable[[str], None] | None = None, replica: int = 0):
         self._load = load
         self.metrics = metrics
+        self.replica = replica  # its index among data-parallel replicas (metrics labels)
         self._on_load_failure = on_load_failure
         self._on_fatal = on_fatal  # called once, from any thread, with the cause when the engine is lost
         self.state = EngineState.LOADING
@@ -199,6 +202,11 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self.state is EngineState.READY
+
+    @property
+    def load(self) -> int:
+        """Requests submitted and not finished: queued for the engine thread or admitted (any thread)."""
+        return len(self._commands) + len(self._tracked)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, budget: int | None = None,
                      arrival: float | None = None, after: RequestStream | None = None,
@@ -236,7 +244,7 @@ class AsyncEngine:
     def fail(self, cause: str) -> None:
         """The engine is lost (any thread; once): every request submitted and not finished, and every
         new one, is answered with 503 naming ``cause``; the engine thread stops; ``on_fatal(cause)``."""
-        message = f"the engine stopped: {cause}"
+        message = LOST_PREFIX + cause
         with self._wakeup:
             if self.fatal_error is not None:
                 return
@@ -350,7 +358,7 @@ class AsyncEngine:
                 generated += len(event.new_token_ids)
                 deliveries[tracked.stream.loop].append((tracked.stream, self._delta(tracked, event, now)))
         if generated:  # the step's counters once, not once per request (host time the device waits for)
-            self.metrics.generation_tokens.inc(generated)
+            self.metrics.count_generated(generated, self.replica)
         self.metrics.observe_rounds(step_rounds.lengths, step_rounds.sizes)
         for loop, batch in deliveries.items():
             _post(loop, _deliver, batch)
@@ -420,10 +428,10 @@ class AsyncEngine:
     def _update_gauges(self) -> None:
         scheduler, pool = self.engine.scheduler, self.engine.pages.pool
         self.metrics.set_load(running=len(scheduler.active), waiting=len(scheduler.waiting),
-                              kv_usage=pool.used_pages / pool.capacity)
+                              used_pages=pool.used_pages, pages=pool.capacity, replica=self.replica)
         if self.engine.prefix_cache is not None:
-            self.metrics.set_prefix_cache(self.engine.prefix_cache)
-        self.metrics.set_graphs(*self.engine.graph_counts)
+            self.metrics.set_prefix_cache(self.engine.prefix_cache, self.replica)
+        self.metrics.set_graphs(*self.engine.graph_counts, replica=self.replica)
 
 
 class _StepRounds:

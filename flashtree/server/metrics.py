@@ -10,11 +10,18 @@ pages it holds. Speculation: rounds, drafted tokens (tree nodes verified),
 accepted tokens (drafts committed, bonus excluded), acceptance length per round (bonus included),
 and ``flashtree_spec_batch_rounds_total{nodes}``: batched rounds (engine steps) by the drafted
 node count per row the engine chose (0 = plain rounds; what adaptive speculation did).
+
+Data-parallel replicas (``server/replicas.py``): the gauges above are sums over the replicas (KV usage:
+pages in use over pages, over all of them), and ``flashtree_replica_*{replica}`` give each replica's
+running and waiting requests, KV usage, prefix-cache hit tokens and generated tokens, and
+``flashtree_replica_routed_requests_total{replica,reason}`` the router's choices (affinity: the replica
+holding the prompt's prefix; least_loaded). One engine is replica 0.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+from collections.abc import Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -74,6 +81,21 @@ class ServerMetrics:
                                     "CUDA graphs captured while serving (0: all at start-up)", registry=r)
         self.eager_rounds = Gauge("flashtree_cuda_graph_eager_rounds",
                                   "Rounds run eagerly for want of a CUDA graph captured at start-up", registry=r)
+        self.replica_running = Gauge("flashtree_replica_requests_running", "Requests holding a slot, per replica",
+                                     ["replica"], registry=r)
+        self.replica_waiting = Gauge("flashtree_replica_requests_waiting", "Requests waiting for a slot, per replica",
+                                     ["replica"], registry=r)
+        self.replica_kv_usage = Gauge("flashtree_replica_kv_cache_usage_ratio", "KV pages in use over the pool's, "
+                                      "per replica", ["replica"], registry=r)
+        self.replica_prefix_hits = Gauge("flashtree_replica_prefix_cache_hit_tokens",
+                                         "Prompt tokens served from cached KV pages, per replica", ["replica"],
+                                         registry=r)
+        self.replica_generation_tokens = Counter("flashtree_replica_generation_tokens", "Tokens generated, per replica",
+                                                 ["replica"], registry=r)
+        self.routed = Counter("flashtree_replica_routed_requests", "Requests the router sent to each replica, by why",
+                              ["replica", "reason"], registry=r)
+        self._replicas: dict[int, dict[str, float]] = {}  # replica -> its last load, cache and graph figures
+        self._replicas_lock = threading.Lock()  # (each replica's engine thread updates them)
         self.engine_info = Gauge("flashtree_engine_info", "The served model and decoding method (value 1)",
                                  ["model", "method", "device", "dtype"], registry=r)
 
@@ -91,21 +113,43 @@ class ServerMetrics:
         if nodes is not None:
             self.round_nodes.labels(nodes=str(nodes)).inc()
 
-    def set_load(self, *, running: int, waiting: int, kv_usage: float) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(kv_usage)
+    def count_generated(self, tokens: int, replica: int = 0) -> None:
+        self.generation_tokens.inc(tokens)
+        self.replica_generation_tokens.labels(replica=str(replica)).inc(tokens)
 
-    def set_prefix_cache(self, cache) -> None:
+    def observe_route(self, replica: int, reason: str) -> None:
+        self.routed.labels(replica=str(replica), reason=reason).inc()
+
+    def set_load(self, *, running: int, waiting: int, used_pages: int, pages: int, replica: int = 0) -> None:
+        label = str(replica)
+        self.replica_running.labels(replica=label).set(running)
+        self.replica_waiting.labels(replica=label).set(waiting)
+        self.replica_kv_usage.labels(replica=label).set(used_pages / pages)
+        totals = self._update(replica, running=running, waiting=waiting, used_pages=used_pages, pages=pages)
+        self.running.set(totals["running"])
+        self.waiting.set(totals["waiting"])
+        self.kv_usage.set(totals["used_pages"] / totals["pages"])
+
+    def set_prefix_cache(self, cache, replica: int = 0) -> None:
         """From a :class:`~flashtree.kv.prefix_cache.PrefixCache`'s counters."""
-        self.prefix_queried.set(cache.queried_tokens)
-        self.prefix_hits.set(cache.hit_tokens)
-        self.prefix_hit_rate.set(cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0)
-        self.prefix_pages.set(cache.cached_pages)
+        self.replica_prefix_hits.labels(replica=str(replica)).set(cache.hit_tokens)
+        totals = self._update(replica, queried=cache.queried_tokens, hits=cache.hit_tokens,
+                              cached_pages=cache.cached_pages)
+        self.prefix_queried.set(totals["queried"])
+        self.prefix_hits.set(totals["hits"])
+        self.prefix_hit_rate.set(totals["hits"] / totals["queried"] if totals["queried"] else 0.0)
+        self.prefix_pages.set(totals["cached_pages"])
 
-    def set_graphs(self, captures_after_start: int, eager_rounds: int) -> None:
-        self.graph_captures.set(captures_after_start)
-        self.eager_rounds.set(eager_rounds)
+    def set_graphs(self, captures_after_start: int, eager_rounds: int, replica: int = 0) -> None:
+        totals = self._update(replica, captures=captures_after_start, eager=eager_rounds)
+        self.graph_captures.set(totals["captures"])
+        self.eager_rounds.set(totals["eager"])
+
+    def _update(self, replica: int, **figures: float) -> dict[str, float]:
+        """Record ``replica``'s latest ``figures``; returns each figure's sum over the replicas."""
+        with self._replicas_lock:
+            self._replicas.setdefault(replica, {}).update(figures)
+            return {name: sum(r.get(name, 0) for r in self._replicas.values()) for name in figures}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -72,7 +72,8 @@ PLAYGROUND_HTML = (Path(__file__).parent / "playground.html").read_text(encoding
 
 
 class ServerContext:
-    """What the endpoints share: the async engine and the served model's name."""
+    """What the endpoints share: the async engine (or the data-parallel replicas, ``server/replicas.py``) and
+    the served model's name."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, responses_store_size: int = 1024):
         self.engine = engine
