@@ -207,14 +207,13 @@ class Estimates:
         return {n: (ema.value, ema.count) for n, ema in self._acceptance.items()}
 
     def learned_ratios(self) -> dict[int, dict[int, tuple[float, int]]]:
-        """Per rows bucket, drafted options' round time over plain's: nodes -> (ratio, timed rounds of
-        the option or of plain, whichever is fewer: a ratio is as sure as its shakier side); a bucket
-        this process has not timed plain rounds in keeps what it started from."""
+        """Per rows bucket, drafted options' round time over plain's: nodes -> (ratio, the option's
+        timed rounds); a bucket this process has not timed plain rounds in keeps what it started from."""
         ratios = {bucket: dict(started) for bucket, started in self._started_ratios.items()}
         for (bucket, nodes), ema in self._seconds.items():
             plain = self._seconds.get((bucket, PLAIN_NODES))
             if nodes != PLAIN_NODES and plain is not None and plain.value > 0.0:
-                ratios.setdefault(bucket, {})[nodes] = (ema.value / plain.value, min(ema.count, plain.count))
+                ratios.setdefault(bucket, {})[nodes] = (ema.value / plain.value, ema.count)
         return {bucket: by_nodes for bucket, by_nodes in ratios.items() if by_nodes}
 
     # ------------------------------------------------------------------ feeding
