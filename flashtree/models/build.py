@@ -10,7 +10,7 @@ from flashtree.config import EngineConfig
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.kernels.cpu.quant_linear import QuantizedLinear
 from flashtree.models.config import ModelConfig
-from flashtree.models.fp8 import dequantized
+from flashtree.models.fp8 import dequantized, read_fp8
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.moe import per_expert_weights
 from flashtree.models.quantized_weights import (
@@ -35,6 +35,7 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     target, kernels = config.target, config.kernels
     checkpoint = load_checkpoint(target.model, random_weights=target.random_weights)
     quantized = read_quantized(checkpoint, device, dtype, enabled=kernels.quant_kernels)  # CPU fp32 GGUF models
+    quantized = quantized or read_fp8(checkpoint, device)  # FP8 checkpoints on CUDA: FP8 products
     model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=target.seed, quantized=quantized)
     model.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention,
                             exact=kernels.exact)
@@ -76,8 +77,8 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor] | None,
                 device: torch.device, dtype: torch.dtype, seed: int = 0,
                 quantized: Mapping[BlockGroup, QuantizedLinear] | None = None) -> CausalLM:
     """Weights in Hugging Face names; ``None`` means random weights (init on the device).
-    ``quantized``: groups held as GGUF blocks (``quantized_weights.read_quantized``): their fp32
-    weights are never allocated nor read, and the blocks are attached."""
+    ``quantized``: groups held as GGUF blocks (``quantized_weights.read_quantized``) or FP8 weights
+    (``fp8.read_fp8``): their dense weights are never allocated nor read, and the holders are attached."""
     quantized = quantized or {}
     held = held_weights(quantized)
     with torch.device("meta"):

@@ -1,6 +1,9 @@
 """FP8 checkpoints (block-wise 128 x 128 e4m3 with weight_scale_inv, and compressed-tensors' per-channel
-weight_scale) load dequantized: the same model, bit for bit, as a checkpoint of the dequantized
-weights; a quantization the loader cannot read is refused by name."""
+weight_scale) load dequantized on the CPU: the same model, bit for bit, as a checkpoint of the dequantized
+weights; a quantization the loader cannot read is refused by name. The FP8 holders the CUDA path keeps
+(kernels/gpu/fp8_gemm.py's Fp8Linear, fused as the model fuses q/k/v and gate/up) stand for exactly the
+weights the CPU dequantizes; their products run in tests/integration/test_fp8_gemm.py (interpreter) and
+tests/gpu/test_fp8_gemm.py."""
 
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ import torch
 
 from flashtree import LLM, SamplingParams
 from flashtree.errors import CheckpointError
+from flashtree.kernels.gpu.fp8_gemm import Fp8Linear
+from flashtree.models.fp8 import dequantized, fused_fp8, quantize_fp8, read_fp8
+from flashtree.models.loader import load_checkpoint
 from tests.helpers import tiny_hf_model
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -90,3 +96,55 @@ def test_a_quantization_the_loader_cannot_read_is_refused(checkpoints, tmp_path)
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"weight_block_size \[64, 64\] is not supported"):
         LLM(str(bad))
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_quantize_fp8_round_trips_within_e4m3_precision(blocks):
+    weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    weight[:128, :128] = 0  # an all-zero block: scale 1, values 0
+    values, scale = quantize_fp8(weight, blocks)
+    assert values.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert tuple(scale.shape) == ((3, 2) if blocks else (300, 1))
+    back = dequantized("w", {"w": values, "w_scale_inv" if blocks else "w_scale": scale}, torch.float32)
+    assert torch.all((back - weight).abs() <= weight.abs() / 16 + scale.max() / 512)  # 3 mantissa bits, subnormals
+    assert (back - weight).abs().max() > 0  # (it is lossy: the check reads real values)
+
+
+def _parts(rows: list[int], width: int, blocks: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(sum(rows))
+    tensors = {}
+    for i, n in enumerate(rows):
+        values, scale = quantize_fp8(torch.randn(n, width, generator=gen) * (i + 1), blocks)
+        tensors[f"p{i}"], tensors[f"p{i}" + ("_scale_inv" if blocks else "_scale")] = values, scale
+    return tensors
+
+
+@pytest.mark.parametrize("rows,blocks,scale_rows", [([256, 128, 128], True, 128), ([64, 32, 40], True, 1),
+                                                    ([128, 40], True, 128), ([64, 32], False, 1)])
+def test_a_fused_fp8_group_stands_for_its_parts_dequantized(rows, blocks, scale_rows):
+    tensors = _parts(rows, 300, blocks)
+    names = [f"p{i}" for i in range(len(rows))]
+    fused = fused_fp8(names, tensors, torch.device("cpu"))
+    assert fused.scale_rows == scale_rows  # block scales stay blocks where every part but the last fills them
+    assert (fused.out_features, fused.in_features) == (sum(rows), 300)
+    assert torch.equal(fused.dequantize(), torch.cat([dequantized(n, tensors, torch.float32) for n in names]))
+
+
+def test_fp8_scales_that_do_not_fit_are_refused_by_name():
+    tensors = _parts([64], 300, True)
+    with pytest.raises(CheckpointError, match=r"p0_scale_inv has shape \[2, 3\]; a \[64, 300\] .* needs \[1, 3\]"):
+        dequantized("p0", {**tensors, "p0_scale_inv": torch.ones(2, 3)}, torch.float32)
+    with pytest.raises(CheckpointError, match=r"p0_scale has shape \[3, 1\]; allowed .* \[64, 1\]"):
+        dequantized("p0", {"p0": tensors["p0"], "p0_scale": torch.ones(3, 1)}, torch.float32)
+    with pytest.raises(CheckpointError, match="p0 is stored in torch.float8_e4m3fn without p0_scale_inv"):
+        dequantized("p0", {"p0": tensors["p0"]}, torch.float32)
+    mixed = {**tensors, **{k.replace("p0", "p1"): v for k, v in _parts([64], 128, True).items()}}
+    with pytest.raises(CheckpointError, match="p0, p1 are fused into one product and need one FP8 dtype and one width"):
+        fused_fp8(["p0", "p1"], mixed, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"w: scales of shape \[2, 3\] do not fit a \[64, 300\] weight"):
+        Fp8Linear(tensors["p0"], torch.ones(2, 3), 128, name="w")
+
+
+def test_the_cpu_keeps_dequantizing_without_the_interpreter(checkpoints, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert read_fp8(load_checkpoint(str(checkpoints["block"][0])), torch.device("cpu")) == {}

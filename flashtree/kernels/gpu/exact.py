@@ -3,7 +3,8 @@ the same way whatever else the forward holds, so a tree node, a chain token and 
 what a plain decoding step computes at their position, at any batch size and in any dtype.
 
 - products (every linear, the LM head included): :func:`~flashtree.kernels.gpu.gemm.invariant_linear`,
-  one reduction order over K whatever the row count;
+  one reduction order over K whatever the row count (an FP8 checkpoint's linears: their own FP8 product,
+  row-invariant the same way, kernels/gpu/fp8_gemm.py);
 - attention (prefill, decode, chain and tree alike): :func:`~flashtree.kernels.gpu.exact_attention.exact_attention`,
   each query over its logical keys in fixed blocks and fixed splits;
 - norms, rotary, the KV write and silu * up: the fused backend's per-token Triton kernels (one program per
@@ -30,9 +31,13 @@ EXACT = True  # the forward needs each new token's ancestor order (key_order) fo
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, quant=None) -> torch.Tensor:
-    """The row-invariant product (GGUF blocks are a CPU format: ``quant`` must be None here)."""
+    """The row-invariant product, or ``quant``'s where it is row-invariant too (FP8 weights: fp8_gemm.py; GGUF
+    blocks are a CPU format and are refused)."""
     if quant is not None:
-        raise ValueError("exact mode runs on CUDA weights; GGUF blocks (a CPU format) are not supported there")
+        if not getattr(quant, "ROW_INVARIANT", False):
+            raise ValueError("exact mode runs on CUDA weights, plain or FP8; GGUF blocks (a CPU format) are not "
+                             "supported there")
+        return quant(x, bias)
     return invariant_linear(x, weight, bias)
 
 
