@@ -35,6 +35,8 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     target, kernels = config.target, config.kernels
     checkpoint = load_checkpoint(target.model, random_weights=target.random_weights)
     quantized = read_quantized(checkpoint, device, dtype, enabled=kernels.quant_kernels)  # CPU fp32 GGUF models
+    for holder in quantized.values():
+        holder.int8_activations = kernels.int8_activations
     quantized = quantized or read_fp8(checkpoint, device)  # FP8 checkpoints on CUDA: FP8 products
     model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=target.seed, quantized=quantized)
     model.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention,

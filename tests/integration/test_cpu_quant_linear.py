@@ -1,6 +1,7 @@
-"""The CPU block kernel in the engine: with it, the engine returns the same greedy tokens as without
-it, in plain and speculative decoding (tiny GGUF models), and on the embedded SmolLM2. The kernel's
-numerics and the blocks the loader keeps: tests/unit/test_cpu_quant_linear.py."""
+"""The CPU block kernel in the engine: with it (and float activations), the engine returns the same greedy
+tokens as without it (tiny GGUF models and the embedded SmolLM2), and speculative decoding with it equals
+plain decoding with it. The kernel's numerics and the blocks the loader keeps:
+tests/unit/test_cpu_quant_linear.py; int8 activations: tests/*/test_cpu_int8_activations.py."""
 
 from __future__ import annotations
 
@@ -24,17 +25,20 @@ PROMPTS = [[1, 5, 7], list(range(3, 20)), [9, 9, 9, 4], [30, 2, 60, 61, 62]]
 
 @needs_kernel
 def test_kernel_keeps_greedy_tokens_and_speculation_stays_exact(tmp_path, monkeypatch):
-    """Plain decoding with the kernel equals plain decoding without it; DFlash and DDTree (random
-    drafter; trees of up to 8 and of more nodes) and a copying drafter (deep acceptance) with the
-    kernel equal plain decoding with the kernel."""
+    """Plain decoding with the kernel (float activations) equals plain decoding without it; DFlash and
+    DDTree (random drafter; trees of up to 8 and of more nodes) and a copying drafter (deep acceptance)
+    with the kernel (int8 activations, the default) equal plain decoding with it."""
     path = str(tiny_gguf(tmp_path / "tiny.gguf"))
     engine = dict(device="cpu", max_running=4, max_context=96, prefill_chunk=8, **FIXED_NODES)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = LLM(path, **engine)
-    assert plain.engine.model.lm_head_quant is not None
-    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    float_x = LLM(path, int8_activations=False, **engine)
+    assert float_x.engine.model.lm_head_quant is not None
     off = LLM(path, quant_kernels=False, **engine)
-    assert [o.token_ids for o in off.generate(PROMPTS, params)] == expected
+    assert [o.token_ids for o in off.generate(PROMPTS, params)] == \
+        [o.token_ids for o in float_x.generate(PROMPTS, params)]
+    plain = LLM(path, **engine)
+    assert plain.engine.model.lm_head_quant.int8_activations
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     drafter = save_tiny_drafter(resolve_model_dir(path), tmp_path / "drafter", block_size=4)
     for spec, budget in (("dflash", None), ("ddtree", 6), ("ddtree", 20)):
         llm = LLM(path, spec=spec, draft=str(drafter), budget=budget, **engine)
@@ -77,7 +81,7 @@ def test_wide_forwards_read_the_blocks_and_stay_exact(tmp_path, model_type, tied
 def smollm2_pair():
     torch.set_num_threads(2)
     base = dict(device="cpu", dtype="float32", max_running=2, max_context=256)
-    return LLM("smollm2", **base), LLM("smollm2", quant_kernels=False, **base)
+    return LLM("smollm2", int8_activations=False, **base), LLM("smollm2", quant_kernels=False, **base)
 
 
 @needs_kernel

@@ -29,7 +29,8 @@ def test_greedy_matches_transformers_generate(smollm2):
     path = load_checkpoint("smollm2").path  # the dequantized checkpoint flashtree converted
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    ours = smollm2.chat(CHATS, params)
+    # float activations: the products of the fp32 weights (int8 ones round x, as llama.cpp does)
+    ours = LLM("smollm2", int8_activations=False, max_running=4, max_context=512).chat(CHATS, params)
     for chat, out in zip(CHATS, ours):
         ids = smollm2.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
                                                     return_dict=True)["input_ids"]

@@ -163,8 +163,8 @@ def write_tiny_gguf(
 
 # ----------------------------------------------------------------------------- GGUF models for the CPU kernel
 
-def tiny_gguf(path, model_type="llama", tied=True, seed=0):
-    """A tiny model as llama.cpp writes it: Q4_1 layers, the (tied) embedding Q8_0."""
+def tiny_gguf(path, model_type="llama", tied=True, seed=0, layer_type=QT.Q4_1):
+    """A tiny model as llama.cpp writes it: Q4_1 layers (or ``layer_type``), the (tied) embedding Q8_0."""
     model = tiny_model(model_type, seed=seed, tie_word_embeddings=tied, num_hidden_layers=3)
     with torch.no_grad():  # less flat than N(0, 1) everywhere: meaningful argmax decisions
         for name, p in model.named_parameters():
@@ -176,7 +176,7 @@ def tiny_gguf(path, model_type="llama", tied=True, seed=0):
                 p.fill_(1.0)
     embedding = model.model.embed_tokens.weight.detach().float().numpy()
     overrides = {"token_embd.weight": (gguf.quants.quantize(embedding, QT.Q8_0), QT.Q8_0)}
-    write_tiny_gguf(path, model, QT.Q4_1, raw_overrides=overrides)
+    write_tiny_gguf(path, model, layer_type, raw_overrides=overrides)
     return path
 
 

@@ -168,28 +168,189 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
       y[r * N + c] = v_sum(ONE_ACCUMULATOR ? acc0[c][r] : v_add(acc0[c][r], acc1[c][r])) + add[c];
 }
 
-// `cols` <= COLUMN_TILE consecutive columns for M rows: in steps of columns_for<M>(), then one by one.
-template <int TYPE, int M>
-inline void tile_columns(const float* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t K,
-                         const float* add, float* y, int64_t N, int cols) {
-  constexpr int C = columns_for<M>();
-  int c = 0;
-  for (; c + C <= cols; c += C) dot_rows<TYPE, M, C>(x, w + c * row_bytes, row_bytes, blocks, K, add + c, y + c, N);
-  for (; c < cols; ++c) dot_rows<TYPE, M, 1>(x, w + c * row_bytes, row_bytes, blocks, K, add + c, y + c, N);
+// ---- int8 activations: each row of x quantized per 32-value block (like llama.cpp's Q8_0 activations),
+// integer block dot products, float accumulation of the block partials.
+//
+// A block of x: d = max|x| / 127, q = round(x * (1 / d)) (nearest, ties to even; q = 0 where d = 0).
+// For a weight block with integers w (Q4: the nibbles 0..15, Q8_0: the signed bytes) the integer
+// I = sum(w * q) is exact in int32, in 8 lanes of 4 products each (lane l: elements 4l .. 4l + 3), and
+//   Q8_0: x . W = d_w d I;   Q4_0: d_w d (I - 8 sum(q));   Q4_1: d_w d I + m d sum(q).
+// A (row, column) pair keeps 8 float lanes acc; per block, in order: acc = fma(float(I_lane), d_w * d, acc)
+// (Q4_0: lane l's I_lane includes -sum(q), so the lanes add up to I - 8 sum(q); Q4_1 then
+// acc = fma(m, d sum(q) / 8, acc), the min term spread over the 8 lanes); the result is the sum of the lanes
+// (hsum8's order) + bias. Only 256-bit integer and float operations: the AVX-512 build (VNNI vpdpbusd)
+// and the AVX2 build (vpmaddubsw + vpmaddwd, the same lane sums) give the same bits.
+
+constexpr int INT8_ACTIVATIONS = 16;  // or-ed into a product's type code: x quantized to int8 blocks
+
+// x's rows as int8 blocks: q [M, K]; per (row, block): the scale d, -sum(q), d * sum(q) / 8.
+struct Int8Rows {
+  const int8_t* q;
+  const float* scales;
+  const int32_t* neg_sums;
+  const float* min_terms;
+};
+
+inline float hmax8(__m256 a) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 
+inline float hsum8(__m256 a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline int32_t hsum8_epi32(__m256i a) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+  return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 1)));
+}
+
+// One block of 32 floats -> 32 int8 (in order) at q; returns d, writes sum(q).
+inline float quantize_block(const float* x, int8_t* q, int32_t* sum) {
+  __m256 v[4], amax = _mm256_setzero_ps();
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+  }
+  const float d = hmax8(amax) / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // nearest, ties to even
+  *sum = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])));
+  // packs work within 128-bit lanes: the dwords come out as n0[0:4] n1[0:4] n2[0:4] n3[0:4] n0[4:8] ...
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return d;
+}
+
+// The M rows of x [M, K] into `store` (resized): q, then scales, neg_sums, min_terms.
+inline Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, std::vector<uint8_t>& store) {
+  const int64_t blocks = K / 32, n = M * blocks;
+  store.resize(M * K + 12 * n);
+  Int8Rows rows{(const int8_t*)store.data(), (const float*)(store.data() + M * K),
+                (const int32_t*)(store.data() + M * K + 4 * n), (const float*)(store.data() + M * K + 8 * n)};
+  int8_t* q = (int8_t*)store.data();
+  float *scales = (float*)rows.scales, *min_terms = (float*)rows.min_terms;
+  int32_t* neg_sums = (int32_t*)rows.neg_sums;
+  for (int64_t i = 0; i < n; ++i) {  // i = row * blocks + block, and x, q are [M, K]: block i at 32 i
+    int32_t sum;
+    scales[i] = quantize_block(x + 32 * i, q + 32 * i, &sum);
+    neg_sums[i] = -sum;
+    min_terms[i] = scales[i] * (float)sum * 0.125f;
+  }
+  return rows;
+}
+
+// sum over each lane's 4 byte products u (unsigned) * s (signed), added to acc
+inline __m256i dot_u8_s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else  // pairs of products fit int16: at most 2 * 15 * 127 (Q4) or 2 * 128 * 127 (|w| with signs moved to s)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// A weight block as the integer dot takes it: unsigned bytes w (Q4: the nibbles in element order, Q8_0: |q|),
+// signs (Q8_0: q, whose signs go onto x's bytes), the scale d and (Q4_1) the min m, broadcast.
+struct WeightBlock {
+  __m256i w, signs;
+  __m256 d, m;
+};
+
 template <int TYPE>
-inline void tile_group(int m, const float* x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t K,
-                       const float* add, float* y, int64_t N, int cols) {
+inline WeightBlock load_weight_block(const uint8_t* block) {
+  WeightBlock b;
+  b.d = _mm256_set1_ps(half_to_float(block));
+  if (TYPE == 2) {
+    b.signs = _mm256_loadu_si256((const __m256i*)(block + 2));
+    b.w = _mm256_abs_epi8(b.signs);
+  } else {
+    const __m128i v = _mm_loadu_si128((const __m128i*)(block + (TYPE == 1 ? 4 : 2)));
+    b.w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+    if (TYPE == 1) b.m = _mm256_set1_ps(half_to_float(block + 2));
+  }
+  return b;
+}
+
+// As dot_rows, from int8 rows (row r of x at rows, offset r * K): every (row, column) pair runs the
+// block loop of the section comment, whatever M and C are.
+template <int TYPE, int M, int C>
+inline void dot_rows_int8(const Int8Rows& x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t blocks,
+                          const float* add, float* y, int64_t N) {
+  __m256 acc[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < M; ++r) acc[c][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    WeightBlock wb[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * block_bytes(TYPE);
+      _mm_prefetch((const char*)(block + PREFETCH_BYTES), _MM_HINT_T0);
+      wb[c] = load_weight_block<TYPE>(block);
+    }
+    for (int r = 0; r < M; ++r) {
+      const int64_t i = r * blocks + b;
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(x.q + r * K + b * 32));
+      const __m256 d = _mm256_set1_ps(x.scales[i]);
+      const __m256i start = TYPE == 0 ? _mm256_set1_epi32(x.neg_sums[i]) : _mm256_setzero_si256();
+      for (int c = 0; c < C; ++c) {
+        const __m256i s = TYPE == 2 ? _mm256_sign_epi8(q, wb[c].signs) : q;
+        const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_s8(start, wb[c].w, s));
+        acc[c][r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(wb[c].d, d), acc[c][r]);
+        if (TYPE == 1) acc[c][r] = _mm256_fmadd_ps(wb[c].m, _mm256_set1_ps(x.min_terms[i]), acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < M; ++r) y[r * N + c] = hsum8(acc[c][r]) + add[c];
+}
+
+// x as a product reads it: float rows [M, K], or (int8 activations) their int8 blocks.
+struct Activations {
+  const float* f;
+  Int8Rows q;
+  int64_t K, blocks;
+  Activations from_row(int64_t r0) const {  // the rows from r0 on
+    const int64_t i = r0 * blocks;
+    return {f + r0 * K, {q.q + r0 * K, q.scales + i, q.neg_sums + i, q.min_terms + i}, K, blocks};
+  }
+};
+
+template <int TYPE, bool INT8, int M, int C>
+inline void dot_tile(const Activations& x, const uint8_t* w, int64_t row_bytes, const float* add, float* y,
+                     int64_t N) {
+  if constexpr (INT8) dot_rows_int8<TYPE, M, C>(x.q, x.K, w, row_bytes, x.blocks, add, y, N);
+  else dot_rows<TYPE, M, C>(x.f, w, row_bytes, x.blocks, x.K, add, y, N);
+}
+
+// `cols` <= COLUMN_TILE consecutive columns for M rows: in steps of columns_for<M>(), then one by one.
+template <int TYPE, bool INT8, int M>
+inline void tile_columns(const Activations& x, const uint8_t* w, int64_t row_bytes, const float* add, float* y,
+                         int64_t N, int cols) {
+  constexpr int C = columns_for<M>();
+  int c = 0;
+  for (; c + C <= cols; c += C) dot_tile<TYPE, INT8, M, C>(x, w + c * row_bytes, row_bytes, add + c, y + c, N);
+  for (; c < cols; ++c) dot_tile<TYPE, INT8, M, 1>(x, w + c * row_bytes, row_bytes, add + c, y + c, N);
+}
+
+template <int TYPE, bool INT8>
+inline void tile_group(int m, const Activations& x, const uint8_t* w, int64_t row_bytes, const float* add, float* y,
+                       int64_t N, int cols) {
   switch (m) {
-    case 1: tile_columns<TYPE, 1>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
-    case 2: tile_columns<TYPE, 2>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
-    case 3: tile_columns<TYPE, 3>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
-    case 4: tile_columns<TYPE, 4>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
-    case 5: tile_columns<TYPE, 5>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
-    case 6: tile_columns<TYPE, 6>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
-    case 7: tile_columns<TYPE, 7>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
-    default: tile_columns<TYPE, 8>(x, w, row_bytes, blocks, K, add, y, N, cols); return;
+    case 1: tile_columns<TYPE, INT8, 1>(x, w, row_bytes, add, y, N, cols); return;
+    case 2: tile_columns<TYPE, INT8, 2>(x, w, row_bytes, add, y, N, cols); return;
+    case 3: tile_columns<TYPE, INT8, 3>(x, w, row_bytes, add, y, N, cols); return;
+    case 4: tile_columns<TYPE, INT8, 4>(x, w, row_bytes, add, y, N, cols); return;
+    case 5: tile_columns<TYPE, INT8, 5>(x, w, row_bytes, add, y, N, cols); return;
+    case 6: tile_columns<TYPE, INT8, 6>(x, w, row_bytes, add, y, N, cols); return;
+    case 7: tile_columns<TYPE, INT8, 7>(x, w, row_bytes, add, y, N, cols); return;
+    default: tile_columns<TYPE, INT8, 8>(x, w, row_bytes, add, y, N, cols); return;
   }
 }
 
@@ -198,23 +359,28 @@ inline void tile_group(int m, const float* x, const uint8_t* w, int64_t row_byte
 // for every group. A group's x stays in L1 while the weights stream through it, each block decoded once
 // per group, and a thread's share of a weight stays in its L2 from one group to the next. A row's result
 // never depends on how many rows share the call: every (row, column) pair is the same chain of FMAs.
-template <int TYPE>
+// INT8: the rows are first quantized to int8 blocks (each row on its own), then multiplied as such.
+template <int TYPE, bool INT8>
 int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
               int threads) {
   if (M < 1) return 1;
   const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
   const int64_t tiles = (N + COLUMN_TILE - 1) / COLUMN_TILE;
-  const int64_t group = ROW_GROUP * K * (int64_t)sizeof(float) <= L1_X_BYTES ? ROW_GROUP : ROW_GROUP / 2;
+  const int64_t x_bytes = INT8 ? 1 : (int64_t)sizeof(float);  // per value of x
+  const int64_t group = ROW_GROUP * K * x_bytes <= L1_X_BYTES ? ROW_GROUP : ROW_GROUP / 2;
+  thread_local std::vector<uint8_t> int8_store;
+  const Activations rows{x, INT8 ? quantize_rows(x, M, K, int8_store) : Int8Rows{}, K, blocks};
 #pragma omp parallel num_threads(threads) if (threads > 1 && N >= 64)
   for (int64_t r0 = 0; r0 < M; r0 += group) {
     const int m = (int)std::min(M - r0, group);
+    const Activations group_rows = rows.from_row(r0);
 #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t n = t * COLUMN_TILE;
       const int cols = (int)(N - n < COLUMN_TILE ? N - n : COLUMN_TILE);
       float add[COLUMN_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (int c = 0; bias && c < cols; ++c) add[c] = bias[n + c];
-      tile_group<TYPE>(m, x + r0 * K, w + n * row_bytes, row_bytes, blocks, K, add, y + r0 * N + n, N, cols);
+      tile_group<TYPE, INT8>(m, group_rows, w + n * row_bytes, row_bytes, add, y + r0 * N + n, N, cols);
     }
   }
   return 0;
@@ -395,14 +561,18 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
   }
 }
 
-// Returns 0 on success, 1 for an unsupported type or row count.
-int flashtree_block_gemm(int type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
+// code: the block type (0 Q4_0, 1 Q4_1, 2 Q8_0), or-ed with INT8_ACTIVATIONS to quantize x to int8
+// blocks first. Returns 0 on success, 1 for an unsupported code or row count.
+int flashtree_block_gemm(int code, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
                          int64_t N, int64_t K, int threads) {
   if (K % 32 != 0) return 1;
-  switch (type) {
-    case 0: return gemm_rows<0>(x, w, bias, y, M, N, K, threads);
-    case 1: return gemm_rows<1>(x, w, bias, y, M, N, K, threads);
-    case 2: return gemm_rows<2>(x, w, bias, y, M, N, K, threads);
+  switch (code) {
+    case 0: return gemm_rows<0, false>(x, w, bias, y, M, N, K, threads);
+    case 1: return gemm_rows<1, false>(x, w, bias, y, M, N, K, threads);
+    case 2: return gemm_rows<2, false>(x, w, bias, y, M, N, K, threads);
+    case INT8_ACTIVATIONS | 0: return gemm_rows<0, true>(x, w, bias, y, M, N, K, threads);
+    case INT8_ACTIVATIONS | 1: return gemm_rows<1, true>(x, w, bias, y, M, N, K, threads);
+    case INT8_ACTIVATIONS | 2: return gemm_rows<2, true>(x, w, bias, y, M, N, K, threads);
   }
   return 1;
 }
@@ -413,7 +583,8 @@ int flashtree_block_gemm(int type, const float* x, const uint8_t* w, const float
 // product) and the next layer's residual add + norm. Each step is the function the per-op path calls
 // with the same operands, so the results are bit-identical to it.
 // - layers [L * LAYER_FIELDS]: per layer the input-norm weight, the post-attention-norm weight, the
-//   qk-norm weight (or 0), the qkv bias (or 0), then (type, blocks) of qkv, o, gate-up and down;
+//   qk-norm weight (or 0), the qkv bias (or 0), then (code, blocks) of qkv, o, gate-up and down (the code
+//   as flashtree_block_gemm takes it);
 // - dims: hidden, heads, kv_heads, head_dim, intermediate; scale: the attention's score scale;
 // - K of layer l at k_cache + l * layer_stride, V at v_cache + l * layer_stride (page / head /
 //   position strides as in flashtree_tree_attention);

@@ -3,8 +3,9 @@
 The library holds the block products of :mod:`quant_linear`, the fused small ops of :mod:`fused` and
 the whole decoder stack of short forwards (:mod:`layer_stack`).
 It is plain C++ (no torch headers, so it compiles in about two seconds), built for AVX-512 (avx512f,
-avx512bw, f16c, fma in /proc/cpuinfo) or else AVX2 (avx2, f16c, fma: the same code on pairs of
-8-float registers, :data:`ISA_BUILDS`) into ``$FLASHTREE_CACHE/kernels``, cached by source, flags
+avx512bw, f16c, fma in /proc/cpuinfo; with avx512vl and avx512_vnni, VNNI's integer dot products) or
+else AVX2 (avx2, f16c, fma, and avx_vnni where present: the same code on pairs of 8-float registers,
+:data:`ISA_BUILDS`) into ``$FLASHTREE_CACHE/kernels``, cached by source, flags
 and compiler, and called through ``ctypes``; its OpenMP loops run on the OpenMP runtime torch
 already loaded, with torch's thread count.
 """
@@ -26,7 +27,11 @@ from flashtree.paths import cache_root
 SOURCE_FILE = Path(__file__).with_name("kernels.cpp")
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mf16c", "-mfma")
 # instruction sets the kernel is built for, best first: (name, CPU flags it needs, compiler flags)
-ISA_BUILDS = (("avx512", ("avx512f", "avx512bw", "f16c", "fma"), ("-mavx512f", "-mavx512bw")),
+# (the VNNI builds differ only in the int8-activation products' integer dot instruction: same values)
+ISA_BUILDS = (("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
+               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+              ("avx512", ("avx512f", "avx512bw", "f16c", "fma"), ("-mavx512f", "-mavx512bw")),
+              ("avx2-vnni", ("avx2", "avx_vnni", "f16c", "fma"), ("-mavx2", "-mavxvnni")),
               ("avx2", ("avx2", "f16c", "fma"), ("-mavx2",)))
 
 

@@ -22,6 +22,15 @@ EPYC). The kernel prefetches 4 KB ahead in the weight stream: the per-layer prod
 for the hardware prefetcher alone. :func:`embedding` rebuilds looked-up rows from the blocks
 (bit-identical to the fp32 rows). :func:`quantize_q8_0` rounds a drafter's weights to Q8_0 blocks.
 ``--no-quant-kernels`` (``KernelConfig``) keeps the fp32 weights and products instead.
+
+Int8 activations (``KernelConfig.int8_activations``, on by default for GGUF targets; off with
+``--no-int8-activations``): like llama.cpp, the kernel first rounds each row of x per 32 values to
+``q = round(x / d)`` with ``d = max|x| / 127`` (one float scale per block), then takes per block the
+exact integer dot product of q with the weight block's integers (AVX-512 VNNI ``vpdpbusd``, else AVX2
+``vpmaddubsw``; the same bits either way) and adds it, scaled by ``d`` and the block's scale, in float
+(fixed order: the same for every row count). The result differs from the float product by at most
+``sum over blocks of d / 2 * sum|w|`` plus float rounding (each x moves by at most ``d / 2``); the
+decode step reads the weights at about twice the float path's speed, which is compute-bound.
 """
 
 
@@ -33,15 +42,21 @@ from flashtree.kernels.cpu.library import load_kernels
 
 # type name -> (bytes per 32-weight block, kernel type code)
 BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
+INT8_ACTIVATIONS = 16  # or-ed into the type code: the kernel quantizes x to int8 blocks first (kernels.cpp)
 
 
 class QuantizedLinear:
     """One linear weight ``[N, K]`` kept as GGUF blocks (rows of ``K / 32`` blocks, raw bytes).
 
     Call it with a float32 CPU ``x [..., K]`` of any number of rows (and a contiguous float32
-    ``bias [N]`` or None): ``x @ W.T (+ bias)`` ``[..., N]``."""
+    ``bias [N]`` or None): ``x @ W.T (+ bias)`` ``[..., N]``. With ``int8_activations`` each row of x
+    is first rounded to int8 per 32 values (one float scale per block, as llama.cpp does) and the
+    products are integer block dot products: faster, and off from the float product by the rounding of x
+    (see the module docstring); each row is rounded on its own, so a row's result still never depends
+    on the rows beside it. The flag may be changed at any time; a :class:`LayerStack` reads
+    :attr:`kernel_code` when it is built."""
 
-    def __init__(self, type_name: str, blocks: torch.Tensor, in_features: int):
+    def __init__(self, type_name: str, blocks: torch.Tensor, in_features: int, int8_activations: bool = False):
         if type_name not in BLOCK_TYPES:
             raise ValueError(f"unsupported block type {type_name!r}; allowed: {', '.join(BLOCK_TYPES)}")
         block_bytes, self.type_code = BLOCK_TYPES[type_name]
@@ -49,11 +64,17 @@ class QuantizedLinear:
                 or blocks.shape[1] != in_features // 32 * block_bytes:
             raise ValueError(f"{type_name} blocks of shape {list(blocks.shape)} do not hold rows of {in_features}")
         self.type_name = type_name
+        self.int8_activations = int8_activations
         self.blocks = blocks.contiguous()
         self.out_features, self.in_features = blocks.shape[0], in_features
         self._lib = load_kernels()
         self._gemm = self._lib.flashtree_block_gemm
         self._blocks_ptr = self.blocks.data_ptr()
+
+    @property
+    def kernel_code(self) -> int:
+        """The product's code for the kernel: the block type, with :data:`INT8_ACTIVATIONS` where set."""
+        return self.type_code | (INT8_ACTIVATIONS if self.int8_activations else 0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
@@ -64,7 +85,7 @@ class QuantizedLinear:
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
         if rows == 0:
             return y
-        status = self._gemm(self.type_code, x.data_ptr(), self._blocks_ptr,
+        status = self._gemm(self.kernel_code, x.data_ptr(), self._blocks_ptr,
                             None if bias is None else bias.data_ptr(), y.data_ptr(), rows,
                             self.out_features, self.in_features, torch.get_num_threads())
         if status:
