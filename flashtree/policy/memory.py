@@ -14,8 +14,8 @@ last one of the same setup stopped instead of exploring drafted rounds again.
   signal writes nothing), atomically (a temporary file renamed over the old one; of two processes
   that end together, the last one's state stays).
 - A file that cannot be read or parsed, or of another format version, is ignored with a warning
-  (and replaced at exit); one older than ``MAX_AGE_S`` is ignored quietly: the code or the machine
-  may have changed since, and the policy learns afresh.
+  (and replaced at exit); one older than ``MAX_AGE_S`` is ignored quietly (the code or the machine
+  may have changed since, and the policy learns afresh), and deleted when another file is written.
 """
 
 from __future__ import annotations
@@ -173,7 +173,18 @@ class PolicyMemory:
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
+        self._forget_old_files()
         return path
+
+    def _forget_old_files(self) -> None:
+        """Delete the directory's memory files (and stray temporaries) last written over ``MAX_AGE_S`` ago."""
+        oldest = time.time() - MAX_AGE_S
+        for stale in [*self.directory.glob("*.json"), *self.directory.glob("*.tmp")]:
+            try:
+                if stale.stat().st_mtime < oldest:
+                    stale.unlink()
+            except OSError:
+                pass  # (another process's, gone already)
 
 
 def _save_at_exit(memory: PolicyMemory, policy_ref: weakref.ref) -> None:

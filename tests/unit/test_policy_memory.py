@@ -253,3 +253,15 @@ def test_files_identity_names_what_it_cannot_stat(tmp_path):
     assert files_identity("org/model") == {"name": "org/model"}
     assert files_identity(str(tmp_path / "model.gguf"))["files"][0][:2] == ["model.gguf", 4]
     assert files_identity(None) is None
+
+
+def test_writing_deletes_files_past_the_age_limit(tmp_path, monkeypatch):
+    memory = memory_for(tmp_path, monkeypatch)
+    stale, recent = tmp_path / "memory" / "stale.json", tmp_path / "memory" / "recent.json"
+    stale.parent.mkdir()
+    for path in (stale, recent):
+        path.write_text("{}")
+    old = time.time() - MAX_AGE_S - 60
+    os.utime(stale, (old, old))
+    kept = memory.save(learned_policy())
+    assert not stale.exists() and recent.exists() and kept.exists()
