@@ -31,10 +31,13 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # the tile by row count: (largest M it serves, tile). Every entry computes each output element with the same
 # sequence of 128-wide K blocks (block_k must stay SCALE_BLOCK), so which one serves a product changes no bit;
-# tests/gpu/test_fp8_gemm.py checks it across the table on the device. Decode rows (M <= 64) are what matters;
+# tests/gpu/test_fp8_gemm.py checks it across the table on the device. Decode rows (M <= 64) are what matters:
+# a one-row product streams the weight, and with no split-K its parallelism is N / block_n programs (128 for
+# N = 4096 at block_n 32), so deep pipelines keep enough bytes in flight per SM. Not yet tuned on a GPU:
 # benchmarks/gpu_fp8.py --sweep times the candidates at the Qwen3-8B products.
-TILES: tuple[tuple[int, Tile], ...] = ((16, Tile(16, 32, SCALE_BLOCK, warps=4, stages=4)),
-                                       (64, Tile(32, 64, SCALE_BLOCK, warps=4, stages=4)),
+TILES: tuple[tuple[int, Tile], ...] = ((16, Tile(16, 32, SCALE_BLOCK, warps=4, stages=6)),
+                                       (32, Tile(32, 32, SCALE_BLOCK, warps=4, stages=5)),
+                                       (64, Tile(64, 32, SCALE_BLOCK, warps=4, stages=4)),
                                        (256, Tile(64, 128, SCALE_BLOCK, warps=4, stages=3)),
                                        (1 << 62, Tile(128, 128, SCALE_BLOCK, warps=8, stages=3)))
 
