@@ -245,14 +245,21 @@ class TraceConfig:
             raise ConfigError(f"recent_trees must be an integer >= 0, got {self.recent_trees!r}")
 
 
+DISTRIBUTED_EXECUTORS = ("mp", "ray")  # who starts tensor-parallel workers (ParallelConfig.distributed_executor)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1  # processes (one per device) that each hold 1/N of the target's heads,
     # MLP width and vocabulary (engine/tp_executor.py); 1: one process, no collectives
     worker_timeout_s: float = 600.0  # a collective that waits this long for a tensor-parallel worker fails
+    distributed_executor: str = "mp"  # who starts the workers: "mp" (processes here) or "ray" (actors on a Ray cluster)
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, "tensor_parallel_size")
+        if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
+            raise ConfigError(f"distributed_executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}, "
+                              f"got {self.distributed_executor!r}")
         timeout = self.worker_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, float | int) or timeout <= 0:
             raise ConfigError(f"worker_timeout_s must be a number of seconds > 0, got {timeout!r}")

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 
 from flashtree.config import (
+    DISTRIBUTED_EXECUTORS,
     GRAMMAR_BACKENDS,
     SPEC_METHODS,
     CacheConfig,
@@ -154,6 +155,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--worker-timeout", dest="worker_timeout_s", type=float,
                           default=ParallelConfig.worker_timeout_s, metavar="SECONDS",
                           help="a collective that waits this long for a tensor-parallel worker fails the engine")
+    parallel.add_argument("--distributed-executor", choices=DISTRIBUTED_EXECUTORS,
+                          default=ParallelConfig.distributed_executor,
+                          help="who starts the tensor-parallel workers: mp (processes on this machine) or ray (actors "
+                               "in a placement group on the Ray cluster at $RAY_ADDRESS or 'auto', else a local one; "
+                               "pip install 'flashtree[ray]')")
 
     trace = parser.add_argument_group("traces (TraceConfig): they observe and never change what runs")
     trace.add_argument("--trace-trees", default=TraceConfig.trees, metavar="FILE",
@@ -172,7 +178,7 @@ ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_
                 "page_size", "kv_pages", "gpu_memory_utilization", "prefix_caching", "max_running",
                 "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
                 "grammar_backend", *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps",
-                "recent_trees", "tensor_parallel_size", "worker_timeout_s")
+                "recent_trees", "tensor_parallel_size", "worker_timeout_s", "distributed_executor")
 
 
 def speculation_from_args(args: argparse.Namespace) -> SpeculationConfig:

@@ -116,8 +116,12 @@ class TensorParallelExecutor:
         self._deaths = threading.Lock()  # (the engine thread and the watcher both read a dead worker's pipe)
         store = dist.TCPStore("127.0.0.1", 0, self.world_size, True,
                               timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
-        self.workers = self._start_workers(config, store.port, dtype)
-        self._finalizer = weakref.finalize(self, _stop, self.workers)
+        self._release = None  # what else stopping the workers releases (a Ray placement group)
+        if parallel.distributed_executor == "ray":
+            self.workers = self._start_ray_workers(config, store.port, dtype)
+        else:
+            self.workers = self._start_workers(config, store.port, dtype)
+        self._finalizer = weakref.finalize(self, _stop, self.workers, self._release)
         try:
             self._await("joining")
             group = make_group(store, 0, self.world_size, device, self.timeout_s)
@@ -143,10 +147,19 @@ class TensorParallelExecutor:
             workers.append(_Process(rank, process, ours))
         return workers
 
+    def _start_ray_workers(self, config: EngineConfig, port: int, dtype: torch.dtype) -> list[_Process]:
+        from flashtree.engine.tp_ray import (
+            start_ray_workers,  # (Ray is imported only when chosen)
+        )
+
+        started, self._release = start_ray_workers(config, self.world_size, port, dtype, self.device)
+        return [_Process(rank, process, conn) for rank, process, conn in started]
+
     def _await(self, word: str) -> None:
         """Wait until every worker has said ``word`` (an error it sends, its death or the timeout raise)."""
         for worker in self.workers:
-            ready = wait_any([worker.conn, worker.process.sentinel], timeout=self.timeout_s)
+            waitables = [worker.conn] + ([] if worker.process.sentinel == worker.conn.fileno() else [worker.process.sentinel])
+            ready = wait_any(waitables, timeout=self.timeout_s)  # (a Ray actor's sentinel is its connection)
             if not ready:
                 raise TensorParallelError(f"{worker.describe()} did not say {word!r} within {self.timeout_s:g} s")
             message = worker.conn.recv() if worker.conn.poll() else None
@@ -274,8 +287,8 @@ def _sent_error(conn) -> str:
     return text
 
 
-def _stop(workers: list[_Process]) -> None:
-    """Ask every worker to stop, then terminate those still running after ``STOP_WAIT_S``."""
+def _stop(workers: list[_Process], release: Callable[[], None] | None = None) -> None:
+    """Ask every worker to stop, then terminate those still running after ``STOP_WAIT_S``; then ``release()``."""
     for worker in workers:
         with contextlib.suppress(OSError, ValueError):
             worker.conn.send(("stop",))
@@ -285,3 +298,5 @@ def _stop(workers: list[_Process]) -> None:
             worker.process.kill()
             worker.process.join(STOP_WAIT_S)
         worker.conn.close()
+    if release is not None:
+        release()

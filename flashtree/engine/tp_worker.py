@@ -38,11 +38,12 @@ class WorkerSpec:
 
     rank: int
     world_size: int
-    store_port: int  # rank 0's TCP store, on 127.0.0.1
+    store_port: int  # rank 0's TCP store, on ``store_host``
     config: EngineConfig
     device: str  # this rank's device: cpu, or cuda:<rank's index>
     dtype: torch.dtype
     threads: int  # torch CPU threads (rank 0's count)
+    store_host: str = "127.0.0.1"  # rank 0's address (its node's IP when the workers are Ray actors)
 
 
 def run_worker(spec: WorkerSpec, conn) -> None:
@@ -53,7 +54,7 @@ def run_worker(spec: WorkerSpec, conn) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=spec.config.parallel.worker_timeout_s)
-        store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, False, timeout=timeout)
+        store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False, timeout=timeout)
         conn.send(("joining",))
         group = make_group(store, spec.rank, spec.world_size, device, spec.config.parallel.worker_timeout_s)
         collectives = Collectives(group, spec.rank, spec.world_size)

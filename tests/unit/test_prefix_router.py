@@ -67,3 +67,4 @@ def test_replicas_share_a_cpu_and_take_their_own_cuda_devices(monkeypatch):
     assert [c.target.device for c in replica_configs(cuda, 3)] == ["cuda:2", "cuda:4", "cuda:6"]
     with pytest.raises(Exception, match="needs 10 CUDA devices, this machine has 8"):
         replica_configs(cuda, 4)
+
