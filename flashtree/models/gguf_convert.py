@@ -6,7 +6,8 @@ rest of flashtree only reads Hugging Face directories, so :func:`convert_gguf` w
 
     $FLASHTREE_CACHE/gguf/<stem>-<key>/   (FLASHTREE_CACHE defaults to ~/.cache/flashtree)
         config.json         Hugging Face config built from the GGUF metadata
-        model.safetensors   every tensor dequantized to float32, Hugging Face names
+        model.safetensors   every tensor dequantized to float32, Hugging Face names (numbered shards
+                            and model.safetensors.index.json past SHARD_BYTES: written as converted)
         gguf_blocks.safetensors  the Q4_0/Q4_1/Q8_0 matrices' raw blocks, GGUF names, q/k rows
                             un-permuted (for the CPU block kernel, gguf_blocks.py)
         tokenizer.json ...  the GGUF tokenizer, saved with ``save_pretrained``
@@ -16,8 +17,9 @@ converted again. The directory is built under a temporary name and renamed into 
 an interrupted conversion never leaves a half-written cache entry.
 
 A Qwen3-MoE GGUF (``qwen3moe``) stacks each layer's experts in one tensor per projection
-(``blk.N.ffn_{gate,up,down}_exps``, ``[experts, rows, columns]``); they are split into the
-checkpoints' per-expert names, and the router ``blk.N.ffn_gate_inp`` becomes ``mlp.gate``.
+(``blk.N.ffn_{gate,up,down}_exps``, ``[experts, rows, columns]``): they are not converted (they are
+nearly all of the model), the loader reads them from the GGUF per expert (``gguf_experts.py``); the
+router ``blk.N.ffn_gate_inp`` becomes ``mlp.gate``.
 
 Two llama.cpp conventions are undone here:
 - for the ``llama`` architecture, llama.cpp's converter permutes the rows of ``attn_q`` and
@@ -29,13 +31,13 @@ Two llama.cpp conventions are undone here:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,8 @@ SUPPORTED_TENSOR_TYPES = tuple(
         "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 )
-_CACHE_FORMAT_VERSION = 1  # bump when the converted layout changes: old entries are ignored
+SHARD_BYTES = 2 << 30  # float32 bytes a converted shard holds at most: the conversion's peak memory beyond the file
+_CACHE_FORMAT_VERSION = 2  # bump when the converted layout changes: old entries are ignored
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"
 _LLAMA3_ORIGINAL_CONTEXT = 8192  # any value gives identical frequencies, see llama3_rope_scaling
 
@@ -94,14 +97,6 @@ _BLOCK_TENSOR_NAMES = {
 _EXPERT_TENSOR_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class GGUFModel:
-    """A GGUF file read into Hugging Face terms."""
-
-    config: dict[str, Any]  # config.json contents
-    weights: dict[str, torch.Tensor]  # Hugging Face names, float32
 
 
 def cache_dir_for(gguf_path: Path, cache_root: Path) -> Path:
@@ -135,13 +130,47 @@ def convert_gguf(gguf_path: Path, cache_root: Path | None = None) -> Path:
 
 
 def write_converted(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer of ``gguf_path`` to ``out_dir``."""
+    """Write config.json, the float32 weights and the tokenizer of ``gguf_path`` to ``out_dir``."""
     reader = _open_reader(gguf_path)
-    model = read_gguf(reader, gguf_path)
-    safetensors.torch.save_file(model.weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = checked_config(reader, gguf_path)
+    write_weights(converted_tensors(reader, config, gguf_path), out_dir)
     save_tokenizer(reader, gguf_path, out_dir)
-    _save_quantized_blocks(reader, model.config, out_dir)
-    (out_dir / "config.json").write_text(json.dumps(model.config, indent=2) + "\n")
+    _save_quantized_blocks(reader, config, out_dir)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_weights(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, shard_bytes: int | None = None) -> None:
+    """Save ``tensors`` as they come, in shards of at most ``shard_bytes`` (default :data:`SHARD_BYTES`;
+    a bigger tensor gets a shard of its own), so a conversion holds one shard in memory, not the
+    model: ``model.safetensors`` when one shard holds everything, else Hugging Face's numbered shards
+    and ``model.safetensors.index.json``."""
+    limit = shard_bytes or SHARD_BYTES
+    shards: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        safetensors.torch.save_file(current, str(out_dir / f".shard-{len(shards)}"), metadata={"format": "pt"})
+        shards.append(list(current))
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > limit:
+            flush()
+            current, size = {}, 0
+        current[name] = tensor
+        size, total = size + nbytes, total + nbytes
+    flush()
+    if len(shards) == 1:
+        (out_dir / ".shard-0").rename(out_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out_dir / f".shard-{i}").rename(out_dir / file_name)
+        weight_map.update(dict.fromkeys(names, file_name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _save_quantized_blocks(reader: gguf.GGUFReader, config: dict[str, Any], out_dir: Path) -> None:
@@ -160,24 +189,27 @@ def _open_reader(gguf_path: Path) -> gguf.GGUFReader:
         ) from err
 
 
-def read_gguf(reader: gguf.GGUFReader, gguf_path: Path) -> GGUFModel:
-    """Config and dequantized, renamed, un-permuted weights of a GGUF file."""
-    arch = _architecture(reader, gguf_path)
+def checked_config(reader: gguf.GGUFReader, gguf_path: Path) -> dict[str, Any]:
+    """The Hugging Face config of a GGUF file whose architecture and tensor types flashtree reads."""
+    _architecture(reader, gguf_path)
     _check_tensor_types(reader, gguf_path)
     config = gguf_config(reader, gguf_path)
     ModelConfig.from_dict(config, source=str(gguf_path))  # fail before the slow part
-    weights = {}
+    if any(expert_tensor_names(tensor.name) for tensor in reader.tensors):
+        config["flashtree_source_gguf"]["experts_in_gguf"] = True  # (gguf_experts.py)
+    return config
+
+
+def converted_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of the file dequantized to float32, renamed and un-permuted to Hugging Face's layout,
+    one at a time; a MoE layer's experts stay in the GGUF (read from it on demand: gguf_experts.py)."""
+    arch = _architecture(reader, gguf_path)
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS_TENSOR:
-            continue  # folded into config["rope_scaling"]
+        if tensor.name == _ROPE_FREQS_TENSOR or expert_tensor_names(tensor.name):
+            continue  # folded into config["rope_scaling"]; read from the GGUF
         array = unpermute_for_hf(tensor.name, dequantize_tensor(tensor), arch,
                                  config["num_attention_heads"], config["num_key_value_heads"])
-        if experts := expert_tensor_names(tensor.name):
-            for expert, matrix in enumerate(array):  # (copies: saved tensors may not share memory)
-                weights[experts.format(expert=expert)] = torch.from_numpy(matrix.copy())
-        else:
-            weights[hf_tensor_name(tensor.name, gguf_path)] = torch.from_numpy(array)
-    return GGUFModel(config=config, weights=weights)
+        yield hf_tensor_name(tensor.name, gguf_path), torch.from_numpy(array)
 
 
 def expert_tensor_names(gguf_name: str) -> str | None:

@@ -29,6 +29,7 @@ from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.embedded import EMBEDDED_MODELS, embedded_gguf_path
 from flashtree.models.fp8 import check_quantization
+from flashtree.models.gguf_experts import ExpertMatrix, WeightsWithExperts, expert_matrices
 
 if TYPE_CHECKING:
     import transformers
@@ -157,7 +158,19 @@ def load_model_dir(directory: Path, *, random_weights: bool = False) -> Checkpoi
     config = ModelConfig.from_dict(raw_config, source=str(config_path))
     check_quantization(raw_config.get("quantization_config"), str(config_path))
     weights = None if random_weights else select_weights(read_weights(directory), config, directory)
+    if weights is not None and (raw_config.get("flashtree_source_gguf") or {}).get("experts_in_gguf"):
+        weights = WeightsWithExperts(weights, source_gguf_experts(raw_config["flashtree_source_gguf"], directory))
     return Checkpoint(config, weights, load_tokenizer(directory), directory, raw_config)
+
+
+def source_gguf_experts(source: dict[str, Any], directory: Path) -> dict[str, ExpertMatrix]:
+    """The expert matrices of the GGUF a conversion came from (gguf_experts.py), which must be the
+    same file (path, size, modification time) still."""
+    path = Path(source.get("path", ""))
+    if not path.is_file() or path.stat().st_size != source.get("size") or path.stat().st_mtime_ns != source.get("mtime_ns"):
+        raise CheckpointError(f"{directory}: its experts are read from {path}, which is gone or changed since the "
+                              f"conversion; load the .gguf file itself again")
+    return expert_matrices(path)
 
 
 def read_json(path: Path, error: type[Exception]) -> dict[str, Any]:

@@ -57,8 +57,14 @@ class SparseMoE(nn.Module):
 
     def fuse(self) -> None:
         """Stack the experts' weights (expert by expert: each one's own tensors are freed as it is
-        copied) and make every expert's parameters, and its fused ``gate_up``, views into the stacks."""
+        copied) and make every expert's parameters, and its fused ``gate_up``, views into the stacks.
+        Experts whose matrices are GGUF blocks (their weights empty: ``quantized_weights.py``) stay
+        as they are, each reading its own blocks (the reference path)."""
         weight = self.experts[0].gate_proj.weight
+        if weight.numel() == 0:
+            for expert in self.experts:
+                expert.gate_up = weight.detach()  # (empty: the products read gate_up_quant / down_quant)
+            return
         inter, hidden = weight.shape
         gate_up = weight.new_empty(len(self.experts), 2 * inter, hidden)  # [E, 2I, H]
         down = weight.new_empty(len(self.experts), hidden, inter)  # [E, H, I]
@@ -107,7 +113,10 @@ def routes_on_host(model: nn.Module) -> bool:
 def per_expert_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``weights`` with stacked expert tensors (``mlp.experts.gate_up_proj [E, 2I, H]`` and
     ``mlp.experts.down_proj [E, H, I]``, newer transformers' in-memory layout) split into the
-    checkpoints' per-expert names; other tensors as they are."""
+    checkpoints' per-expert names; other tensors as they are (``weights`` itself when none is
+    stacked: a mapping that reads its tensors on demand is not read here)."""
+    if not any(name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) for name in weights):
+        return weights
     out = {}
     for name, tensor in weights.items():
         prefix, _, kind = name.rpartition(".")

@@ -13,7 +13,9 @@ model to fp32 products.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, NamedTuple
 
 import torch
@@ -23,6 +25,7 @@ from flashtree.kernels.cpu.library import KernelUnavailable, load_kernels
 from flashtree.kernels.cpu.quant_linear import BLOCK_TYPES, QuantizedLinear
 from flashtree.models.config import ModelConfig
 from flashtree.models.gguf_blocks import StoredMatrix, load_blocks
+from flashtree.models.gguf_experts import ExpertMatrix, WeightsWithExperts
 from flashtree.models.safetensors_reads import SafetensorsFile
 
 if TYPE_CHECKING:
@@ -50,8 +53,8 @@ def _weights(prefix: str, *names: str) -> tuple[str, ...]:
 
 
 def block_groups(config: ModelConfig) -> list[BlockGroup]:
-    """Every group a model of ``config`` can hold as blocks (dense MLPs only; the lm_head of tied
-    embeddings is the embedding's ``token_embd``)."""
+    """Every group a model of ``config`` can hold as blocks (a sparse MoE layer's experts one by one; the
+    lm_head of tied embeddings is the embedding's ``token_embd``)."""
     groups = []
     for i in range(config.num_hidden_layers):
         attn, mlp, blk = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"blk.{i}"
@@ -62,6 +65,12 @@ def block_groups(config: ModelConfig) -> list[BlockGroup]:
             groups += [BlockGroup(mlp, "gate_up_quant", "gate_up", _weights(mlp, "gate_proj", "up_proj"),
                                   _weights(blk, "ffn_gate", "ffn_up")),
                        BlockGroup(mlp, "down_quant", None, _weights(mlp, "down_proj"), _weights(blk, "ffn_down"))]
+        else:  # each expert: its matrices are read from the GGUF by their Hugging Face names (gguf_experts.py)
+            for e in range(config.moe.num_experts):
+                expert = f"{mlp}.experts.{e}"
+                gate_up, down = _weights(expert, "gate_proj", "up_proj"), _weights(expert, "down_proj")
+                groups += [BlockGroup(expert, "gate_up_quant", "gate_up", gate_up, gate_up),
+                           BlockGroup(expert, "down_quant", None, down, down)]
     embedding = (("model.embed_tokens.weight",), ("token_embd.weight",))
     groups.append(BlockGroup("", "embed_quant", None, *embedding))
     head = embedding if config.tie_word_embeddings else (("lm_head.weight",), ("output.weight",))
@@ -83,16 +92,50 @@ def read_quantized(checkpoint: "Checkpoint", device: torch.device, dtype: torch.
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return {}
     cfg = checkpoint.config
-    fp32_file = checkpoint.path / "model.safetensors"  # (a GGUF's conversion: one file)
     try:
         load_kernels()
         stored = load_blocks(checkpoint.path, source, str(raw_config.get("model_type", "")),
                              cfg.num_attention_heads, cfg.num_key_value_heads)
-        rows = SafetensorsFile(fp32_file).rows if fp32_file.is_file() else None
-        return read_groups(block_groups(cfg), stored, checkpoint.weights, rows)
+        experts = checkpoint.weights.experts if isinstance(checkpoint.weights, WeightsWithExperts) else {}
+        stored = {**stored, **{name: StoredMatrix(m.type_name, m.rows, m.row_bytes, m.read_into)
+                               for name, m in experts.items() if m.type_name in BLOCK_TYPES}}
+        return read_groups(block_groups(cfg), stored, checkpoint.weights, row_reader(checkpoint.path, experts))
     except (KernelUnavailable, OSError, ValueError) as err:
         log.warning("flashtree: quantized CPU kernels off, using the float32 weights: %s", err)
         return {}
+
+
+def row_reader(directory: Path, experts: Mapping[str, ExpertMatrix]) -> RowReader | None:
+    """Rows of the float32 weights as the converter decodes them: from the conversion's files
+    (:func:`fp32_rows`), an expert's from the GGUF (decoded by gguf-py, not by the block kernel)."""
+    fp32 = fp32_rows(directory)
+    if not experts:
+        return fp32
+
+    def rows(name: str, picked: torch.Tensor) -> torch.Tensor:
+        return experts[name].dequantized_rows(picked) if name in experts else fp32(name, picked)
+
+    return rows
+
+
+def fp32_rows(directory: Path) -> RowReader | None:
+    """Reads of rows of the float32 weights of a GGUF conversion (``model.safetensors``, or the shards
+    its index lists) that leave no memory map behind; None where there are none."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return SafetensorsFile(single).rows
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text())["weight_map"]
+    files: dict[str, SafetensorsFile] = {}
+
+    def rows(name: str, picked: torch.Tensor) -> torch.Tensor:
+        shard = weight_map[name]
+        if shard not in files:
+            files[shard] = SafetensorsFile(directory / shard)
+        return files[shard].rows(name, picked)
+
+    return rows
 
 
 def read_groups(groups: Iterable[BlockGroup], stored: Mapping[str, StoredMatrix],
@@ -133,16 +176,24 @@ def _check(quant: QuantizedLinear, group: BlockGroup, weights: Mapping[str, torc
     row order shows in every row; the tests compare whole weights)."""
     offset = 0
     for name in group.weights:
-        weight = weights[name]  # (its shape and dtype: its values are read by ``rows``)
-        count = weight.shape[0]
+        shape, dtype = _shape_and_dtype(weights, name)  # (its values are read by ``rows``)
+        count = shape[0]
         picked = torch.arange(0, count, max(1, count // CHECKED_ROWS))
-        if weight.dim() != 2 or weight.shape[1] != quant.in_features or weight.dtype != torch.float32 \
+        if len(shape) != 2 or shape[1] != quant.in_features or dtype != torch.float32 \
                 or not torch.equal(quant.dequantize(offset + picked), rows(name, picked)):
             raise KernelUnavailable(f"the GGUF blocks of {', '.join(group.gguf)} differ from the loaded fp32 weights")
         offset += count
     if offset != quant.out_features:
         raise KernelUnavailable(f"the GGUF blocks of {', '.join(group.gguf)} have {quant.out_features} rows, "
                                 f"the fp32 weights {offset}")
+
+
+def _shape_and_dtype(weights: Mapping[str, torch.Tensor], name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """A weight's shape and dtype, without decoding it when it is an expert read from a GGUF."""
+    if isinstance(weights, WeightsWithExperts) and name in weights.experts and name not in weights.weights:
+        expert = weights.experts[name]
+        return (expert.rows, expert.columns), torch.float32
+    return tuple(weights[name].shape), weights[name].dtype
 
 
 def held_weights(quantized: Mapping[BlockGroup, QuantizedLinear]) -> set[str]:

@@ -1,0 +1,114 @@
+"""A Qwen3-MoE GGUF's expert matrices, read from the GGUF file itself.
+
+The experts are nearly all of a MoE model's bytes (Qwen3-30B-A3B: 128 experts a layer, 29 of its 30
+billion weights), so the conversion (``gguf_convert.py``) never writes them to its float32 cache:
+that would take four times the GGUF's size per weight of Q4 (about 120 GB for a 30B-A3B). Instead the
+converted config lists ``flashtree_source_gguf.experts_in_gguf`` and the loader reads each expert's
+rows from the GGUF on demand:
+
+- :class:`ExpertMatrix`: one expert's ``[rows, columns]`` slice of a stacked
+  ``blk.N.ffn_{gate,up,down}_exps.weight`` tensor (``[experts, rows, columns]``, GGUF's fastest
+  dimension last), its raw bytes at a file offset;
+- :class:`WeightsWithExperts`: a checkpoint's weights mapping whose expert entries are dequantized
+  to float32 (gguf-py, as the converter would) only when read, one at a time, so a model built on
+  a GPU never holds more than one float32 expert on the host;
+- on the CPU in float32, experts of Q4_0 / Q4_1 / Q8_0 compute from their raw blocks
+  (``quantized_weights.py``), and no float32 copy of them is ever made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from flashtree.errors import CheckpointError
+
+# stacked expert tensors -> the per-expert projection they hold
+EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+
+
+class ExpertMatrix(NamedTuple):
+    """One expert's matrix inside a GGUF file."""
+
+    gguf_path: Path
+    type_name: str  # GGML type: Q4_0, Q4_K, F16 ...
+    offset: int  # file offset of its first row
+    rows: int
+    columns: int
+    row_bytes: int
+
+    def raw(self, first_row: int = 0, count: int | None = None) -> np.ndarray:
+        """Its rows' bytes ``uint8 [count, row_bytes]`` from ``first_row`` (plain file reads, no map)."""
+        count = self.rows - first_row if count is None else count
+        data = np.empty((count, self.row_bytes), dtype=np.uint8)
+        with open(self.gguf_path, "rb") as f:
+            f.seek(self.offset + first_row * self.row_bytes)
+            if f.readinto(memoryview(data).cast("B")) != data.size:
+                raise CheckpointError(f"{self.gguf_path}: truncated in an expert matrix; re-download it")
+        return data
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Fill the contiguous ``uint8 [rows, row_bytes]`` tensor ``out`` with its raw bytes."""
+        out.copy_(torch.from_numpy(self.raw()))
+
+    def dequantized_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 ``[len(rows), columns]``: the given rows decoded as the converter decodes a matrix."""
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType[self.type_name]
+        picked = np.stack([self.raw(int(r), 1)[0] for r in rows.tolist()]) if len(rows) else \
+            np.empty((0, self.row_bytes), np.uint8)
+        return torch.from_numpy(np.array(gguf.quants.dequantize(picked, qtype), dtype=np.float32).reshape(-1, self.columns))
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole matrix in float32 ``[rows, columns]``."""
+        import gguf
+
+        values = gguf.quants.dequantize(self.raw(), gguf.GGMLQuantizationType[self.type_name])
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(self.rows, self.columns))
+
+
+def expert_matrices(gguf_path: Path) -> dict[str, ExpertMatrix]:
+    """Every expert matrix of a GGUF, by the Hugging Face name of its parameter
+    (``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``)."""
+    import gguf
+
+    found = {}
+    for tensor in gguf.GGUFReader(str(gguf_path)).tensors:
+        parts = tensor.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in EXPERT_PROJECTIONS or parts[3] != "weight":
+            continue
+        experts, rows, columns = (int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest first
+        row_bytes = int(tensor.n_bytes) // (experts * rows)
+        for expert in range(experts):
+            name = f"model.layers.{parts[1]}.mlp.experts.{expert}.{EXPERT_PROJECTIONS[parts[2]]}.weight"
+            offset = int(tensor.data_offset) + expert * rows * row_bytes
+            found[name] = ExpertMatrix(Path(gguf_path), tensor.tensor_type.name, offset, rows, columns, row_bytes)
+    return found
+
+
+class WeightsWithExperts(Mapping):
+    """``weights`` (the converted tensors) and the ``experts`` read from the GGUF: an expert's float32
+    tensor is made when it is looked up and not kept."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], experts: Mapping[str, ExpertMatrix]):
+        self.weights, self.experts = weights, experts
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.weights:
+            return self.weights[name]
+        return self.experts[name].dequantized()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights or name in self.experts
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.weights
+        yield from (name for name in self.experts if name not in self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights) + sum(1 for name in self.experts if name not in self.weights)
