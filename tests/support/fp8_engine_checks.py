@@ -86,9 +86,9 @@ def fp8_layers(model) -> list:
     return [h for h in holders if isinstance(h, Fp8Linear)]
 
 
-def logits_vs_dequantized(fp8: Path, reference: Path, device: str, dtype: str) -> float:
-    """Largest difference of a causal prefill's logits (exact mode), FP8 products vs the checkpoint dequantized,
-    relative to the largest logit."""
+def logits_vs_dequantized(fp8: Path, reference: Path, device: str, dtype: str, exact: bool = True) -> float:
+    """Largest difference of a causal prefill's logits (the exact or the fast backend), FP8 products vs the
+    checkpoint dequantized, relative to the largest logit."""
     from flashtree.config import EngineConfig
     from flashtree.models.batch import ForwardBatch, causal_mask
     from flashtree.models.build import load_target, resolve_dtype
@@ -98,8 +98,9 @@ def logits_vs_dequantized(fp8: Path, reference: Path, device: str, dtype: str) -
     counts = torch.tensor([len(p) for p in PROMPTS])
     logits = []
     for path in (fp8, reference):
-        config = EngineConfig.of(model=str(path), device=device, dtype=dtype, exact=True)
+        config = EngineConfig.of(model=str(path), device=device, dtype=dtype, exact=exact)
         model = load_target(config, torch.device(device), resolve_dtype(dtype, torch.device(device))).model
+        assert path == reference or fp8_layers(model), "the FP8 products did not switch on"
         batch = ForwardBatch(torch.tensor([p + [0] * (width - len(p)) for p in PROMPTS], device=device),
                              torch.arange(width, device=device).expand(len(PROMPTS), -1),
                              torch.arange(len(PROMPTS), device=device), torch.zeros_like(counts, device=device),
