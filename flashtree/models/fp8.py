@@ -120,8 +120,8 @@ def fused_fp8(names: Sequence[str], weights: Mapping[str, torch.Tensor], device:
         scale, scale_rows = torch.cat([s for s, _ in scales]), BLOCK
     else:
         columns = max(s.shape[1] for s, _ in scales)
-        per_row = [s.repeat_interleave(rows, 0)[:part.shape[0]].expand(-1, columns) if s.shape[1] == 1 else
-                   s.repeat_interleave(rows, 0)[:part.shape[0]] for part, (s, rows) in zip(parts, scales)]
+        per_row = [s.repeat_interleave(rows, 0)[:part.shape[0]].expand(-1, columns)  # [N_i, columns]
+                   for part, (s, rows) in zip(parts, scales)]
         scale, scale_rows = torch.cat(per_row), 1  # [N, columns]
     return Fp8Linear(torch.cat(parts).to(device), scale.to(device), scale_rows, name=" + ".join(names))
 
