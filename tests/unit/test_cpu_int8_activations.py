@@ -57,7 +57,7 @@ def block_slack(blocks: torch.Tensor, type_name: str, cols: int) -> torch.Tensor
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("shape", [(32, 32), (96, 576), (200, 1536), (70, 64)])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 576), (200, 1536), (70, 96)])
 def test_int8_products_equal_their_integer_reference(type_name, shape):
     """y = x_rounded @ W.T + bias (float64) up to float32 rounding: the kernel rounds each s = d_w d once,
     then per lane a chain of at most 2 * blocks fmas, 3 lane sums and the bias add; each adds at most one

@@ -173,22 +173,31 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
 //
 // A block of x: d = max|x| / 127, q = round(x * (1 / d)) (nearest, ties to even; q = 0 where d = 0).
 // For a weight block with integers w (Q4: the nibbles 0..15, Q8_0: the signed bytes) the integer
-// I = sum(w * q) is exact in int32, in 8 lanes of 4 products each (lane l: elements 4l .. 4l + 3), and
+// I = sum(w * q) is exact in int32, and
 //   Q8_0: x . W = d_w d I;   Q4_0: d_w d (I - 8 sum(q));   Q4_1: d_w d I + m d sum(q).
-// A (row, column) pair keeps 8 float lanes acc; per block, in order: acc = fma(float(I_lane), d_w * d, acc)
-// (Q4_0: lane l's I_lane includes -sum(q), so the lanes add up to I - 8 sum(q); Q4_1 then
-// acc = fma(m, d sum(q) / 8, acc), the min term spread over the 8 lanes); the result is the sum of the lanes
-// (hsum8's order) + bias. Only 256-bit integer and float operations: the AVX-512 build (VNNI vpdpbusd)
-// and the AVX2 build (vpmaddubsw + vpmaddwd, the same lane sums) give the same bits.
+// Blocks go in pairs (a, b) = (2p, 2p + 1) (an odd count's last one with a zero block b): one 256-bit
+// register holds a's elements 0..15 and b's 0..15, a second one their 16..31, so lanes 0-3 sum a's
+// products and lanes 4-7 b's (each lane 8 products: 4 per register). A (row, column) pair keeps 8 float
+// lanes acc; per pair of blocks, in order: acc = fma(float(I_lane), d_w * d (of the lane's block), acc)
+// (Q4_0: each lane's I_lane starts at -2 sum(q), so a block's 4 lanes add up to I - 8 sum(q); Q4_1 then
+// acc = fma(m, d sum(q) / 4, acc), the min term spread over the block's 4 lanes); the result is the sum
+// of the lanes (hsum8's order) + bias. Only 256-bit integer and float operations: the AVX-512 build (VNNI
+// vpdpbusd) and the AVX2 build (vpmaddubsw + vpmaddwd, the same lane sums) give the same bits.
 
 constexpr int INT8_ACTIVATIONS = 16;  // or-ed into a product's type code: x quantized to int8 blocks
 
-// x's rows as int8 blocks: q [M, K]; per (row, block): the scale d, -sum(q), d * sum(q) / 8.
+// x's rows as int8 blocks, `pairs` block pairs a row: q [M, pairs * 64] (per pair: a[0:16], b[0:16],
+// a[16:32], b[16:32]); per (row, pair) two values, a's then b's: the scale d, -2 sum(q), d sum(q) / 4.
 struct Int8Rows {
   const int8_t* q;
   const float* scales;
-  const int32_t* neg_sums;
+  const int32_t* starts;
   const float* min_terms;
+  int64_t pairs;
+  Int8Rows from_row(int64_t r0) const {
+    const int64_t i = r0 * pairs * 2;
+    return {q + r0 * pairs * 64, scales + i, starts + i, min_terms + i, pairs};
+  }
 };
 
 inline float hmax8(__m256 a) {
@@ -209,8 +218,8 @@ inline int32_t hsum8_epi32(__m256i a) {
   return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 1)));
 }
 
-// One block of 32 floats -> 32 int8 (in order) at q; returns d, writes sum(q).
-inline float quantize_block(const float* x, int8_t* q, int32_t* sum) {
+// One block of 32 floats -> int8: elements 0..15 at low, 16..31 at high; returns d, writes sum(q).
+inline float quantize_block(const float* x, int8_t* low, int8_t* high, int32_t* sum) {
   __m256 v[4], amax = _mm256_setzero_ps();
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   for (int i = 0; i < 4; ++i) {
@@ -224,26 +233,30 @@ inline float quantize_block(const float* x, int8_t* q, int32_t* sum) {
   *sum = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])));
   // packs work within 128-bit lanes: the dwords come out as n0[0:4] n1[0:4] n2[0:4] n3[0:4] n0[4:8] ...
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i q = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128((__m128i*)low, _mm256_castsi256_si128(q));
+  _mm_storeu_si128((__m128i*)high, _mm256_extracti128_si256(q, 1));
   return d;
 }
 
-// The M rows of x [M, K] into `store` (resized): q, then scales, neg_sums, min_terms.
+// The M rows of x [M, K] into `store` (resized; an odd count's last pair gets a zero block b).
 inline Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, std::vector<uint8_t>& store) {
-  const int64_t blocks = K / 32, n = M * blocks;
-  store.resize(M * K + 12 * n);
-  Int8Rows rows{(const int8_t*)store.data(), (const float*)(store.data() + M * K),
-                (const int32_t*)(store.data() + M * K + 4 * n), (const float*)(store.data() + M * K + 8 * n)};
+  const int64_t blocks = K / 32, pairs = (blocks + 1) / 2, values = M * pairs * 2, q_bytes = M * pairs * 64;
+  store.assign(q_bytes + 12 * values, 0);
   int8_t* q = (int8_t*)store.data();
-  float *scales = (float*)rows.scales, *min_terms = (float*)rows.min_terms;
-  int32_t* neg_sums = (int32_t*)rows.neg_sums;
-  for (int64_t i = 0; i < n; ++i) {  // i = row * blocks + block, and x, q are [M, K]: block i at 32 i
-    int32_t sum;
-    scales[i] = quantize_block(x + 32 * i, q + 32 * i, &sum);
-    neg_sums[i] = -sum;
-    min_terms[i] = scales[i] * (float)sum * 0.125f;
-  }
-  return rows;
+  float* scales = (float*)(store.data() + q_bytes);
+  int32_t* starts = (int32_t*)(store.data() + q_bytes + 4 * values);
+  float* min_terms = (float*)(store.data() + q_bytes + 8 * values);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t j = 0; j < blocks; ++j) {  // block j: pair j / 2, half j % 2
+      const int64_t i = r * pairs * 2 + j;
+      int8_t* pair = q + (r * pairs + j / 2) * 64 + (j % 2) * 16;
+      int32_t sum;
+      scales[i] = quantize_block(x + r * K + j * 32, pair, pair + 32, &sum);
+      starts[i] = -2 * sum;
+      min_terms[i] = scales[i] * (float)sum * 0.25f;
+    }
+  return {q, scales, starts, min_terms, pairs};
 }
 
 // sum over each lane's 4 byte products u (unsigned) * s (signed), added to acc
@@ -257,53 +270,80 @@ inline __m256i dot_u8_s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// A weight block as the integer dot takes it: unsigned bytes w (Q4: the nibbles in element order, Q8_0: |q|),
-// signs (Q8_0: q, whose signs go onto x's bytes), the scale d and (Q4_1) the min m, broadcast.
-struct WeightBlock {
-  __m256i w, signs;
+// two values (a's, b's) -> lanes 0-3 a, lanes 4-7 b
+inline __m256 spread_pair(__m128 ab) {
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ab), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+inline __m256 load_pair(const float* p) { return spread_pair(_mm_castpd_ps(_mm_load_sd((const double*)p))); }
+inline __m256i load_pair(const int32_t* p) { return _mm256_castps_si256(load_pair((const float*)p)); }
+inline __m256 halves_pair(const uint8_t* a, const uint8_t* b) {  // fp16 values at a and b
+  uint16_t ha, hb;
+  memcpy(&ha, a, 2);
+  memcpy(&hb, b, 2);
+  return spread_pair(_mm_cvtph_ps(_mm_cvtsi32_si128(ha | (uint32_t)hb << 16)));
+}
+
+// A pair of weight blocks as the integer dot takes them: unsigned bytes w0 (a's and b's elements 0..15),
+// w1 (16..31) (Q4: the nibbles, Q8_0: |q|), s0, s1 (Q8_0: q, whose signs go onto x's bytes), the scales
+// d and (Q4_1) the mins m of a and b in lanes 0-3 and 4-7.
+struct WeightPair {
+  __m256i w0, w1, s0, s1;
   __m256 d, m;
 };
 
+// b == nullptr: a zero block b (an odd count's last pair)
 template <int TYPE>
-inline WeightBlock load_weight_block(const uint8_t* block) {
-  WeightBlock b;
-  b.d = _mm256_set1_ps(half_to_float(block));
+inline WeightPair load_weight_pair(const uint8_t* a, const uint8_t* b) {
+  static const uint8_t zero[34] = {};
+  if (!b) b = zero;
+  WeightPair p;
+  p.d = halves_pair(a, b);
+  auto both = [&](int offset) {
+    return _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(b + offset)), _mm_loadu_si128((const __m128i*)(a + offset)));
+  };
   if (TYPE == 2) {
-    b.signs = _mm256_loadu_si256((const __m256i*)(block + 2));
-    b.w = _mm256_abs_epi8(b.signs);
+    p.s0 = both(2);
+    p.s1 = both(18);
+    p.w0 = _mm256_abs_epi8(p.s0);
+    p.w1 = _mm256_abs_epi8(p.s1);
   } else {
-    const __m128i v = _mm_loadu_si128((const __m128i*)(block + (TYPE == 1 ? 4 : 2)));
-    b.w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-    if (TYPE == 1) b.m = _mm256_set1_ps(half_to_float(block + 2));
+    const __m256i v = both(TYPE == 1 ? 4 : 2), low4 = _mm256_set1_epi8(0x0F);
+    p.w0 = _mm256_and_si256(v, low4);
+    p.w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (TYPE == 1) p.m = halves_pair(a + 2, b + 2);
   }
-  return b;
+  return p;
 }
 
-// As dot_rows, from int8 rows (row r of x at rows, offset r * K): every (row, column) pair runs the
-// block loop of the section comment, whatever M and C are.
+// As dot_rows, from int8 rows (row r of x at x.from_row(r)): every (row, column) pair runs the loop over
+// block pairs of the section comment, whatever M and C are.
 template <int TYPE, int M, int C>
-inline void dot_rows_int8(const Int8Rows& x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t blocks,
-                          const float* add, float* y, int64_t N) {
+inline void dot_rows_int8(const Int8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t blocks, const float* add,
+                          float* y, int64_t N) {
+  constexpr int64_t BB = block_bytes(TYPE);
   __m256 acc[C][M];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < M; ++r) acc[c][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    WeightBlock wb[C];
+  for (int64_t p = 0; p < x.pairs; ++p) {
+    const bool has_b = 2 * p + 1 < blocks;
+    WeightPair wp[C];
     for (int c = 0; c < C; ++c) {
-      const uint8_t* block = w + c * row_bytes + b * block_bytes(TYPE);
-      _mm_prefetch((const char*)(block + PREFETCH_BYTES), _MM_HINT_T0);
-      wb[c] = load_weight_block<TYPE>(block);
+      const uint8_t* a = w + c * row_bytes + 2 * p * BB;
+      _mm_prefetch((const char*)(a + PREFETCH_BYTES), _MM_HINT_T0);
+      wp[c] = load_weight_pair<TYPE>(a, has_b ? a + BB : nullptr);
     }
     for (int r = 0; r < M; ++r) {
-      const int64_t i = r * blocks + b;
-      const __m256i q = _mm256_loadu_si256((const __m256i*)(x.q + r * K + b * 32));
-      const __m256 d = _mm256_set1_ps(x.scales[i]);
-      const __m256i start = TYPE == 0 ? _mm256_set1_epi32(x.neg_sums[i]) : _mm256_setzero_si256();
+      const int64_t i = (r * x.pairs + p) * 2;
+      const int8_t* q = x.q + (r * x.pairs + p) * 64;
+      const __m256i q0 = _mm256_loadu_si256((const __m256i*)q), q1 = _mm256_loadu_si256((const __m256i*)(q + 32));
+      const __m256 d = load_pair(x.scales + i);
+      const __m256i start = TYPE == 0 ? load_pair(x.starts + i) : _mm256_setzero_si256();
       for (int c = 0; c < C; ++c) {
-        const __m256i s = TYPE == 2 ? _mm256_sign_epi8(q, wb[c].signs) : q;
-        const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_s8(start, wb[c].w, s));
-        acc[c][r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(wb[c].d, d), acc[c][r]);
-        if (TYPE == 1) acc[c][r] = _mm256_fmadd_ps(wb[c].m, _mm256_set1_ps(x.min_terms[i]), acc[c][r]);
+        const __m256i u0 = TYPE == 2 ? _mm256_sign_epi8(q0, wp[c].s0) : q0;
+        const __m256i u1 = TYPE == 2 ? _mm256_sign_epi8(q1, wp[c].s1) : q1;
+        const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_s8(dot_u8_s8(start, wp[c].w0, u0), wp[c].w1, u1));
+        acc[c][r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
+        if (TYPE == 1) acc[c][r] = _mm256_fmadd_ps(wp[c].m, load_pair(x.min_terms + i), acc[c][r]);
       }
     }
   }
@@ -316,16 +356,13 @@ struct Activations {
   const float* f;
   Int8Rows q;
   int64_t K, blocks;
-  Activations from_row(int64_t r0) const {  // the rows from r0 on
-    const int64_t i = r0 * blocks;
-    return {f + r0 * K, {q.q + r0 * K, q.scales + i, q.neg_sums + i, q.min_terms + i}, K, blocks};
-  }
+  Activations from_row(int64_t r0) const { return {f + r0 * K, q.from_row(r0), K, blocks}; }  // rows r0 on
 };
 
 template <int TYPE, bool INT8, int M, int C>
 inline void dot_tile(const Activations& x, const uint8_t* w, int64_t row_bytes, const float* add, float* y,
                      int64_t N) {
-  if constexpr (INT8) dot_rows_int8<TYPE, M, C>(x.q, x.K, w, row_bytes, x.blocks, add, y, N);
+  if constexpr (INT8) dot_rows_int8<TYPE, M, C>(x.q, w, row_bytes, x.blocks, add, y, N);
   else dot_rows<TYPE, M, C>(x.f, w, row_bytes, x.blocks, x.K, add, y, N);
 }
 
