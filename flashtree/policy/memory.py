@@ -10,8 +10,8 @@ last one of the same setup stopped instead of exploring drafted rounds again.
   block size and draft vocabulary, the device (its model name), dtype and CPU threads, the kernel
   settings, tensor parallelism, the policy's knobs and flashtree's version. One file per setup,
   named by the key's hash; the file repeats its key, and a file whose key differs is not used.
-- When: read when the policy is made; written when the interpreter exits (a process killed by a
-  signal writes nothing), atomically (a temporary file renamed over the old one; of two processes
+- When: read when the policy is made; written when the interpreter exits, from the last policy made
+  for the setup in the process (a process killed by a signal writes nothing), atomically (a temporary file renamed over the old one; of two processes
   that end together, the last one's state stays).
 - A file that cannot be read or parsed, or of another format version, is ignored with a warning
   (and replaced at exit); one older than ``MAX_AGE_S`` is ignored quietly (the code or the machine
@@ -29,7 +29,6 @@ import os
 import platform
 import tempfile
 import time
-import weakref
 from pathlib import Path
 
 import torch
@@ -128,7 +127,7 @@ class PolicyMemory:
         learned = self.recall(key)
         if learned is not None:
             policy.start_from(learned)
-        atexit.register(_save_at_exit, self, weakref.ref(policy))
+        _AT_EXIT[self.path(key)] = (self, policy)  # (a later engine of the same setup replaces an earlier one)
 
     def recall(self, key: dict) -> Learned | None:
         """The learned estimates kept for ``key``; None when there are none (or none usable)."""
@@ -187,13 +186,19 @@ class PolicyMemory:
                 pass  # (another process's, gone already)
 
 
-def _save_at_exit(memory: PolicyMemory, policy_ref: weakref.ref) -> None:
-    """At interpreter exit: the policy's learned estimates, if it is alive and ran rounds; a failure
-    to write is a warning (the memory only saves exploration)."""
-    policy = policy_ref()
-    if policy is None or not policy.rounds_chosen:
-        return
-    try:
-        memory.save(policy)
-    except OSError as error:
-        log.warning("flashtree: the policy memory could not be written to %s: %s", memory.directory, error)
+_AT_EXIT: dict[Path, tuple[PolicyMemory, AdaptivePolicy]] = {}  # memory file -> the policy whose state it gets
+# at exit (held strongly: an engine may be gone by then, its small policy is kept)
+
+
+def _save_at_exit() -> None:
+    """At interpreter exit: each attached policy that ran rounds writes its file; a failure to write
+    is a warning (the memory only spares exploration)."""
+    for memory, policy in _AT_EXIT.values():
+        if policy.rounds_chosen:
+            try:
+                memory.save(policy)
+            except OSError as error:
+                log.warning("flashtree: the policy memory could not be written to %s: %s", memory.directory, error)
+
+
+atexit.register(_save_at_exit)

@@ -265,3 +265,19 @@ def test_writing_deletes_files_past_the_age_limit(tmp_path, monkeypatch):
     os.utime(stale, (old, old))
     kept = memory.save(learned_policy())
     assert not stale.exists() and recent.exists() and kept.exists()
+
+
+def test_at_exit_the_last_policy_of_a_setup_that_ran_rounds_is_written(tmp_path, monkeypatch):
+    import flashtree.policy.memory as memory_module
+
+    monkeypatch.setattr(memory_module, "_AT_EXIT", {})
+    memory = memory_for(tmp_path, monkeypatch)
+    earlier, later = AdaptivePolicy(LADDER, CPU), AdaptivePolicy(LADDER, CPU)
+    memory.attach(earlier)
+    memory.attach(later)
+    drive(earlier, 115, 1, weak_drafter, cpu_seconds())
+    memory_module._save_at_exit()
+    assert not list(tmp_path.glob("memory/*.json"))  # the later policy, which replaced the earlier, ran no round
+    drive(later, 115, 1, strong_drafter, cpu_seconds())
+    memory_module._save_at_exit()
+    assert memory.recall(memory.key(later)).acceptance[4][0] == pytest.approx(4.0)
