@@ -41,28 +41,31 @@ class ExpertMatrix(NamedTuple):
     columns: int
     row_bytes: int
 
-    def raw(self, first_row: int = 0, count: int | None = None) -> np.ndarray:
-        """Its rows' bytes ``uint8 [count, row_bytes]`` from ``first_row`` (plain file reads, no map)."""
-        count = self.rows - first_row if count is None else count
-        data = np.empty((count, self.row_bytes), dtype=np.uint8)
-        with open(self.gguf_path, "rb") as f:
-            f.seek(self.offset + first_row * self.row_bytes)
-            if f.readinto(memoryview(data).cast("B")) != data.size:
-                raise CheckpointError(f"{self.gguf_path}: truncated in an expert matrix; re-download it")
+    def raw(self) -> np.ndarray:
+        """Its bytes ``uint8 [rows, row_bytes]`` (plain file reads, no map)."""
+        data = np.empty((self.rows, self.row_bytes), dtype=np.uint8)
+        self.read_into(torch.from_numpy(data))
         return data
 
     def read_into(self, out: torch.Tensor) -> None:
         """Fill the contiguous ``uint8 [rows, row_bytes]`` tensor ``out`` with its raw bytes."""
-        out.copy_(torch.from_numpy(self.raw()))
+        with open(self.gguf_path, "rb") as f:
+            f.seek(self.offset)
+            if f.readinto(memoryview(out.numpy()).cast("B")) != self.rows * self.row_bytes:
+                raise CheckpointError(f"{self.gguf_path}: truncated in an expert matrix; re-download it")
 
     def dequantized_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 ``[len(rows), columns]``: the given rows decoded as the converter decodes a matrix."""
         import gguf
 
-        qtype = gguf.GGMLQuantizationType[self.type_name]
-        picked = np.stack([self.raw(int(r), 1)[0] for r in rows.tolist()]) if len(rows) else \
-            np.empty((0, self.row_bytes), np.uint8)
-        return torch.from_numpy(np.array(gguf.quants.dequantize(picked, qtype), dtype=np.float32).reshape(-1, self.columns))
+        picked = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
+        with open(self.gguf_path, "rb") as f:
+            for i, row in enumerate(rows.tolist()):
+                f.seek(self.offset + row * self.row_bytes)
+                if f.readinto(memoryview(picked[i])) != self.row_bytes:
+                    raise CheckpointError(f"{self.gguf_path}: truncated in an expert matrix; re-download it")
+        values = gguf.quants.dequantize(picked, gguf.GGMLQuantizationType[self.type_name])
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1, self.columns))
 
     def dequantized(self) -> torch.Tensor:
         """The whole matrix in float32 ``[rows, columns]``."""
