@@ -102,6 +102,9 @@ class _Process:
         return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid})"
 
 
+STARTUP_TIMEOUT_S = 300.0  # the least a worker gets to start and load its shard (a dead one is seen at once)
+
+
 class TensorParallelExecutor:
     """Rank 0 of ``config.parallel.tensor_parallel_size`` ranks: starts the workers, loads its own shard
     (:attr:`target`), and mirrors the target's forwards and KV commits to the workers."""
@@ -156,12 +159,15 @@ class TensorParallelExecutor:
         return [_Process(rank, process, conn) for rank, process, conn in started]
 
     def _await(self, word: str) -> None:
-        """Wait until every worker has said ``word`` (an error it sends, its death or the timeout raise)."""
+        """Wait until every worker has said ``word`` (an error it sends, its death or the timeout raise).
+        Start-up (importing torch, loading a shard) may take longer than a collective may wait: the
+        wait is the longer of ``worker_timeout_s`` and :data:`STARTUP_TIMEOUT_S`."""
+        timeout = max(self.timeout_s, STARTUP_TIMEOUT_S)
         for worker in self.workers:
             waitables = [worker.conn] + ([] if worker.process.sentinel == worker.conn.fileno() else [worker.process.sentinel])
-            ready = wait_any(waitables, timeout=self.timeout_s)  # (a Ray actor's sentinel is its connection)
+            ready = wait_any(waitables, timeout=timeout)  # (a Ray actor's sentinel is its connection)
             if not ready:
-                raise TensorParallelError(f"{worker.describe()} did not say {word!r} within {self.timeout_s:g} s")
+                raise TensorParallelError(f"{worker.describe()} did not say {word!r} within {timeout:g} s")
             message = worker.conn.recv() if worker.conn.poll() else None
             if message is None or message[0] != word:
                 raise TensorParallelError(self._death_of(worker) or f"{worker.describe()} sent {message!r}")
