@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from flashtree.kernels.gpu.triton_gemm import output_tile
+
 
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
@@ -19,16 +21,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride
     from 0 up in every program, nothing is split, and one rounding to y's dtype ends it: an output element
     depends only on its row of x, its row of the weight and K, never on M or on the tile (the order of
     programs, GROUP_M row tiles at a time across the columns, changes no arithmetic)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rows, cols = output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)  # [BM], [BN]
     depth = tl.arange(0, BLOCK_K)  # [BK]
     scale_rows = scale_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_scale_n  # [BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
