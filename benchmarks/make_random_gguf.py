@@ -1,4 +1,4 @@
-"""A GGUF of a Qwen3-1.7B-shaped model with random Q4_0 weights, for CPU speed comparisons.
+"""A GGUF of a Qwen3-1.7B-shaped (or Qwen3-30B-A3B-shaped) model with random Q4_0 weights, for CPU speed comparisons.
 
 The body has Qwen3-1.7B's shape (``qwen3`` architecture: 28 layers, hidden 2048, 16 heads, 8 KV
 heads of 128, MLP 6144, q/k norms, tied embeddings); the vocabulary and tokenizer are SmolLM2's,
@@ -7,6 +7,10 @@ copied from the embedded GGUF (no Qwen tokenizer is available offline), so the e
 per 32 weights), norms are ones: a model that runs, not one that says anything.
 
     python benchmarks/make_random_gguf.py --out /tmp/qwen3-1.7b-shape.q4_0.gguf
+
+``--shape qwen3-30b-a3b`` writes the MoE body instead (``qwen3moe``: hidden 2048, 32 heads, 4 KV heads
+of 128, 128 experts of 768, top-8 renormalized, F32 routers with random weights, so routing is near
+uniform); ``--layers N`` keeps the first N layers of either (48 make the 17 GB model).
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ import argparse
 import gguf
 import numpy as np
 
-SHAPE = dict(layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=6144)
+SHAPES = {
+    "qwen3-1.7b": dict(layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=6144),
+    "qwen3-30b-a3b": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
+                          experts=128, experts_used=8, expert_intermediate=768),
+}
 COPIED_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.chat_template",
@@ -54,13 +62,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: the shape's)")
     args = parser.parse_args()
     from flashtree.models.embedded import EMBEDDED_MODELS, embedded_gguf_path
 
     donor = gguf.GGUFReader(str(embedded_gguf_path(EMBEDDED_MODELS["smollm2"])))
     vocab = len(donor.fields["tokenizer.ggml.tokens"].data)
-    s, rng = SHAPE, np.random.default_rng(args.seed)
-    writer = gguf.GGUFWriter(args.out, "qwen3")
+    s, rng = dict(SHAPES[args.shape]), np.random.default_rng(args.seed)
+    s["layers"] = args.layers or s["layers"]
+    moe = "experts" in s
+    writer = gguf.GGUFWriter(args.out, "qwen3moe" if moe else "qwen3")
     writer.add_block_count(s["layers"])
     writer.add_context_length(4096)
     writer.add_embedding_length(s["hidden"])
@@ -71,6 +83,11 @@ def main() -> None:
     writer.add_value_length(s["head_dim"])
     writer.add_rope_freq_base(1000000.0)
     writer.add_layer_norm_rms_eps(1e-6)
+    if moe:
+        writer.add_expert_count(s["experts"])
+        writer.add_expert_used_count(s["experts_used"])
+        writer.add_expert_feed_forward_length(s["expert_intermediate"])
+        writer.add_expert_weights_norm(True)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     writer.add_quantization_version(2)
     for key in COPIED_KEYS:
@@ -94,6 +111,13 @@ def main() -> None:
         matrix(p + "attn_k.weight", kv_width, s["hidden"])
         matrix(p + "attn_v.weight", kv_width, s["hidden"])
         matrix(p + "attn_output.weight", s["hidden"], q_width)
+        if moe:
+            experts, width = s["experts"], s["expert_intermediate"]
+            writer.add_tensor(p + "ffn_gate_inp.weight", rng.normal(0, 0.02, (experts, s["hidden"])).astype(np.float32))
+            for part, rows, cols in (("gate", width, s["hidden"]), ("up", width, s["hidden"]), ("down", s["hidden"], width)):
+                stacked = q4_0(experts * rows, cols, rng, 0.004).reshape(experts, rows, -1)  # [E, rows, bytes]
+                writer.add_tensor(p + f"ffn_{part}_exps.weight", stacked, raw_dtype=q4)
+            continue
         matrix(p + "ffn_gate.weight", s["intermediate"], s["hidden"])
         matrix(p + "ffn_up.weight", s["intermediate"], s["hidden"])
         matrix(p + "ffn_down.weight", s["hidden"], s["intermediate"])
