@@ -197,8 +197,6 @@ class KernelConfig:
     quant_kernels: bool = True  # CPU fp32 GGUF models: every product straight from the GGUF blocks (no fp32 copies)
     int8_activations: bool = True  # with quant_kernels: each row of x rounded to int8 per 32 values (as llama.cpp
     # does) and integer block dot products; False: float x (bit-comparable with the fp32 weights' products)
-    int8_activations: bool = True  # with quant_kernels: each row of x rounded to int8 per 32 values (as llama.cpp
-    # does) and integer block dot products; False: float x (bit-comparable with the fp32 weights' products)
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (kernels/gpu/)
     cpu_kernels: bool = True  # CPU fp32: the same small ops fused in C++ (kernels/cpu/; AVX-512 or AVX2)
     cpu_layer_stack: bool = True  # with cpu_kernels and GGUF blocks: every decoder layer of a forward of

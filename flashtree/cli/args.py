@@ -116,9 +116,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _on_off(kernels, "int8_activations", KernelConfig.int8_activations,
             "with --quant-kernels: round each row of activations to int8 per 32 values (as llama.cpp does) and take "
             "integer block dot products (faster); off: float activations, the products of the fp32 weights")
-    _on_off(kernels, "int8_activations", KernelConfig.int8_activations,
-            "with --quant-kernels: round each row of activations to int8 per 32 values (as llama.cpp does) and take "
-            "integer block dot products (faster); off: float activations, the products of the fp32 weights")
     _on_off(kernels, "gpu_kernels", KernelConfig.gpu_kernels,
             "CUDA: norms, rotary and KV writes as fused Triton kernels (when Triton is installed)")
     _on_off(kernels, "cpu_kernels", KernelConfig.cpu_kernels,
