@@ -30,8 +30,8 @@ BLOCKS_FILE = "gguf_blocks.safetensors"  # beside model.safetensors in the conve
 
 
 def gguf_blocks(reader, architecture: str, heads: int, kv_heads: int) -> dict[str, tuple[str, np.ndarray]]:
-    """Every Q4_0 / Q4_1 / Q8_0 matrix of an open GGUF file: GGUF name -> (type name, raw blocks
-    ``uint8 [rows, K / 32 * block bytes]``), the q/k rows un-permuted like the converter does
+    """Every matrix of an open GGUF file in a type the block kernel reads (``BLOCK_TYPES``): GGUF name ->
+    (type name, raw blocks ``uint8 [rows, K / weights per block * block bytes]``), the q/k rows un-permuted like the converter does
     (whole blocks move with their rows)."""
     found = {}
     for tensor in reader.tensors:
@@ -51,7 +51,7 @@ def save_blocks(blocks: dict[str, tuple[str, np.ndarray]], out_dir: Path, source
     import safetensors.numpy
 
     metadata = {"types": json.dumps({name: t for name, (t, _) in blocks.items()}),
-                "source": json.dumps(_source_key(source))}
+                "source": json.dumps(_source_key(source)), "collected": json.dumps(sorted(BLOCK_TYPES))}
     tmp = out_dir / f".{BLOCKS_FILE}.{os.getpid()}.tmp"
     safetensors.numpy.save_file({name: raw for name, (_, raw) in blocks.items()}, str(tmp), metadata=metadata)
     os.replace(tmp, out_dir / BLOCKS_FILE)
@@ -64,14 +64,15 @@ def _source_key(source: dict) -> list:
 class StoredMatrix(NamedTuple):
     """One quantized matrix of a GGUF: its type, size, and how to read its raw blocks."""
 
-    type_name: str  # Q4_0, Q4_1 or Q8_0
+    type_name: str  # a key of BLOCK_TYPES (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q6_K)
     rows: int
-    row_bytes: int  # K / 32 blocks of the type's size
+    row_bytes: int  # K / 32 blocks (K / 256 super-blocks) of the type's size
     read_into: Callable[[torch.Tensor], None]  # fills a contiguous uint8 [rows, row_bytes] tensor
 
     @property
     def in_features(self) -> int:
-        return self.row_bytes // BLOCK_TYPES[self.type_name][0] * 32
+        block_type = BLOCK_TYPES[self.type_name]
+        return self.row_bytes // block_type.block_bytes * block_type.weights
 
 
 def load_blocks(model_dir: Path, source: dict, architecture: str, heads: int, kv_heads: int) -> dict[str, StoredMatrix]:
@@ -105,10 +106,11 @@ def _copier(array: np.ndarray) -> Callable[[torch.Tensor], None]:
 
 def read_block_file(path: Path, source: dict) -> dict[str, StoredMatrix] | None:
     """The matrices listed in a ``gguf_blocks.safetensors``, each read on request with plain file reads;
-    None when the file was written from another GGUF."""
+    None when the file was written from another GGUF or collected other types than ``BLOCK_TYPES``."""
     stored = SafetensorsFile(path)
-    if json.loads(stored.metadata.get("source", "null")) != _source_key(source):
-        return None
+    if json.loads(stored.metadata.get("source", "null")) != _source_key(source) \
+            or json.loads(stored.metadata.get("collected", '["Q4_0", "Q4_1", "Q8_0"]')) != sorted(BLOCK_TYPES):
+        return None  # another GGUF's, or collected when the kernel read fewer types
     types = json.loads(stored.metadata["types"])
     found = {}
     for name in stored.entries:

@@ -1,4 +1,5 @@
-// flashtree CPU block kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W in GGUF blocks.
+// flashtree CPU block kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W in GGUF blocks
+// (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q6_K).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -86,27 +87,112 @@ inline float half_to_float(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One 32-weight block as two vectors of 16 weights (elements 0..15 and 16..31).
-// type 0: Q4_0 {fp16 d; u8 qs[16]}     w = d * (q - 8)  computed as fma(d, q, -8 d), exact
-// type 1: Q4_1 {fp16 d, m; u8 qs[16]}  w = fma(d, q, m) (d * q exact: one rounding, like d*q + m)
-// type 2: Q8_0 {fp16 d; i8 qs[32]}     w = d * q, exact
+// Type codes (quant_linear.BLOCK_TYPES). 32-weight blocks:
+// 0: Q4_0 {fp16 d; u8 qs[16]}              w = d * (q - 8)   computed as fma(d, q, -8 d), exact
+// 1: Q4_1 {fp16 d, m; u8 qs[16]}           w = fma(d, q, m)  (d * q exact: one rounding, like d*q + m)
+// 2: Q8_0 {fp16 d; i8 qs[32]}              w = d * q, exact
+// 3: Q5_0 {fp16 d; u32 qh; u8 qs[16]}      w = d * (q - 16)  as fma(d, q, -16 d), exact
+// 4: Q5_1 {fp16 d, m; u32 qh; u8 qs[16]}   w = fma(d, q, m)
+//    (Q4/Q5: weight i < 16 is the low nibble of qs[i], weight 16 + i its high nibble; Q5: bit i of qh is
+//    weight i's fifth bit)
+// 256-weight super-blocks, read as 8 sub-blocks of 32:
+// 5: Q4_K {fp16 d, dmin; u8 scales[12]; u8 qs[128]}: sub-block j has 6-bit sc, m (scale_min) and the low
+//    (j even) or high (j odd) nibbles of qs[32 (j / 2) ...]; w = fma(d sc, q, -(dmin m)) (d sc, dmin m and
+//    (d sc) q exact: one rounding, like gguf-py's (d sc) q - dmin m)
+// 6: Q6_K {u8 ql[128], qh[64]; i8 scales[16]; fp16 d}: sub-block j = 4 h + t has q = 4 bits of
+//    ql[64 h + 32 (t % 2) ...] (low nibbles for t < 2) and 2 bits of qh[32 h ...] (bits 2t, 2t + 1); weights
+//    16 i .. 16 i + 15 of the super-block use scales[i]; w = (d sc) * (q - 32) (d sc exact, one rounding)
+constexpr bool is_super_block(int type) { return type == 5 || type == 6; }
+constexpr int64_t block_bytes(int type) {  // a 32-weight block's, or a 256-weight super-block's
+  return type == 0 ? 18 : type == 1 ? 20 : type == 2 ? 34 : type == 3 ? 22 : type == 4 ? 24 : type == 5 ? 144 : 210;
+}
+constexpr int64_t row_bytes_of(int type, int64_t blocks) {  // blocks: 32-weight blocks a row
+  return is_super_block(type) ? blocks / 8 * block_bytes(type) : blocks * block_bytes(type);
+}
+constexpr int64_t block_offset(int type, int64_t b) {  // where 32-weight block b of a row starts (its super-block)
+  return is_super_block(type) ? b / 8 * block_bytes(type) : b * block_bytes(type);
+}
+
+// Q4_K's 6-bit scale and min of sub-block j from the super-block's 12 bytes
+inline void scale_min_k4(const uint8_t* s, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// 16 bits -> 16 bytes: byte i = 0x10 where bit i is set (a Q5 weight's fifth bit)
+inline __m128i fifth_bits(uint32_t bits) {
+  const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i select = _mm_set1_epi64x((long long)0x8040201008040201ULL);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(0x10));
+}
+
+// A Q5 block's quants 0..31 (0 .. 31 each): weights 0..15 at low, 16..31 at high
+inline void q5_quants(const uint8_t* qh_at, __m128i& low, __m128i& high) {
+  uint32_t qh;
+  memcpy(&qh, qh_at, 4);
+  const __m128i v = _mm_loadu_si128((const __m128i*)(qh_at + 4)), low4 = _mm_set1_epi8(0x0F);
+  low = _mm_or_si128(_mm_and_si128(v, low4), fifth_bits(qh & 0xFFFF));
+  high = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), low4), fifth_bits(qh >> 16));
+}
+
+// 16 Q6_K quants minus 32 (int8 -32 .. 31): 4 bits of ql at nibble `shift` (0 or 4), 2 of qh at bit qshift
+inline __m128i q6_quants(const uint8_t* ql, const uint8_t* qh, int shift, int qshift) {
+  const __m128i low = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)ql), _mm_cvtsi32_si128(shift)),
+                                    _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)qh), _mm_cvtsi32_si128(qshift)),
+                                     _mm_set1_epi8(0x03));
+  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+}
+
+// 32-weight block b of the weight row at `row` as two vectors of 16 weights (elements 0..15 and 16..31),
+// each weight exactly as gguf-py decodes it (see the type list above).
 template <int TYPE>
-inline void decode(const uint8_t* block, V16& w0, V16& w1) {
-  const V16 d = v_set1(half_to_float(block));
-  if (TYPE == 2) {
+inline void decode(const uint8_t* row, int64_t b, V16& w0, V16& w1) {
+  const uint8_t* block = row + block_offset(TYPE, b);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  if (TYPE == 5) {
+    const int j = (int)(b % 8);
+    int sc, m;
+    scale_min_k4(block + 4, j, sc, m);
+    const V16 step = v_set1(half_to_float(block) * (float)sc), offset = v_set1(-(half_to_float(block + 2) * (float)m));
+    const uint8_t* qs = block + 16 + 32 * (j / 2);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
+    w0 = v_fmadd(step, v_from_u8(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)qs), shift), low4)), offset);
+    w1 = v_fmadd(step, v_from_u8(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)(qs + 16)), shift), low4)),
+                 offset);
+  } else if (TYPE == 6) {
+    const int j = (int)(b % 8), h = j / 4, t = j % 4;
+    const uint8_t *ql = block + 64 * h + 32 * (t % 2), *qh = block + 128 + 32 * h;
+    const int8_t* scales = (const int8_t*)(block + 192) + 2 * j;
+    const float d = half_to_float(block + 208);
+    w0 = v_mul(v_set1(d * (float)scales[0]), v_from_i8(q6_quants(ql, qh, 4 * (t / 2), 2 * t)));
+    w1 = v_mul(v_set1(d * (float)scales[1]), v_from_i8(q6_quants(ql + 16, qh + 16, 4 * (t / 2), 2 * t)));
+  } else if (TYPE == 2) {
+    const V16 d = v_set1(half_to_float(block));
     const __m128i* q = (const __m128i*)(block + 2);
     w0 = v_mul(d, v_from_i8(_mm_loadu_si128(q)));
     w1 = v_mul(d, v_from_i8(_mm_loadu_si128(q + 1)));
   } else {
-    const V16 m = TYPE == 1 ? v_set1(half_to_float(block + 2)) : v_mul(d, v_set1(-8.0f));
-    const __m128i v = _mm_loadu_si128((const __m128i*)(block + (TYPE == 1 ? 4 : 2)));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    w0 = v_fmadd(d, v_from_u8(_mm_and_si128(v, low4)), m);
-    w1 = v_fmadd(d, v_from_u8(_mm_and_si128(_mm_srli_epi16(v, 4), low4)), m);
+    const V16 d = v_set1(half_to_float(block));
+    const bool has_min = TYPE == 1 || TYPE == 4;
+    const V16 m = has_min ? v_set1(half_to_float(block + 2)) : v_mul(d, v_set1(TYPE == 3 ? -16.0f : -8.0f));
+    __m128i low, high;
+    if (TYPE == 3 || TYPE == 4) {
+      q5_quants(block + (TYPE == 4 ? 4 : 2), low, high);
+    } else {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(block + (TYPE == 1 ? 4 : 2)));
+      low = _mm_and_si128(v, low4);
+      high = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    }
+    w0 = v_fmadd(d, v_from_u8(low), m);
+    w1 = v_fmadd(d, v_from_u8(high), m);
   }
 }
-
-constexpr int64_t block_bytes(int type) { return type == 0 ? 18 : type == 1 ? 20 : 34; }
 
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
@@ -146,9 +232,9 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
   for (int64_t b = 0; b < blocks; ++b) {
     V16 w0[C], w1[C];
     for (int c = 0; c < C; ++c) {
-      const uint8_t* block = w + c * row_bytes + b * block_bytes(TYPE);
-      _mm_prefetch((const char*)(block + PREFETCH_BYTES), _MM_HINT_T0);
-      decode<TYPE>(block, w0[c], w1[c]);
+      const uint8_t* row = w + c * row_bytes;
+      _mm_prefetch((const char*)(row + block_offset(TYPE, b) + PREFETCH_BYTES), _MM_HINT_T0);
+      decode<TYPE>(row, b, w0[c], w1[c]);
     }
     for (int r = 0; r < M; ++r) {
       const float* xr = x + r * K + b * 32;
@@ -172,15 +258,18 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
 // integer block dot products, float accumulation of the block partials.
 //
 // A block of x: d = max|x| / 127, q = round(x * (1 / d)) (nearest, ties to even; q = 0 where d = 0).
-// For a weight block with integers w (Q4: the nibbles 0..15, Q8_0: the signed bytes) the integer
-// I = sum(w * q) is exact in int32, and
-//   Q8_0: x . W = d_w d I;   Q4_0: d_w d (I - 8 sum(q));   Q4_1: d_w d I + m d sum(q).
+// For a weight block with integers w (Q4: the nibbles 0..15, Q5: 0..31, Q8_0: the signed bytes, Q6_K: q - 32)
+// the integer I = sum(w * q) is exact in int32, and
+//   Q8_0: x . W = d_w d I;   Q4_0: d_w d (I - 8 sum(q));   Q4_1: d_w d I + m d sum(q);
+//   Q5_0: d_w d (I - 16 sum(q));   Q5_1: as Q4_1;   Q4_K: (d sc) d I - (dmin m) d sum(q) (as Q4_1);
+//   Q6_K: (d sc_0) d I_0 + (d sc_1) d I_1 (I_0 over elements 0..15, I_1 over 16..31).
 // Blocks go in pairs (a, b) = (2p, 2p + 1) (an odd count's last one with a zero block b): one 256-bit
 // register holds a's elements 0..15 and b's 0..15, a second one their 16..31, so lanes 0-3 sum a's
 // products and lanes 4-7 b's (each lane 8 products: 4 per register). A (row, column) pair keeps 8 float
 // lanes acc; per pair of blocks, in order: acc = fma(float(I_lane), d_w * d (of the lane's block), acc)
-// (Q4_0: each lane's I_lane starts at -2 sum(q), so a block's 4 lanes add up to I - 8 sum(q); Q4_1 then
-// acc = fma(m, d sum(q) / 4, acc), the min term spread over the block's 4 lanes); the result is the sum
+// (Q4_0: each lane's I_lane starts at -2 sum(q), so a block's 4 lanes add up to I - 8 sum(q); Q5_0: at
+// -4 sum(q); Q4_1, Q5_1, Q4_K then acc = fma(m, d sum(q) / 4, acc), the min term spread over the block's 4
+// lanes; Q6_K: two such fmas, see dot_rows_int8); the result is the sum
 // of the lanes (hsum8's order) + bias. Only 256-bit integer and float operations: the AVX-512 build (VNNI
 // vpdpbusd) and the AVX2 build (vpmaddubsw + vpmaddwd, the same lane sums) give the same bits.
 
@@ -265,7 +354,7 @@ inline __m256i dot_u8_s8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else  // pairs of products fit int16: at most 2 * 15 * 127 (Q4) or 2 * 128 * 127 (|w| with signs moved to s)
+#else  // pairs of products fit int16: at most 2 * 31 * 127 (Q4, Q5) or 2 * 128 * 127 (|w| with signs moved to s)
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
@@ -284,66 +373,121 @@ inline __m256 halves_pair(const uint8_t* a, const uint8_t* b) {  // fp16 values 
 }
 
 // A pair of weight blocks as the integer dot takes them: unsigned bytes w0 (a's and b's elements 0..15),
-// w1 (16..31) (Q4: the nibbles, Q8_0: |q|), s0, s1 (Q8_0: q, whose signs go onto x's bytes), the scales
-// d and (Q4_1) the mins m of a and b in lanes 0-3 and 4-7.
+// w1 (16..31) (Q4/Q5: the quants, Q8_0 / Q6_K: |q|), s0, s1 (Q8_0 / Q6_K: q, whose signs go onto x's
+// bytes), the scales d of a and b in lanes 0-3 and 4-7 (Q6_K: of their elements 0..15; d1: of 16..31), and
+// (Q4_1, Q5_1, Q4_K) their mins m (Q4_K: -dmin m).
 struct WeightPair {
   __m256i w0, w1, s0, s1;
-  __m256 d, m;
+  __m256 d, d1, m;
 };
 
-// b == nullptr: a zero block b (an odd count's last pair)
+constexpr bool signed_quants(int type) { return type == 2 || type == 6; }
+constexpr bool has_min(int type) { return type == 1 || type == 4 || type == 5; }
+
+inline __m256i both_halves(__m128i a, __m128i b) { return _mm256_set_m128i(b, a); }  // a low, b high
+inline __m256 spread_values(float a, float b) { return spread_pair(_mm_setr_ps(a, b, 0.0f, 0.0f)); }
+
+// blocks 2p and 2p + 1 of the weight row at `row` (a row of `blocks` blocks; an odd count's last pair
+// takes a zero block b)
 template <int TYPE>
-inline WeightPair load_weight_pair(const uint8_t* a, const uint8_t* b) {
+inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks) {
+  WeightPair w;
+  if (TYPE == 5) {  // sub-blocks j, j + 1 of a super-block: the low and high nibbles of the same 32 bytes
+    const uint8_t* s = row + block_offset(TYPE, 2 * p);
+    const int j = (int)(2 * p % 8);
+    int sc_a, m_a, sc_b, m_b;
+    scale_min_k4(s + 4, j, sc_a, m_a);
+    scale_min_k4(s + 4, j + 1, sc_b, m_b);
+    const float d = half_to_float(s), dmin = half_to_float(s + 2);
+    w.d = spread_values(d * (float)sc_a, d * (float)sc_b);
+    w.m = spread_values(-(dmin * (float)m_a), -(dmin * (float)m_b));
+    const uint8_t* qs = s + 16 + 16 * j;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m128i v0 = _mm_loadu_si128((const __m128i*)qs), v1 = _mm_loadu_si128((const __m128i*)(qs + 16));
+    w.w0 = _mm256_and_si256(both_halves(v0, _mm_srli_epi16(v0, 4)), low4);
+    w.w1 = _mm256_and_si256(both_halves(v1, _mm_srli_epi16(v1, 4)), low4);
+    return w;
+  }
+  if (TYPE == 6) {  // sub-blocks j, j + 1 (j even): ql's next 32 bytes, qh's same bytes two bits up
+    const uint8_t* s = row + block_offset(TYPE, 2 * p);
+    const int j = (int)(2 * p % 8), h = j / 4, t = j % 4;
+    const uint8_t *ql = s + 64 * h, *qh = s + 128 + 32 * h;
+    const int8_t* scales = (const int8_t*)(s + 192) + 2 * j;
+    const float d = half_to_float(s + 208);
+    const int shift = 4 * (t / 2);
+    w.s0 = both_halves(q6_quants(ql, qh, shift, 2 * t), q6_quants(ql + 32, qh, shift, 2 * t + 2));
+    w.s1 = both_halves(q6_quants(ql + 16, qh + 16, shift, 2 * t), q6_quants(ql + 48, qh + 16, shift, 2 * t + 2));
+    w.w0 = _mm256_abs_epi8(w.s0);
+    w.w1 = _mm256_abs_epi8(w.s1);
+    w.d = spread_values(d * (float)scales[0], d * (float)scales[2]);
+    w.d1 = spread_values(d * (float)scales[1], d * (float)scales[3]);
+    return w;
+  }
   static const uint8_t zero[34] = {};
-  if (!b) b = zero;
-  WeightPair p;
-  p.d = halves_pair(a, b);
+  const uint8_t* a = row + block_offset(TYPE, 2 * p);
+  const uint8_t* b = 2 * p + 1 < blocks ? a + block_bytes(TYPE) : zero;
+  w.d = halves_pair(a, b);
   auto both = [&](int offset) {
-    return _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(b + offset)), _mm_loadu_si128((const __m128i*)(a + offset)));
+    return both_halves(_mm_loadu_si128((const __m128i*)(a + offset)), _mm_loadu_si128((const __m128i*)(b + offset)));
   };
   if (TYPE == 2) {
-    p.s0 = both(2);
-    p.s1 = both(18);
-    p.w0 = _mm256_abs_epi8(p.s0);
-    p.w1 = _mm256_abs_epi8(p.s1);
+    w.s0 = both(2);
+    w.s1 = both(18);
+    w.w0 = _mm256_abs_epi8(w.s0);
+    w.w1 = _mm256_abs_epi8(w.s1);
+  } else if (TYPE == 3 || TYPE == 4) {
+    __m128i a0, a1, b0, b1;
+    q5_quants(a + (TYPE == 4 ? 4 : 2), a0, a1);
+    q5_quants(b + (TYPE == 4 ? 4 : 2), b0, b1);
+    w.w0 = both_halves(a0, b0);
+    w.w1 = both_halves(a1, b1);
   } else {
     const __m256i v = both(TYPE == 1 ? 4 : 2), low4 = _mm256_set1_epi8(0x0F);
-    p.w0 = _mm256_and_si256(v, low4);
-    p.w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    if (TYPE == 1) p.m = halves_pair(a + 2, b + 2);
+    w.w0 = _mm256_and_si256(v, low4);
+    w.w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
   }
-  return p;
+  if (has_min(TYPE)) w.m = halves_pair(a + 2, b + 2);
+  return w;
 }
 
 // As dot_rows, from int8 rows (row r of x at x.from_row(r)): every (row, column) pair runs the loop over
-// block pairs of the section comment, whatever M and C are.
+// block pairs of the section comment, whatever M and C are. Q6_K (a scale per 16 weights) takes the
+// products of w0 and of w1 as two integer sums, each with its scales: acc = fma(I0, d0 d, acc), then
+// acc = fma(I1, d1 d, acc).
 template <int TYPE, int M, int C>
 inline void dot_rows_int8(const Int8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t blocks, const float* add,
                           float* y, int64_t N) {
-  constexpr int64_t BB = block_bytes(TYPE);
   __m256 acc[C][M];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < M; ++r) acc[c][r] = _mm256_setzero_ps();
   for (int64_t p = 0; p < x.pairs; ++p) {
-    const bool has_b = 2 * p + 1 < blocks;
     WeightPair wp[C];
     for (int c = 0; c < C; ++c) {
-      const uint8_t* a = w + c * row_bytes + 2 * p * BB;
-      _mm_prefetch((const char*)(a + PREFETCH_BYTES), _MM_HINT_T0);
-      wp[c] = load_weight_pair<TYPE>(a, has_b ? a + BB : nullptr);
+      const uint8_t* row = w + c * row_bytes;
+      _mm_prefetch((const char*)(row + block_offset(TYPE, 2 * p) + PREFETCH_BYTES), _MM_HINT_T0);
+      wp[c] = load_weight_pair<TYPE>(row, p, blocks);
     }
     for (int r = 0; r < M; ++r) {
       const int64_t i = (r * x.pairs + p) * 2;
       const int8_t* q = x.q + (r * x.pairs + p) * 64;
       const __m256i q0 = _mm256_loadu_si256((const __m256i*)q), q1 = _mm256_loadu_si256((const __m256i*)(q + 32));
       const __m256 d = load_pair(x.scales + i);
-      const __m256i start = TYPE == 0 ? load_pair(x.starts + i) : _mm256_setzero_si256();
+      // Q4_0: -2 sum(q) a lane (its block's 4 lanes: -8 sum(q)); Q5_0: twice that (-16 sum(q))
+      const __m256i start = TYPE == 0 ? load_pair(x.starts + i)
+                            : TYPE == 3 ? _mm256_slli_epi32(load_pair(x.starts + i), 1) : _mm256_setzero_si256();
       for (int c = 0; c < C; ++c) {
-        const __m256i u0 = TYPE == 2 ? _mm256_sign_epi8(q0, wp[c].s0) : q0;
-        const __m256i u1 = TYPE == 2 ? _mm256_sign_epi8(q1, wp[c].s1) : q1;
-        const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_s8(dot_u8_s8(start, wp[c].w0, u0), wp[c].w1, u1));
-        acc[c][r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
-        if (TYPE == 1) acc[c][r] = _mm256_fmadd_ps(wp[c].m, load_pair(x.min_terms + i), acc[c][r]);
+        const __m256i u0 = signed_quants(TYPE) ? _mm256_sign_epi8(q0, wp[c].s0) : q0;
+        const __m256i u1 = signed_quants(TYPE) ? _mm256_sign_epi8(q1, wp[c].s1) : q1;
+        if (TYPE == 6) {
+          const __m256 lanes0 = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_setzero_si256(), wp[c].w0, u0));
+          const __m256 lanes1 = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_setzero_si256(), wp[c].w1, u1));
+          acc[c][r] = _mm256_fmadd_ps(lanes0, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
+          acc[c][r] = _mm256_fmadd_ps(lanes1, _mm256_mul_ps(wp[c].d1, d), acc[c][r]);
+        } else {
+          const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_s8(dot_u8_s8(start, wp[c].w0, u0), wp[c].w1, u1));
+          acc[c][r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
+        }
+        if (has_min(TYPE)) acc[c][r] = _mm256_fmadd_ps(wp[c].m, load_pair(x.min_terms + i), acc[c][r]);
       }
     }
   }
@@ -401,7 +545,7 @@ template <int TYPE, bool INT8>
 int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
               int threads) {
   if (M < 1) return 1;
-  const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
+  const int64_t blocks = K / 32, row_bytes = row_bytes_of(TYPE, blocks);
   const int64_t tiles = (N + COLUMN_TILE - 1) / COLUMN_TILE;
   const int64_t x_bytes = INT8 ? 1 : (int64_t)sizeof(float);  // per value of x
   const int64_t group = ROW_GROUP * K * x_bytes <= L1_X_BYTES ? ROW_GROUP : ROW_GROUP / 2;
@@ -425,12 +569,12 @@ int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int
 
 template <int TYPE>
 void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
-  const int64_t blocks = K / 32, row_bytes = blocks * block_bytes(TYPE);
+  const int64_t blocks = K / 32, row_bytes = row_bytes_of(TYPE, blocks);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < blocks; ++b) {
       V16 w0, w1;
-      decode<TYPE>(w + n * row_bytes + b * block_bytes(TYPE), w0, w1);
+      decode<TYPE>(w + n * row_bytes, b, w0, w1);
       v_store(out + n * K + b * 32, w0);
       v_store(out + n * K + b * 32 + 16, w1);
     }
@@ -598,18 +742,20 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
   }
 }
 
-// code: the block type (0 Q4_0, 1 Q4_1, 2 Q8_0), or-ed with INT8_ACTIVATIONS to quantize x to int8
+// code: the block type (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q6_K; K a multiple of 256 for
+// the last two), or-ed with INT8_ACTIVATIONS to quantize x to int8
 // blocks first. Returns 0 on success, 1 for an unsupported code or row count.
 int flashtree_block_gemm(int code, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
                          int64_t N, int64_t K, int threads) {
-  if (K % 32 != 0) return 1;
+  const int type = code & ~INT8_ACTIVATIONS;
+  if (K % (type == 5 || type == 6 ? 256 : 32) != 0) return 1;
   switch (code) {
-    case 0: return gemm_rows<0, false>(x, w, bias, y, M, N, K, threads);
-    case 1: return gemm_rows<1, false>(x, w, bias, y, M, N, K, threads);
-    case 2: return gemm_rows<2, false>(x, w, bias, y, M, N, K, threads);
-    case INT8_ACTIVATIONS | 0: return gemm_rows<0, true>(x, w, bias, y, M, N, K, threads);
-    case INT8_ACTIVATIONS | 1: return gemm_rows<1, true>(x, w, bias, y, M, N, K, threads);
-    case INT8_ACTIVATIONS | 2: return gemm_rows<2, true>(x, w, bias, y, M, N, K, threads);
+#define FLASHTREE_GEMM_CASES(T)                                                   \
+    case T: return gemm_rows<T, false>(x, w, bias, y, M, N, K, threads); \
+    case INT8_ACTIVATIONS | T: return gemm_rows<T, true>(x, w, bias, y, M, N, K, threads);
+    FLASHTREE_GEMM_CASES(0) FLASHTREE_GEMM_CASES(1) FLASHTREE_GEMM_CASES(2) FLASHTREE_GEMM_CASES(3)
+    FLASHTREE_GEMM_CASES(4) FLASHTREE_GEMM_CASES(5) FLASHTREE_GEMM_CASES(6)
+#undef FLASHTREE_GEMM_CASES
   }
   return 1;
 }
@@ -681,11 +827,15 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
 }
 
 int flashtree_block_dequantize(int type, const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
-  if (K % 32 != 0) return 1;
+  if (K % (type == 5 || type == 6 ? 256 : 32) != 0) return 1;
   switch (type) {
     case 0: dequantize<0>(w, out, N, K, threads); return 0;
     case 1: dequantize<1>(w, out, N, K, threads); return 0;
     case 2: dequantize<2>(w, out, N, K, threads); return 0;
+    case 3: dequantize<3>(w, out, N, K, threads); return 0;
+    case 4: dequantize<4>(w, out, N, K, threads); return 0;
+    case 5: dequantize<5>(w, out, N, K, threads); return 0;
+    case 6: dequantize<6>(w, out, N, K, threads); return 0;
   }
   return 1;
 }

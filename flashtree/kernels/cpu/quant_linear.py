@@ -36,17 +36,33 @@ decode step reads the weights at about twice the float path's speed, which is co
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from flashtree.kernels.cpu.library import load_kernels
 
-# type name -> (bytes per 32-weight block, kernel type code)
-BLOCK_TYPES = {"Q4_0": (18, 0), "Q4_1": (20, 1), "Q8_0": (34, 2)}
+
+class BlockType(NamedTuple):
+    """A GGUF block type the kernel reads: a row of K weights is K / weights blocks of ``block_bytes``."""
+
+    weights: int  # per block: 32, or 256 for the k-quant super-blocks (read as 8 blocks of 32)
+    block_bytes: int
+    code: int  # the kernel's type code (kernels.cpp)
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features // self.weights * self.block_bytes
+
+
+BLOCK_TYPES = {"Q4_0": BlockType(32, 18, 0), "Q4_1": BlockType(32, 20, 1), "Q8_0": BlockType(32, 34, 2),
+               "Q5_0": BlockType(32, 22, 3), "Q5_1": BlockType(32, 24, 4),
+               "Q4_K": BlockType(256, 144, 5), "Q6_K": BlockType(256, 210, 6)}
 INT8_ACTIVATIONS = 16  # or-ed into the type code: the kernel quantizes x to int8 blocks first (kernels.cpp)
 
 
 class QuantizedLinear:
-    """One linear weight ``[N, K]`` kept as GGUF blocks (rows of ``K / 32`` blocks, raw bytes).
+    """One linear weight ``[N, K]`` kept as GGUF blocks (rows of ``K / 32`` blocks, or ``K / 256``
+    super-blocks for Q4_K / Q6_K, raw bytes).
 
     Call it with a float32 CPU ``x [..., K]`` of any number of rows (and a contiguous float32
     ``bias [N]`` or None): ``x @ W.T (+ bias)`` ``[..., N]``. With ``int8_activations`` each row of x
@@ -59,10 +75,13 @@ class QuantizedLinear:
     def __init__(self, type_name: str, blocks: torch.Tensor, in_features: int, int8_activations: bool = False):
         if type_name not in BLOCK_TYPES:
             raise ValueError(f"unsupported block type {type_name!r}; allowed: {', '.join(BLOCK_TYPES)}")
-        block_bytes, self.type_code = BLOCK_TYPES[type_name]
-        if in_features % 32 or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
-                or blocks.shape[1] != in_features // 32 * block_bytes:
-            raise ValueError(f"{type_name} blocks of shape {list(blocks.shape)} do not hold rows of {in_features}")
+        block_type = BLOCK_TYPES[type_name]
+        self.type_code = block_type.code
+        if in_features % block_type.weights or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
+                or blocks.shape[1] != block_type.row_bytes(in_features):
+            raise ValueError(f"{type_name} blocks of shape {list(blocks.shape)} do not hold rows of {in_features} "
+                             f"(rows of a multiple of {block_type.weights} weights, {block_type.block_bytes} "
+                             f"bytes per {block_type.weights})")
         self.type_name = type_name
         self.int8_activations = int8_activations
         self.blocks = blocks.contiguous()
