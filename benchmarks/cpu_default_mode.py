@@ -9,9 +9,9 @@ and ``default_no_memory`` (``FLASHTREE_POLICY_CACHE=off``: every process explore
 what ``benchmarks/cpu_vs_llamacpp.py`` runs (the chat template's prompt ids, a 4-token warm-up
 request, then ``--new-tokens`` greedy tokens, end of sequence ignored, ``--threads`` threads) and
 reports decode tokens/s (also per second of the process's CPU time: steadier than wall time while
-other processes load the cores, and close to it at one thread) and its rounds by node count. Per system: the median decode tokens/s, the
-median of its per-prompt ratios to plain (same prompt, same repeat), its tree rounds, and whether
-its tokens equal plain's (they must: every mode is lossless).
+other processes load the cores, and close to it at one thread) and its rounds by node count. Per
+system: the median decode tokens/s, the median of its per-prompt ratios to plain (same prompt, same
+repeat), its tree rounds, and whether its tokens equal plain's (they must: every mode is lossless).
 
 Workloads: ``chat`` (cpu_vs_llamacpp.py's 8 prompts: the shipped drafter is weak on them, plain
 should win) and ``counting`` (prompts the drafter predicts well, acceptance about 4.5 of 5 with

@@ -44,7 +44,10 @@ after every round (:meth:`AdaptivePolicy.record`).
 - Learned start: :meth:`AdaptivePolicy.start_from` takes what an earlier process learned
   (``learned.py``; ``memory.py`` keeps it on disk): acceptance and relative round times (see
   ``estimates``), and each bucket's probe schedule, so that a fresh process neither explores again
-  nor probes sooner than the earlier one would have; :meth:`AdaptivePolicy.learned` gives it back.
+  nor probes sooner than the earlier one would have, except that its first probe comes within
+  ``max_probe_interval`` rounds (past the cost floor's longer wait): a new process may bring new
+  kinds of prompts, and a run of short processes then still probes every ``max_probe_interval``
+  rounds. :meth:`AdaptivePolicy.learned` gives it back.
 
 Everything is deterministic given the same measurements.
 """
@@ -117,7 +120,7 @@ class AdaptivePolicy:
         for bucket, data in learned.buckets.items():
             if data.probe_interval is not None and data.rounds_to_probe is not None:
                 self._interval[bucket] = data.probe_interval
-                self._next_probe[bucket] = data.rounds_to_probe
+                self._next_probe[bucket] = min(data.rounds_to_probe, self.config.max_probe_interval)
 
     @property
     def rounds_chosen(self) -> int:

@@ -234,7 +234,8 @@ class Estimates:
         plain = self._seconds[(bucket, PLAIN_NODES)].value
         for nodes, (ratio, timed) in self._started_ratios.pop(bucket).items():
             if (bucket, nodes) not in self._seconds:
-                self._seconds[(bucket, nodes)] = Ema.started(self.config.smoothing, OUTLIER_FACTOR, ratio * plain, timed)
+                self._seconds[(bucket, nodes)] = Ema.started(self.config.smoothing, OUTLIER_FACTOR, ratio * plain,
+                                                             timed)
                 self._timed_at[(bucket, nodes)] = round_index
 
     def measure_width(self, bucket: int, width: int, seconds: float) -> None:

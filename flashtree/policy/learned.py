@@ -38,11 +38,12 @@ class Learned:
     buckets: dict[int, LearnedBucket]
 
     def to_json(self) -> dict:
+        buckets = {str(b): {"relative_seconds": {str(n): [ratio, timed]
+                                                 for n, (ratio, timed) in sorted(data.relative_seconds.items())},
+                            "probe_interval": data.probe_interval, "rounds_to_probe": data.rounds_to_probe}
+                   for b, data in sorted(self.buckets.items())}
         return {"acceptance": {str(n): [mean, samples] for n, (mean, samples) in sorted(self.acceptance.items())},
-                "buckets": {str(b): {"relative_seconds": {str(n): [ratio, timed]
-                                                          for n, (ratio, timed) in sorted(data.relative_seconds.items())},
-                                     "probe_interval": data.probe_interval, "rounds_to_probe": data.rounds_to_probe}
-                            for b, data in sorted(self.buckets.items())}}
+                "buckets": buckets}
 
     @classmethod
     def from_json(cls, data: object) -> Learned:

@@ -11,8 +11,9 @@ last one of the same setup stopped instead of exploring drafted rounds again.
   settings, tensor parallelism, the policy's knobs and flashtree's version. One file per setup,
   named by the key's hash; the file repeats its key, and a file whose key differs is not used.
 - When: read when the policy is made; written when the interpreter exits, from the last policy made
-  for the setup in the process (a process killed by a signal writes nothing), atomically (a temporary file renamed over the old one; of two processes
-  that end together, the last one's state stays).
+  for the setup in the process (a process killed by a signal writes nothing), atomically (a
+  temporary file renamed over the old one; of two processes that end together, the last one's
+  state stays).
 - A file that cannot be read or parsed, or of another format version, is ignored with a warning
   (and replaced at exit); one older than ``MAX_AGE_S`` is ignored quietly (the code or the machine
   may have changed since, and the policy learns afresh), and deleted when another file is written.

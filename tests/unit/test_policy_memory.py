@@ -116,21 +116,24 @@ def test_relative_round_times_take_the_new_processes_pace():
     assert policy.estimates.timed(1, 4) >= CPU.explore_rounds  # (counts as explored)
 
 
-def test_short_processes_probe_as_one_long_one_and_find_a_drafter_that_starts_to_pay():
-    """A chain of 128-token processes, each started from the last one's memory, probes on the
-    schedule one long process keeps; when the drafter starts to pay (acceptance 4 from process 20
-    on), a probe finds it and later processes start on trees."""
+def test_short_processes_probe_every_max_probe_interval_and_find_prompts_that_start_to_pay():
+    """A chain of 128-token processes, each started from the last one's memory: one long process
+    would wait thousands of rounds between probes of a weak drafter's tree (the cost floor), the
+    chain probes every max_probe_interval rounds (a new process may bring other prompts); when the
+    prompts start to pay (acceptance 4 from process 20 on), a probe within that many rounds finds
+    it and later processes start on trees."""
     learned, trees_by_process = None, []
-    for process in range(60):
+    for process in range(40):
         policy = AdaptivePolicy(LADDER, CPU) if learned is None else continued(learned)
         drafter = weak_drafter if process < 20 else strong_drafter
         trees_by_process.append(tree_rounds(drive(policy, 115, 1, drafter, cpu_seconds())))
         learned = policy.learned()
-    one_long = AdaptivePolicy(LADDER, CPU)
-    long_trees = tree_rounds(drive(one_long, 20 * 115, 1, weak_drafter, cpu_seconds()))
-    assert abs(sum(trees_by_process[:20]) - long_trees) <= CPU.probe_rounds
-    assert sum(trees_by_process[1:20]) <= CPU.probe_rounds  # a probe at most in 19 processes
-    assert all(trees >= 100 for trees in trees_by_process[-5:]), trees_by_process
+    probes = sum(trees_by_process[1:20]) / CPU.probe_rounds
+    most = 19 * 115 // CPU.max_probe_interval
+    assert probes == int(probes) and most <= probes <= most + 1
+    found = next(p for p in range(20, 40) if trees_by_process[p] > CPU.probe_rounds)
+    assert (found - 20) * 115 <= CPU.max_probe_interval + 115, trees_by_process
+    assert all(trees >= 100 for trees in trees_by_process[found + 1:]), trees_by_process
 
 
 def test_buckets_a_process_did_not_run_keep_what_it_started_from():
