@@ -1,9 +1,10 @@
 """A CPU float32 model whose GGUF matrices are held as blocks instead of fp32 weights.
 
 Each product of the model (fused as the model fuses them: q/k/v, gate/up), the embedding and the
-lm_head is a :class:`BlockGroup`. Where a GGUF checkpoint holds every matrix of a group as Q4_0 /
-Q4_1 / Q8_0 blocks of one type, :func:`read_quantized` reads them from the conversion cache
-(``gguf_blocks.py``) and checks them bit-identical to the converted fp32 weights on a spread of rows.
+lm_head is a :class:`BlockGroup`. Where a GGUF checkpoint holds every matrix of a group as blocks the
+kernel reads (``BLOCK_TYPES``; parts of different types make a mixed product), :func:`read_quantized`
+reads them from the conversion cache (``gguf_blocks.py``) and checks them bit-identical to the converted
+fp32 weights on a spread of rows.
 ``build.py`` then never loads those fp32 weights (the parameters stay empty tensors: the model's
 ``state_dict`` and parameter list keep their names) and :func:`attach_quantized` hands the blocks to
 the linears, whose every product and (embedding) lookup reads them (``kernels/cpu/quant_linear.py``).
@@ -22,7 +23,11 @@ import torch
 from torch import nn
 
 from flashtree.kernels.cpu.library import KernelUnavailable, load_kernels
-from flashtree.kernels.cpu.quant_linear import BLOCK_TYPES, QuantizedLinear
+from flashtree.kernels.cpu.quant_linear import (
+    BLOCK_TYPES,
+    MixedQuantizedLinear,
+    QuantizedLinear,
+)
 from flashtree.models.config import ModelConfig
 from flashtree.models.gguf_blocks import StoredMatrix, load_blocks
 from flashtree.models.gguf_experts import ExpertMatrix, WeightsWithExperts
@@ -140,7 +145,8 @@ def fp32_rows(directory: Path) -> RowReader | None:
 
 def read_groups(groups: Iterable[BlockGroup], stored: Mapping[str, StoredMatrix],
                 weights: Mapping[str, torch.Tensor], rows: RowReader | None = None) -> dict[BlockGroup, QuantizedLinear]:
-    """The groups whose matrices are all in ``stored`` with one type and width, each read once (groups of
+    """The groups whose matrices are all in ``stored`` with one width (of one type, or of several: a
+    :class:`MixedQuantizedLinear`), each read once (groups of
     the same matrices share one holder) and checked against the fp32 ``weights`` (their rows read by
     ``rows``, default: indexing ``weights``; reads from a file that keep a memory map untouched); raises
     KernelUnavailable when blocks differ from their weight."""
@@ -158,17 +164,24 @@ def read_groups(groups: Iterable[BlockGroup], stored: Mapping[str, StoredMatrix]
 def _read_group(group: BlockGroup, stored: Mapping[str, StoredMatrix], weights: Mapping[str, torch.Tensor],
                 rows: RowReader) -> QuantizedLinear | None:
     parts = [stored.get(name) for name in group.gguf]
-    if None in parts or len({(p.type_name, p.row_bytes) for p in parts}) != 1 \
-            or any(name not in weights for name in group.weights):
+    if None in parts or len({p.in_features for p in parts}) != 1 or any(name not in weights for name in group.weights):
         return None
-    blocks = torch.empty(sum(p.rows for p in parts), parts[0].row_bytes, dtype=torch.uint8)  # [N, K / 32 * block]
+    if len({p.type_name for p in parts}) == 1:
+        quant = QuantizedLinear(parts[0].type_name, _read_parts(parts), parts[0].in_features)
+    else:  # e.g. Q4_K_M's q/k Q4_K and v Q6_K: one product of per-type parts
+        quant = MixedQuantizedLinear([QuantizedLinear(p.type_name, _read_parts([p]), p.in_features) for p in parts])
+    _check(quant, group, weights, rows)
+    return quant
+
+
+def _read_parts(parts: list[StoredMatrix]) -> torch.Tensor:
+    """The parts' blocks stacked ``uint8 [rows, row bytes]`` (parts of one type)."""
+    blocks = torch.empty(sum(p.rows for p in parts), parts[0].row_bytes, dtype=torch.uint8)
     offset = 0
     for part in parts:
         part.read_into(blocks[offset:offset + part.rows])
         offset += part.rows
-    quant = QuantizedLinear(parts[0].type_name, blocks, parts[0].in_features)
-    _check(quant, group, weights, rows)
-    return quant
+    return blocks
 
 
 def _check(quant: QuantizedLinear, group: BlockGroup, weights: Mapping[str, torch.Tensor], rows: RowReader) -> None:

@@ -194,3 +194,51 @@ def test_avx2_build_gives_the_same_int8_bits(monkeypatch):
             assert torch.equal(torch.cat([avx2(x[i:i + 1]) for i in range(len(x))]), expected), type_name
     finally:
         cpu_library.load_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_mixed_product_is_its_parts_side_by_side(int8):
+    """Q4_K_M's fused q/k/v: Q4_K parts and a Q6_K part, each computed by its own type's kernel; the
+    outputs (and the bias) are the parts' own, bit for bit, whatever the row count."""
+    from flashtree.kernels.cpu.quant_linear import MIXED_PARTS, MixedQuantizedLinear
+
+    parts = [QuantizedLinear(t, blocks_and_weights(n, 512, t, seed=n)[0], 512, int8_activations=int8)
+             for t, n in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q5_0", 8))]
+    mixed = MixedQuantizedLinear(parts, int8_activations=int8)
+    assert mixed.kernel_code == MIXED_PARTS | (16 if int8 else 0) and mixed.out_features == 136
+    assert mixed.blocks.numel() == sum(p.blocks.numel() for p in parts)  # one storage holds every part
+    torch.manual_seed(4)
+    bias = torch.randn(136)
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 512)
+        want = torch.cat([p(x, bias[a:a + p.out_features]) for p, a in zip(parts, (0, 64, 96, 128))], dim=-1)
+        assert torch.equal(mixed(x, bias), want), rows
+        assert torch.equal(mixed(x), torch.cat([p(x) for p in parts], dim=-1))
+    picked = torch.tensor([135, 0, 70, 100, 96, 5])
+    whole = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(mixed.dequantize(), whole) and torch.equal(mixed.dequantize(picked), whole[picked])
+    with pytest.raises(ValueError, match="one width"):
+        MixedQuantizedLinear([parts[0], QuantizedLinear("Q4_K", blocks_and_weights(4, 256, "Q4_K", seed=1)[0], 256)])
+
+
+def test_the_loader_reads_a_mixed_group_as_per_type_parts():
+    """read_groups: a fused group whose matrices differ in type becomes a mixed product checked against
+    its float weights; one whose blocks differ from the weights is refused."""
+    from flashtree.kernels.cpu.library import KernelUnavailable
+    from flashtree.kernels.cpu.quant_linear import MixedQuantizedLinear
+    from flashtree.models.gguf_blocks import StoredMatrix
+    from flashtree.models.quantized_weights import BlockGroup, read_groups
+
+    group = BlockGroup("attn", "qkv_quant", "qkv_weight", ("q.weight", "k.weight", "v.weight"), ("q", "k", "v"))
+    raw = {"q": blocks_and_weights(16, 256, "Q4_K", seed=1), "k": blocks_and_weights(8, 256, "Q4_K", seed=2),
+           "v": blocks_and_weights(8, 256, "Q6_K", seed=3)}
+    types = {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}
+    stored = {name: StoredMatrix(types[name], *blocks.shape, lambda out, b=blocks: out.copy_(b))
+              for name, (blocks, _) in raw.items()}
+    weights = {f"{name}.weight": dense for name, (_, dense) in raw.items()}
+    quant = read_groups([group], stored, weights)[group]
+    assert isinstance(quant, MixedQuantizedLinear) and [p.type_name for p in quant.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert torch.equal(quant.dequantize(), torch.cat([weights["q.weight"], weights["k.weight"], weights["v.weight"]]))
+    weights["v.weight"] = weights["v.weight"] + 1
+    with pytest.raises(KernelUnavailable, match="differ"):
+        read_groups([group], stored, weights)

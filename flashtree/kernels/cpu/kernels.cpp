@@ -541,9 +541,10 @@ inline void tile_group(int m, const Activations& x, const uint8_t* w, int64_t ro
 // per group, and a thread's share of a weight stays in its L2 from one group to the next. A row's result
 // never depends on how many rows share the call: every (row, column) pair is the same chain of FMAs.
 // INT8: the rows are first quantized to int8 blocks (each row on its own), then multiplied as such.
+// Row r of y starts at y + r * ldy (ldy >= N).
 template <int TYPE, bool INT8>
 int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-              int threads) {
+              int64_t ldy, int threads) {
   if (M < 1) return 1;
   const int64_t blocks = K / 32, row_bytes = row_bytes_of(TYPE, blocks);
   const int64_t tiles = (N + COLUMN_TILE - 1) / COLUMN_TILE;
@@ -561,10 +562,26 @@ int gemm_rows(const float* x, const uint8_t* w, const float* bias, float* y, int
       const int cols = (int)(N - n < COLUMN_TILE ? N - n : COLUMN_TILE);
       float add[COLUMN_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (int c = 0; bias && c < cols; ++c) add[c] = bias[n + c];
-      tile_group<TYPE, INT8>(m, group_rows, w + n * row_bytes, row_bytes, add, y + r0 * N + n, N, cols);
+      tile_group<TYPE, INT8>(m, group_rows, w + n * row_bytes, row_bytes, add, y + r0 * ldy + n, ldy, cols);
     }
   }
   return 0;
+}
+
+// One block type's product (see flashtree_block_gemm), row r of y at y + r * ldy.
+int block_gemm(int code, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+               int64_t K, int64_t ldy, int threads) {
+  const int type = code & ~INT8_ACTIVATIONS;
+  if (K % (type == 5 || type == 6 ? 256 : 32) != 0) return 1;
+  switch (code) {
+#define FLASHTREE_GEMM_CASES(T)                                                     \
+    case T: return gemm_rows<T, false>(x, w, bias, y, M, N, K, ldy, threads); \
+    case INT8_ACTIVATIONS | T: return gemm_rows<T, true>(x, w, bias, y, M, N, K, ldy, threads);
+    FLASHTREE_GEMM_CASES(0) FLASHTREE_GEMM_CASES(1) FLASHTREE_GEMM_CASES(2) FLASHTREE_GEMM_CASES(3)
+    FLASHTREE_GEMM_CASES(4) FLASHTREE_GEMM_CASES(5) FLASHTREE_GEMM_CASES(6)
+#undef FLASHTREE_GEMM_CASES
+  }
+  return 1;
 }
 
 template <int TYPE>
@@ -743,21 +760,31 @@ void flashtree_tree_attention(const float* q, const float* k_cache, const float*
 }
 
 // code: the block type (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q6_K; K a multiple of 256 for
-// the last two), or-ed with INT8_ACTIVATIONS to quantize x to int8
-// blocks first. Returns 0 on success, 1 for an unsupported code or row count.
+// the last two), or-ed with INT8_ACTIVATIONS to quantize x to int8 blocks first; or MIXED_PARTS (with or
+// without INT8_ACTIVATIONS): w is then not blocks but a table of int64 {parts, then per part: its type,
+// the address of its blocks, its rows}, the parts' rows stacked in order (a fused product whose matrices
+// have different types, e.g. q/k Q4_K and v Q6_K); each part is its own product of the type's kernel into
+// its columns of y, so every output keeps the arithmetic of its own type. Returns 0 on success, 1 for an
+// unsupported code or row count.
+constexpr int MIXED_PARTS = 32;
+
 int flashtree_block_gemm(int code, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
                          int64_t N, int64_t K, int threads) {
-  const int type = code & ~INT8_ACTIVATIONS;
-  if (K % (type == 5 || type == 6 ? 256 : 32) != 0) return 1;
-  switch (code) {
-#define FLASHTREE_GEMM_CASES(T)                                                   \
-    case T: return gemm_rows<T, false>(x, w, bias, y, M, N, K, threads); \
-    case INT8_ACTIVATIONS | T: return gemm_rows<T, true>(x, w, bias, y, M, N, K, threads);
-    FLASHTREE_GEMM_CASES(0) FLASHTREE_GEMM_CASES(1) FLASHTREE_GEMM_CASES(2) FLASHTREE_GEMM_CASES(3)
-    FLASHTREE_GEMM_CASES(4) FLASHTREE_GEMM_CASES(5) FLASHTREE_GEMM_CASES(6)
-#undef FLASHTREE_GEMM_CASES
+  if (code & MIXED_PARTS) {
+    const int64_t* table = (const int64_t*)w;
+    int64_t column = 0;
+    for (int64_t i = 0; i < table[0]; ++i) {
+      const int64_t* part = table + 1 + 3 * i;
+      const int part_code = (int)part[0] | (code & INT8_ACTIVATIONS);
+      if ((part[0] & ~(int64_t)7) || column + part[2] > N
+          || block_gemm(part_code, x, (const uint8_t*)part[1], bias ? bias + column : nullptr, y + column, M, part[2],
+                        K, N, threads))
+        return 1;
+      column += part[2];
+    }
+    return column == N ? 0 : 1;
   }
-  return 1;
+  return block_gemm(code, x, w, bias, y, M, N, K, N, threads);
 }
 
 // The decoder layers of a forward in one call (see layer_stack.py; T = rows x new tokens): for each

@@ -61,9 +61,9 @@ class LayerStack:
         for i, w in enumerate(layers):
             input_norm, post_norm, qk_norm, qkv_bias = self._held[4 * i:4 * i + 4]
             rows.append([_address(input_norm), _address(post_norm), _address(qk_norm), _address(qkv_bias),
-                         w.qkv.kernel_code, w.qkv.blocks.data_ptr(), w.o.kernel_code, w.o.blocks.data_ptr(),
-                         w.gate_up.kernel_code, w.gate_up.blocks.data_ptr(), w.down.kernel_code,
-                         w.down.blocks.data_ptr()])
+                         w.qkv.kernel_code, w.qkv.kernel_operand, w.o.kernel_code, w.o.kernel_operand,
+                         w.gate_up.kernel_code, w.gate_up.kernel_operand, w.down.kernel_code,
+                         w.down.kernel_operand])
         self._quants = [(w.qkv, w.o, w.gate_up, w.down) for w in layers]  # their blocks stay alive
         self.table = torch.tensor(rows, dtype=torch.int64)  # [L, LAYER_FIELDS]
         self.num_layers = len(rows)

@@ -36,6 +36,7 @@ decode step reads the weights at about twice the float path's speed, which is co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -58,6 +59,7 @@ BLOCK_TYPES = {"Q4_0": BlockType(32, 18, 0), "Q4_1": BlockType(32, 20, 1), "Q8_0
                "Q5_0": BlockType(32, 22, 3), "Q5_1": BlockType(32, 24, 4),
                "Q4_K": BlockType(256, 144, 5), "Q6_K": BlockType(256, 210, 6)}
 INT8_ACTIVATIONS = 16  # or-ed into the type code: the kernel quantizes x to int8 blocks first (kernels.cpp)
+MIXED_PARTS = 32  # the code of a product whose parts have different types (MixedQuantizedLinear; kernels.cpp)
 
 
 class QuantizedLinear:
@@ -91,6 +93,11 @@ class QuantizedLinear:
         self._blocks_ptr = self.blocks.data_ptr()
 
     @property
+    def kernel_operand(self) -> int:
+        """The address the kernel takes with :attr:`kernel_code`: the blocks'."""
+        return self._blocks_ptr
+
+    @property
     def kernel_code(self) -> int:
         """The product's code for the kernel: the block type, with :data:`INT8_ACTIVATIONS` where set."""
         return self.type_code | (INT8_ACTIVATIONS if self.int8_activations else 0)
@@ -117,6 +124,47 @@ class QuantizedLinear:
         out = torch.empty(blocks.shape[0], self.in_features, dtype=torch.float32)
         self._lib.flashtree_block_dequantize(self.type_code, blocks.data_ptr(), out.data_ptr(),
                                              blocks.shape[0], self.in_features, torch.get_num_threads())
+        return out
+
+
+class MixedQuantizedLinear(QuantizedLinear):
+    """A fused weight ``[N, K]`` whose parts (row ranges, in order) are GGUF matrices of different types,
+    e.g. Q4_K_M's q/k in Q4_K and v in Q6_K: one call, each part its own product of its type's kernel
+    into its columns (a part's outputs are what the part alone gives). :attr:`blocks` holds every part's
+    bytes (flat ``uint8``); the kernel reads the parts through a table (``MIXED_PARTS``, kernels.cpp)."""
+
+    def __init__(self, parts: Sequence[QuantizedLinear], int8_activations: bool = False):
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("a mixed product needs parts of one width, got "
+                             f"{[(p.type_name, p.in_features) for p in parts]}")
+        flat = torch.cat([p.blocks.reshape(-1) for p in parts])  # [total bytes]: all parts, one storage
+        self.parts, offset = [], 0
+        for part in parts:
+            view = flat[offset:offset + part.blocks.numel()].view(part.blocks.shape)
+            self.parts.append(QuantizedLinear(part.type_name, view, part.in_features))
+            offset += part.blocks.numel()
+        self.type_name = "+".join(p.type_name for p in parts)
+        self.type_code = MIXED_PARTS
+        self.int8_activations = int8_activations
+        self.blocks = flat
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
+        self._lib = self.parts[0]._lib
+        self._gemm = self._lib.flashtree_block_gemm
+        self._table = torch.tensor([len(parts)] + [v for p in self.parts
+                                                   for v in (p.type_code, p.blocks.data_ptr(), p.out_features)],
+                                   dtype=torch.int64)  # [1 + 3 parts]
+        self._blocks_ptr = self._table.data_ptr()
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is None:
+            return torch.cat([p.dequantize() for p in self.parts])
+        out = torch.empty(rows.numel(), self.in_features, dtype=torch.float32)
+        start = 0
+        for part in self.parts:
+            inside = (rows >= start) & (rows < start + part.out_features)
+            if inside.any():
+                out[inside] = part.dequantize(rows[inside] - start)
+            start += part.out_features
         return out
 
 
