@@ -155,7 +155,7 @@ template <int TYPE>
 inline void decode(const uint8_t* row, int64_t b, V16& w0, V16& w1) {
   const uint8_t* block = row + block_offset(TYPE, b);
   const __m128i low4 = _mm_set1_epi8(0x0F);
-  if (TYPE == 5) {
+  if constexpr (TYPE == 5) {
     const int j = (int)(b % 8);
     int sc, m;
     scale_min_k4(block + 4, j, sc, m);
@@ -165,14 +165,14 @@ inline void decode(const uint8_t* row, int64_t b, V16& w0, V16& w1) {
     w0 = v_fmadd(step, v_from_u8(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)qs), shift), low4)), offset);
     w1 = v_fmadd(step, v_from_u8(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)(qs + 16)), shift), low4)),
                  offset);
-  } else if (TYPE == 6) {
+  } else if constexpr (TYPE == 6) {
     const int j = (int)(b % 8), h = j / 4, t = j % 4;
     const uint8_t *ql = block + 64 * h + 32 * (t % 2), *qh = block + 128 + 32 * h;
     const int8_t* scales = (const int8_t*)(block + 192) + 2 * j;
     const float d = half_to_float(block + 208);
     w0 = v_mul(v_set1(d * (float)scales[0]), v_from_i8(q6_quants(ql, qh, 4 * (t / 2), 2 * t)));
     w1 = v_mul(v_set1(d * (float)scales[1]), v_from_i8(q6_quants(ql + 16, qh + 16, 4 * (t / 2), 2 * t)));
-  } else if (TYPE == 2) {
+  } else if constexpr (TYPE == 2) {
     const V16 d = v_set1(half_to_float(block));
     const __m128i* q = (const __m128i*)(block + 2);
     w0 = v_mul(d, v_from_i8(_mm_loadu_si128(q)));
@@ -374,11 +374,12 @@ inline __m256 halves_pair(const uint8_t* a, const uint8_t* b) {  // fp16 values 
 
 // A pair of weight blocks as the integer dot takes them: unsigned bytes w0 (a's and b's elements 0..15),
 // w1 (16..31) (Q4/Q5: the quants, Q8_0 / Q6_K: |q|), s0, s1 (Q8_0 / Q6_K: q, whose signs go onto x's
-// bytes), the scales d of a and b in lanes 0-3 and 4-7 (Q6_K: of their elements 0..15; d1: of 16..31), and
-// (Q4_1, Q5_1, Q4_K) their mins m (Q4_K: -dmin m).
+// bytes), the scales d of a and b in lanes 0-3 and 4-7 (Q6_K: of their elements 0..15), and m: their mins
+// (Q4_1, Q5_1; Q4_K: -dmin m), or Q6_K's scales of elements 16..31 (one field for both: a third float
+// register per pair slows the Q4 products by 3-5%).
 struct WeightPair {
   __m256i w0, w1, s0, s1;
-  __m256 d, d1, m;
+  __m256 d, m;
 };
 
 constexpr bool signed_quants(int type) { return type == 2 || type == 6; }
@@ -392,7 +393,7 @@ inline __m256 spread_values(float a, float b) { return spread_pair(_mm_setr_ps(a
 template <int TYPE>
 inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks) {
   WeightPair w;
-  if (TYPE == 5) {  // sub-blocks j, j + 1 of a super-block: the low and high nibbles of the same 32 bytes
+  if constexpr (TYPE == 5) {  // sub-blocks j, j + 1 of a super-block: the low and high nibbles of the same 32 bytes
     const uint8_t* s = row + block_offset(TYPE, 2 * p);
     const int j = (int)(2 * p % 8);
     int sc_a, m_a, sc_b, m_b;
@@ -408,7 +409,7 @@ inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks
     w.w1 = _mm256_and_si256(both_halves(v1, _mm_srli_epi16(v1, 4)), low4);
     return w;
   }
-  if (TYPE == 6) {  // sub-blocks j, j + 1 (j even): ql's next 32 bytes, qh's same bytes two bits up
+  if constexpr (TYPE == 6) {  // sub-blocks j, j + 1 (j even): ql's next 32 bytes, qh's same bytes two bits up
     const uint8_t* s = row + block_offset(TYPE, 2 * p);
     const int j = (int)(2 * p % 8), h = j / 4, t = j % 4;
     const uint8_t *ql = s + 64 * h, *qh = s + 128 + 32 * h;
@@ -420,7 +421,7 @@ inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks
     w.w0 = _mm256_abs_epi8(w.s0);
     w.w1 = _mm256_abs_epi8(w.s1);
     w.d = spread_values(d * (float)scales[0], d * (float)scales[2]);
-    w.d1 = spread_values(d * (float)scales[1], d * (float)scales[3]);
+    w.m = spread_values(d * (float)scales[1], d * (float)scales[3]);
     return w;
   }
   static const uint8_t zero[34] = {};
@@ -482,7 +483,7 @@ inline void dot_rows_int8(const Int8Rows& x, const uint8_t* w, int64_t row_bytes
           const __m256 lanes0 = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_setzero_si256(), wp[c].w0, u0));
           const __m256 lanes1 = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_setzero_si256(), wp[c].w1, u1));
           acc[c][r] = _mm256_fmadd_ps(lanes0, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
-          acc[c][r] = _mm256_fmadd_ps(lanes1, _mm256_mul_ps(wp[c].d1, d), acc[c][r]);
+          acc[c][r] = _mm256_fmadd_ps(lanes1, _mm256_mul_ps(wp[c].m, d), acc[c][r]);
         } else {
           const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_s8(dot_u8_s8(start, wp[c].w0, u0), wp[c].w1, u1));
           acc[c][r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
