@@ -47,7 +47,11 @@ after every round (:meth:`AdaptivePolicy.record`).
   nor probes sooner than the earlier one would have, except that its first probe comes within
   ``max_probe_interval`` rounds (past the cost floor's longer wait): a new process may bring new
   kinds of prompts, and a run of short processes then still probes every ``max_probe_interval``
-  rounds. :meth:`AdaptivePolicy.learned` gives it back.
+  rounds. And while a tree is best, plain rounds are rechecked at round ``probe_interval`` already:
+  the learned times are relative to plain's, which a process times only in its first (cold) rounds
+  before then; a short process would otherwise never re-time plain (``plain_recheck_interval``), and
+  a skewed ratio, once kept, would hold every later process on trees. :meth:`AdaptivePolicy.learned`
+  gives it back.
 
 Everything is deterministic given the same measurements.
 """
@@ -108,6 +112,8 @@ class AdaptivePolicy:
         self._settled: list[tuple] = []  # held settled rounds: (rows, nodes, seconds, acceptance), one bucket
         self._settled_bucket = 0  # the bucket of the held rounds
         self._started_from: Learned | None = None  # what an earlier process learned (start_from)
+        self._started_plain_recheck: dict[int, int] = {}  # rows bucket -> round count of its first plain
+        # recheck, for buckets started from learned relative times (see "Learned start")
 
     # ------------------------------------------------------------------ learned across processes
     def start_from(self, learned: Learned) -> None:
@@ -118,6 +124,8 @@ class AdaptivePolicy:
         self.estimates.start_from(learned.acceptance,
                                   {b: data.relative_seconds for b, data in learned.buckets.items()})
         for bucket, data in learned.buckets.items():
+            if data.relative_seconds:
+                self._started_plain_recheck[bucket] = self.config.probe_interval
             if data.probe_interval is not None and data.rounds_to_probe is not None:
                 self._interval[bucket] = data.probe_interval
                 self._next_probe[bucket] = min(data.rounds_to_probe, self.config.max_probe_interval)
@@ -165,6 +173,7 @@ class AdaptivePolicy:
         best = self.best(rows)
         if self._plain_recheck_due(bucket, best, self._rounds[bucket]):
             self._plain_timed_at[bucket] = self._rounds[bucket]  # (also if its rounds go untimed: no retry each round)
+            self._started_plain_recheck.pop(bucket, None)
             self._probe = _Probe(PLAIN_NODES, bucket, best, rounds_left=self._probe_rounds(rows) - 1,
                                  recheck=PLAIN_RECHECK)
             return PLAIN_NODES
@@ -233,8 +242,11 @@ class AdaptivePolicy:
 
     def _plain_recheck_due(self, bucket: int, best: int, rounds: int) -> bool:
         """At round ``rounds`` of ``bucket``, with a tree as the ``best`` option, plain has gone
-        ``plain_recheck_interval`` rounds unmeasured."""
-        return best != PLAIN_NODES and PLAIN_NODES in self.ladder and (
+        ``plain_recheck_interval`` rounds unmeasured, or a started bucket's first recheck is due."""
+        if best == PLAIN_NODES or PLAIN_NODES not in self.ladder:
+            return False
+        started = self._started_plain_recheck.get(bucket)
+        return (started is not None and rounds >= started) or (
             rounds - self._plain_timed_at.get(bucket, 0) >= self.config.plain_recheck_interval)
 
     def _probe_rounds(self, rows: int) -> int:

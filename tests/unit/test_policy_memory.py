@@ -284,3 +284,17 @@ def test_at_exit_the_last_policy_of_a_setup_that_ran_rounds_is_written(tmp_path,
     drive(later, 115, 1, strong_drafter, cpu_seconds())
     memory_module._save_at_exit()
     assert memory.recall(memory.key(later)).acceptance[4][0] == pytest.approx(4.0)
+
+
+def test_a_skewed_relative_time_is_corrected_within_the_process():
+    """A memory whose tree looks 3x cheaper than it is (learned while a load spike slowed the plain
+    rounds it was measured against) starts a process on trees; its early plain recheck re-times plain
+    rounds, the process moves to them, and what it keeps has the tree's true relative cost. (The
+    tree's own rounds cannot show it: while it is best, plain's estimate follows its pace.)"""
+    skewed = Learned({4: (1.5, 20)}, {1: LearnedBucket({4: (0.8, 5)}, 3000, 2900)})
+    policy = continued(skewed)
+    chosen = drive(policy, 115, 1, weak_drafter, cpu_seconds())
+    assert chosen[2:CPU.probe_interval - 2] == [4] * (CPU.probe_interval - 4)
+    after_recheck = chosen[CPU.probe_interval + CPU.probe_rounds:2 * CPU.probe_interval]
+    assert after_recheck == [0] * len(after_recheck), chosen
+    assert policy.learned().buckets[1].relative_seconds[4][0] == pytest.approx(2.4, rel=0.15)
