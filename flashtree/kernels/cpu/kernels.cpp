@@ -386,23 +386,47 @@ constexpr bool signed_quants(int type) { return type == 2 || type == 6; }
 constexpr bool has_min(int type) { return type == 1 || type == 4 || type == 5; }
 
 inline __m256i both_halves(__m128i a, __m128i b) { return _mm256_set_m128i(b, a); }  // a low, b high
-inline __m256 spread_values(float a, float b) { return spread_pair(_mm_setr_ps(a, b, 0.0f, 0.0f)); }
+
+// A super-block's scales as the pairs of its sub-blocks take them, decoded once per super-block and column:
+// Q4_K: a = the 8 sub-blocks' d sc, b = their -(dmin m); Q6_K: a = d sc of its 16-weight groups 0..7, b = of
+// 8..15 (the same float values as decoding them pair by pair: each is one exact product).
+struct SuperScales {
+  __m256 a, b;
+};
+
+template <int TYPE>
+inline SuperScales load_super_scales(const uint8_t* s) {
+  if constexpr (TYPE == 5) {  // scale_min_k4 for the 8 sub-blocks at once, a byte each
+    uint32_t u[3];
+    memcpy(u, s + 4, 12);
+    const uint64_t sc = (u[0] & 0x3F3F3F3Fu) | (uint64_t)((u[2] & 0x0F0F0F0Fu) | ((u[0] >> 6) & 0x03030303u) << 4) << 32;
+    const uint64_t m = (u[1] & 0x3F3F3F3Fu) | (uint64_t)(((u[2] >> 4) & 0x0F0F0F0Fu) | ((u[1] >> 6) & 0x03030303u) << 4) << 32;
+    auto floats = [](uint64_t bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)bytes))); };
+    const __m256 d = _mm256_set1_ps(half_to_float(s)), dmin = _mm256_set1_ps(half_to_float(s + 2));
+    return {_mm256_mul_ps(d, floats(sc)), _mm256_xor_ps(_mm256_mul_ps(dmin, floats(m)), _mm256_set1_ps(-0.0f))};
+  } else {
+    const __m256 d = _mm256_set1_ps(half_to_float(s + 208));
+    const __m128i sc = _mm_loadu_si128((const __m128i*)(s + 192));
+    return {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
+  }
+}
+
+// lanes 0-3: v[i], lanes 4-7: v[k]
+inline __m256 pick_pair(__m256 v, int i, int k) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, k, k, k, k));
+}
 
 // blocks 2p and 2p + 1 of the weight row at `row` (a row of `blocks` blocks; an odd count's last pair
-// takes a zero block b)
+// takes a zero block b); super-block types: `scales` of the pair's super-block
 template <int TYPE>
-inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks) {
+inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks, const SuperScales& scales) {
   WeightPair w;
   if constexpr (TYPE == 5) {  // sub-blocks j, j + 1 of a super-block: the low and high nibbles of the same 32 bytes
-    const uint8_t* s = row + block_offset(TYPE, 2 * p);
     const int j = (int)(2 * p % 8);
-    int sc_a, m_a, sc_b, m_b;
-    scale_min_k4(s + 4, j, sc_a, m_a);
-    scale_min_k4(s + 4, j + 1, sc_b, m_b);
-    const float d = half_to_float(s), dmin = half_to_float(s + 2);
-    w.d = spread_values(d * (float)sc_a, d * (float)sc_b);
-    w.m = spread_values(-(dmin * (float)m_a), -(dmin * (float)m_b));
-    const uint8_t* qs = s + 16 + 16 * j;
+    w.d = pick_pair(scales.a, j, j + 1);
+    w.m = pick_pair(scales.b, j, j + 1);
+    const uint8_t* qs = row + block_offset(TYPE, 2 * p) + 16 + 16 * j;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m128i v0 = _mm_loadu_si128((const __m128i*)qs), v1 = _mm_loadu_si128((const __m128i*)(qs + 16));
     w.w0 = _mm256_and_si256(both_halves(v0, _mm_srli_epi16(v0, 4)), low4);
@@ -413,15 +437,14 @@ inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks
     const uint8_t* s = row + block_offset(TYPE, 2 * p);
     const int j = (int)(2 * p % 8), h = j / 4, t = j % 4;
     const uint8_t *ql = s + 64 * h, *qh = s + 128 + 32 * h;
-    const int8_t* scales = (const int8_t*)(s + 192) + 2 * j;
-    const float d = half_to_float(s + 208);
     const int shift = 4 * (t / 2);
     w.s0 = both_halves(q6_quants(ql, qh, shift, 2 * t), q6_quants(ql + 32, qh, shift, 2 * t + 2));
     w.s1 = both_halves(q6_quants(ql + 16, qh + 16, shift, 2 * t), q6_quants(ql + 48, qh + 16, shift, 2 * t + 2));
     w.w0 = _mm256_abs_epi8(w.s0);
     w.w1 = _mm256_abs_epi8(w.s1);
-    w.d = spread_values(d * (float)scales[0], d * (float)scales[2]);
-    w.m = spread_values(d * (float)scales[1], d * (float)scales[3]);
+    const __m256 half = h ? scales.b : scales.a;  // groups 2j .. 2j + 3 sit at 2t .. 2t + 3 of it
+    w.d = pick_pair(half, 2 * t, 2 * t + 2);
+    w.m = pick_pair(half, 2 * t + 1, 2 * t + 3);
     return w;
   }
   static const uint8_t zero[34] = {};
@@ -459,6 +482,7 @@ template <int TYPE, int M, int C>
 inline void dot_rows_int8(const Int8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t blocks, const float* add,
                           float* y, int64_t N) {
   __m256 acc[C][M];
+  SuperScales scales[is_super_block(TYPE) ? C : 1];  // (super-block types) each column's current super-block's
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < M; ++r) acc[c][r] = _mm256_setzero_ps();
   for (int64_t p = 0; p < x.pairs; ++p) {
@@ -466,7 +490,9 @@ inline void dot_rows_int8(const Int8Rows& x, const uint8_t* w, int64_t row_bytes
     for (int c = 0; c < C; ++c) {
       const uint8_t* row = w + c * row_bytes;
       _mm_prefetch((const char*)(row + block_offset(TYPE, 2 * p) + PREFETCH_BYTES), _MM_HINT_T0);
-      wp[c] = load_weight_pair<TYPE>(row, p, blocks);
+      if constexpr (is_super_block(TYPE))
+        if (p % 4 == 0) scales[c] = load_super_scales<TYPE>(row + block_offset(TYPE, 2 * p));
+      wp[c] = load_weight_pair<TYPE>(row, p, blocks, scales[is_super_block(TYPE) ? c : 0]);
     }
     for (int r = 0; r < M; ++r) {
       const int64_t i = (r * x.pairs + p) * 2;

@@ -1,16 +1,22 @@
-"""CPU products straight from a GGUF's quantized blocks (Q4_0, Q4_1, Q8_0).
+"""CPU products straight from a GGUF's quantized blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q6_K).
 
 A GGUF model is dequantized once to float32 for its layout (``models/gguf_convert.py``); on the CPU
-in float32, every linear whose GGUF matrix is Q4_0 / Q4_1 / Q8_0 computes all its products from the
-blocks (``models/quantized_weights.py``) and keeps no fp32 weight: 0.56-1.06 bytes per weight instead of 4,
-in memory and in what a decode step streams. The kernel (``kernels.cpp``) rebuilds each weight in
-registers exactly as the converter stored it and accumulates in float32:
+in float32, every linear whose GGUF matrix is of a type in :data:`BLOCK_TYPES` computes all its products
+from the blocks (``models/quantized_weights.py``) and keeps no fp32 weight: 0.56-1.06 bytes per weight
+instead of 4, in memory and in what a decode step streams. The kernel (``kernels.cpp``) rebuilds each
+weight in registers exactly as the converter stored it and accumulates in float32:
 
-- Q4_1: ``fma(d, q, m)``. ``d`` is an fp16 value and ``q`` a 4-bit integer, so ``d * q`` is
-  exact in fp32 and the fma rounds once, like numpy's ``d * q + m``.
-- Q4_0: ``fma(d, q, -8 d)`` = ``d * (q - 8)`` exactly (every term and the result are
-  representable), as numpy's ``d * (q - 8)``.
+- Q4_1 / Q5_1: ``fma(d, q, m)``. ``d`` is an fp16 value and ``q`` a 4- or 5-bit integer, so ``d * q``
+  is exact in fp32 and the fma rounds once, like numpy's ``d * q + m``.
+- Q4_0 / Q5_0: ``fma(d, q, -8 d)`` (``-16 d``) = ``d * (q - 8)`` (``q - 16``) exactly (every term and
+  the result are representable), as numpy's.
 - Q8_0: ``d * q``, exact.
+- Q4_K (256-weight super-blocks, read as 8 blocks of 32 with a 6-bit scale and min each):
+  ``fma(d * sc, q, -(dmin * m))``: every product exact, one rounding, like gguf-py's ``(d sc) q - dmin m``.
+- Q6_K (a signed 8-bit scale per 16 weights): ``(d * sc) * (q - 32)``, in gguf-py's order.
+
+A fused product whose matrices have different types (Q4_K_M's q/k in Q4_K, v in Q6_K) is a
+:class:`MixedQuantizedLinear`: each part computed by its own type's kernel.
 
 so the weights are bit-identical to the fp32 ones (checked at load on a spread of rows of every
 weight); only the summation order differs from MKL's. Each (row, output) sum runs over the blocks in
