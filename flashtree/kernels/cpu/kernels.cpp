@@ -459,12 +459,23 @@ inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks
     w.s1 = both(18);
     w.w0 = _mm256_abs_epi8(w.s0);
     w.w1 = _mm256_abs_epi8(w.s1);
-  } else if (TYPE == 3 || TYPE == 4) {
-    __m128i a0, a1, b0, b1;
-    q5_quants(a + (TYPE == 4 ? 4 : 2), a0, a1);
-    q5_quants(b + (TYPE == 4 ? 4 : 2), b0, b1);
-    w.w0 = both_halves(a0, b0);
-    w.w1 = both_halves(a1, b1);
+  } else if (TYPE == 3 || TYPE == 4) {  // the nibbles as Q4's, or-ed with the fifth bits of both blocks' qh
+    const int at = TYPE == 4 ? 4 : 2;
+    const __m256i v = both(at + 4), low4 = _mm256_set1_epi8(0x0F);
+    uint32_t qa, qb;
+    memcpy(&qa, a + at, 4);
+    memcpy(&qb, b + at, 4);
+    const __m256i qh = both_halves(_mm_cvtsi32_si128((int)qa), _mm_cvtsi32_si128((int)qb));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL), five = _mm256_set1_epi8(0x10);
+    auto fifth = [&](int byte) {  // bytes `byte` and `byte + 1` of each qh, a bit per byte, as 0x10 or 0
+      const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(
+          byte, byte, byte, byte, byte, byte, byte, byte, byte + 1, byte + 1, byte + 1, byte + 1, byte + 1, byte + 1,
+          byte + 1, byte + 1, byte, byte, byte, byte, byte, byte, byte, byte, byte + 1, byte + 1, byte + 1, byte + 1,
+          byte + 1, byte + 1, byte + 1, byte + 1));
+      return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), five);
+    };
+    w.w0 = _mm256_or_si256(_mm256_and_si256(v, low4), fifth(0));
+    w.w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), fifth(2));
   } else {
     const __m256i v = both(TYPE == 1 ? 4 : 2), low4 = _mm256_set1_epi8(0x0F);
     w.w0 = _mm256_and_si256(v, low4);
