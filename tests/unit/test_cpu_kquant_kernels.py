@@ -242,3 +242,22 @@ def test_the_loader_reads_a_mixed_group_as_per_type_parts():
     weights["v.weight"] = weights["v.weight"] + 1
     with pytest.raises(KernelUnavailable, match="differ"):
         read_groups([group], stored, weights)
+
+
+def test_a_blocks_file_collected_for_fewer_types_is_not_reused(tmp_path):
+    """gguf_blocks.safetensors written before the kernel read Q5 / k-quant blocks lacks them: it is stale
+    (load_blocks then collects the GGUF's matrices again), one written now is read back."""
+    import json
+
+    import safetensors.numpy
+
+    from flashtree.models.gguf_blocks import BLOCKS_FILE, read_block_file, save_blocks
+
+    source = {"path": "/x.gguf", "size": 1, "mtime_ns": 2}
+    blocks = {"blk.0.attn_q.weight": ("Q4_K", blocks_and_weights(4, 256, "Q4_K", seed=1)[0].numpy())}
+    save_blocks(blocks, tmp_path, source)
+    found = read_block_file(tmp_path / BLOCKS_FILE, source)
+    assert found["blk.0.attn_q.weight"].type_name == "Q4_K" and found["blk.0.attn_q.weight"].in_features == 256
+    old = {"types": json.dumps({"t": "Q4_0"}), "source": json.dumps(["/x.gguf", 1, 2])}  # an older writer's
+    safetensors.numpy.save_file({"t": np.zeros((2, 18), np.uint8)}, str(tmp_path / BLOCKS_FILE), metadata=old)
+    assert read_block_file(tmp_path / BLOCKS_FILE, source) is None
