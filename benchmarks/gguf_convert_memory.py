@@ -46,6 +46,13 @@ def convert_once(gguf: str, code: str | None) -> dict:
             "cache_bytes": int(size)}
 
 
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", required=True)
@@ -58,7 +65,7 @@ def main() -> None:
         row = {"code": code or "installed", **convert_once(args.gguf, code)}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    report = {"gguf": args.gguf, "gguf_bytes": Path(args.gguf).stat().st_size, "cpu": platform.processor(),
+    report = {"gguf": args.gguf, "gguf_bytes": Path(args.gguf).stat().st_size, "cpu": cpu_name(),
               "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
