@@ -18,6 +18,7 @@ from flashtree.kernels.cpu import library as cpu_library
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.kernels.cpu.quant_linear import INT8_ACTIVATIONS, QuantizedLinear
 from tests.support.checkpoints import holders, isolated_cache, tiny_gguf  # noqa: F401 (autouse fixture)
+from tests.support.cpu_builds import assert_avx2_build_gives_the_same_bits
 
 AVAILABLE, WHY = kernels_available()
 needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU block kernel unavailable: {WHY}")
@@ -119,17 +120,8 @@ def test_avx2_build_gives_the_same_bits(monkeypatch):
     cases = []
     for type_name, shape in (("Q4_0", (70, 576)), ("Q4_1", (96, 1536)), ("Q8_0", (200, 64))):
         blocks, _ = random_blocks(*shape, type_name, seed=11)
-        x = torch.randn(21, shape[1])
-        cases.append((type_name, blocks, x, QuantizedLinear(type_name, blocks, shape[1], int8_activations=True)(x)))
-    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: {"avx2", "f16c", "fma"})
-    cpu_library.load_kernels.cache_clear()
-    try:
-        for type_name, blocks, x, expected in cases:
-            avx2 = QuantizedLinear(type_name, blocks, x.shape[1], int8_activations=True)
-            assert torch.equal(avx2(x), expected), type_name
-            assert torch.equal(torch.cat([avx2(x[i:i + 1]) for i in range(len(x))]), expected), type_name
-    finally:
-        cpu_library.load_kernels.cache_clear()
+        cases.append((type_name, blocks, torch.randn(21, shape[1])))
+    assert_avx2_build_gives_the_same_bits(monkeypatch, cases, int8_activations=True)
 
 
 def test_vnni_builds_are_picked_where_the_cpu_has_vnni():

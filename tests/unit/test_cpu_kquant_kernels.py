@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QT
 from flashtree.kernels.cpu import library as cpu_library
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.kernels.cpu.quant_linear import BLOCK_TYPES, QuantizedLinear
+from tests.support.cpu_builds import assert_avx2_build_gives_the_same_bits
 from tests.support.kquants import (
     decode_q4_k,
     decode_q6_k,
@@ -183,17 +184,8 @@ def test_avx2_build_gives_the_same_int8_bits(monkeypatch):
     cases = []
     for type_name, shape in (("Q5_0", (70, 544)), ("Q5_1", (96, 1536)), ("Q4_K", (40, 768)), ("Q6_K", (33, 512))):
         blocks, _ = blocks_and_weights(*shape, type_name, seed=11)
-        x = torch.randn(13, shape[1])
-        cases.append((type_name, blocks, x, QuantizedLinear(type_name, blocks, shape[1], int8_activations=True)(x)))
-    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: {"avx2", "f16c", "fma"})
-    cpu_library.load_kernels.cache_clear()
-    try:
-        for type_name, blocks, x, expected in cases:
-            avx2 = QuantizedLinear(type_name, blocks, x.shape[1], int8_activations=True)
-            assert torch.equal(avx2(x), expected), type_name
-            assert torch.equal(torch.cat([avx2(x[i:i + 1]) for i in range(len(x))]), expected), type_name
-    finally:
-        cpu_library.load_kernels.cache_clear()
+        cases.append((type_name, blocks, torch.randn(13, shape[1])))
+    assert_avx2_build_gives_the_same_bits(monkeypatch, cases, int8_activations=True)
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -1,0 +1,24 @@
+"""Checks that compare the CPU kernel library's AVX2 build with the build this CPU picks."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.kernels.cpu import library as cpu_library
+from flashtree.kernels.cpu.quant_linear import QuantizedLinear
+
+
+def assert_avx2_build_gives_the_same_bits(monkeypatch, cases: list[tuple[str, torch.Tensor, torch.Tensor]],
+                                          int8_activations: bool) -> None:
+    """For each ``(type name, blocks, x)``: the AVX2 build's product of ``x`` (all rows at once, and row
+    by row) equals, bit for bit, the product of the build this CPU picks."""
+    expected = [QuantizedLinear(t, blocks, x.shape[1], int8_activations=int8_activations)(x) for t, blocks, x in cases]
+    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: {"avx2", "f16c", "fma"})
+    cpu_library.load_kernels.cache_clear()
+    try:
+        for (type_name, blocks, x), want in zip(cases, expected):
+            avx2 = QuantizedLinear(type_name, blocks, x.shape[1], int8_activations=int8_activations)
+            assert torch.equal(avx2(x), want), type_name
+            assert torch.equal(torch.cat([avx2(x[i:i + 1]) for i in range(len(x))]), want), type_name
+    finally:
+        cpu_library.load_kernels.cache_clear()
