@@ -22,3 +22,14 @@ def assert_avx2_build_gives_the_same_bits(monkeypatch, cases: list[tuple[str, to
             assert torch.equal(torch.cat([avx2(x[i:i + 1]) for i in range(len(x))]), want), type_name
     finally:
         cpu_library.load_kernels.cache_clear()
+
+
+def assert_rows_independent_of_the_call(holder: QuantizedLinear, x: torch.Tensor, bias: torch.Tensor,
+                                        row_counts: tuple[int, ...]) -> None:
+    """Each row of ``x [R, K]`` gets the same bits alone, in the first ``n`` rows for every ``n`` in
+    ``row_counts``, and in a run of rows starting mid-batch."""
+    alone = torch.cat([holder(x[i:i + 1], bias) for i in range(len(x))])
+    for rows in row_counts:
+        assert torch.equal(holder(x[:rows], bias), alone[:rows]), rows
+    middle = slice(len(x) // 2 - 2, len(x) - 1)
+    assert torch.equal(holder(x[middle], bias), alone[middle])

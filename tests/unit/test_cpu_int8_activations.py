@@ -18,7 +18,10 @@ from flashtree.kernels.cpu import library as cpu_library
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.kernels.cpu.quant_linear import INT8_ACTIVATIONS, QuantizedLinear
 from tests.support.checkpoints import holders, isolated_cache, tiny_gguf  # noqa: F401 (autouse fixture)
-from tests.support.cpu_builds import assert_avx2_build_gives_the_same_bits
+from tests.support.cpu_builds import (
+    assert_avx2_build_gives_the_same_bits,
+    assert_rows_independent_of_the_call,
+)
 
 AVAILABLE, WHY = kernels_available()
 needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"CPU block kernel unavailable: {WHY}")
@@ -91,11 +94,7 @@ def test_a_row_gets_the_same_bits_whatever_shares_the_call(type_name):
         holder = QuantizedLinear(type_name, blocks, shape[1], int8_activations=True)
         torch.manual_seed(3)
         bias = torch.randn(shape[0])
-        x = torch.randn(45, shape[1])
-        alone = torch.cat([holder(x[i:i + 1], bias) for i in range(45)])
-        for rows in (2, 7, 8, 13, 45):
-            assert torch.equal(holder(x[:rows], bias), alone[:rows]), rows
-        assert torch.equal(holder(x[20:33], bias), alone[20:33])
+        assert_rows_independent_of_the_call(holder, torch.randn(45, shape[1]), bias, (2, 7, 8, 13, 45))
 
 
 @needs_kernel

@@ -17,7 +17,10 @@ from gguf import GGMLQuantizationType as QT
 from flashtree.kernels.cpu import library as cpu_library
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.kernels.cpu.quant_linear import BLOCK_TYPES, QuantizedLinear
-from tests.support.cpu_builds import assert_avx2_build_gives_the_same_bits
+from tests.support.cpu_builds import (
+    assert_avx2_build_gives_the_same_bits,
+    assert_rows_independent_of_the_call,
+)
 from tests.support.kquants import (
     decode_q4_k,
     decode_q6_k,
@@ -152,11 +155,7 @@ def test_a_row_gets_the_same_bits_whatever_shares_the_call(type_name, int8):
         holder = QuantizedLinear(type_name, blocks, shape[1], int8_activations=int8)
         torch.manual_seed(3)
         bias = torch.randn(shape[0])
-        x = torch.randn(21, shape[1])
-        alone = torch.cat([holder(x[i:i + 1], bias) for i in range(21)])
-        for rows in (2, 7, 8, 13, 21):
-            assert torch.equal(holder(x[:rows], bias), alone[:rows]), rows
-        assert torch.equal(holder(x[9:20], bias), alone[9:20])
+        assert_rows_independent_of_the_call(holder, torch.randn(21, shape[1]), bias, (2, 7, 8, 13, 21))
 
 
 def test_q5_odd_block_count():
