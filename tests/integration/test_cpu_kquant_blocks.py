@@ -7,39 +7,18 @@ tokens equal those of the float32 weights (quant_kernels=False)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from gguf import GGMLQuantizationType as QT
 
 from flashtree import LLM, SamplingParams
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.kernels.cpu.quant_linear import MixedQuantizedLinear
 from flashtree.models.loader import resolve_model_dir
 from tests.dflash_helpers import save_tiny_drafter
-from tests.support.checkpoints import (  # noqa: F401
-    holders,
-    isolated_cache,
-    tiny_model,
-    write_tiny_gguf,
-)
-from tests.support.kquants import kquant_overrides
+from tests.support.checkpoints import holders, isolated_cache  # noqa: F401 (autouse fixture)
+from tests.support.kquants import q4_k_m_gguf
 
 AVAILABLE, WHY = kernels_available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"CPU block kernel unavailable: {WHY}")
 PROMPTS = [[1, 5, 7], list(range(3, 20)), [9, 9, 9, 4], [30, 2, 60, 61, 62]]
-Q4_K_M = {"attn_v": QT.Q6_K, "ffn_down": QT.Q6_K, "output": QT.Q6_K}  # the rest Q4_K, as llama.cpp mixes it
-
-
-def q4_k_m_gguf(path, tied: bool = False):
-    model = tiny_model("qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                       num_key_value_heads=2, num_hidden_layers=3, tie_word_embeddings=tied)
-    with torch.no_grad():  # meaningful argmax decisions
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-            else:
-                p.fill_(1.0) if "norm" in name else p.normal_(0, 0.1)
-    write_tiny_gguf(path, model, QT.F32, raw_overrides=kquant_overrides(model, Q4_K_M, QT.Q4_K, encode=True))
-    return path
 
 
 def test_q4_k_m_runs_from_blocks_and_stays_exact(tmp_path):

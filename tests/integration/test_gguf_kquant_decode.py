@@ -1,7 +1,9 @@
-"""Decoding a GGUF in the k-quant types: a Q4_K_M-like tiny model (its matrices computed from their
-float32 dequantization) gives plain decoding's greedy tokens under DFlash and DDTree, alone and in a
-batch; the embedded SmolLM2 requantized to Q4_K_M by llama.cpp (when llama-cpp-python is installed; its 576-wide rows are not
-whole 256-weight super-blocks, so llama.cpp writes most matrices as Q5_0 / Q5_1 instead) decodes with the shipped drafter token for token like plain decoding."""
+"""Decoding a GGUF in the k-quant types from the float32 dequantization of its matrices (the path of
+every type the block kernel lacks): a Q4_K_M-like tiny model gives plain decoding's greedy tokens under
+DFlash and DDTree, alone and in a batch; the embedded SmolLM2 requantized to Q4_K_M by llama.cpp (when
+llama-cpp-python is installed; its 576-wide rows are not whole 256-weight super-blocks, so llama.cpp
+writes most matrices as Q5_0 / Q5_1 instead) decodes with the shipped drafter token for token like plain
+decoding. The same model through the block kernel: tests/integration/test_cpu_kquant_blocks.py."""
 
 from __future__ import annotations
 
@@ -9,33 +11,23 @@ import ctypes
 import importlib.util
 
 import pytest
-import torch
-from gguf import GGMLQuantizationType as QT
 
 from flashtree import LLM, SamplingParams
 from flashtree.models.loader import resolve_model_dir
 from tests.dflash_helpers import save_tiny_drafter
-from tests.support.checkpoints import isolated_cache, tiny_model, write_tiny_gguf  # noqa: F401 (autouse fixture)
-from tests.support.kquants import kquant_overrides
+from tests.support.checkpoints import isolated_cache  # noqa: F401 (autouse fixture)
+from tests.support.kquants import q4_k_m_gguf
 
 PROMPTS = [[1, 5, 7], list(range(3, 20)), [9, 9, 9, 4], [30, 2, 60, 61, 62]]
-Q4_K_M = {"attn_v": QT.Q6_K, "ffn_down": QT.Q6_K, "output": QT.Q6_K}  # the rest Q4_K, as llama.cpp mixes it
 
 
-def test_q4_k_m_speculation_equals_plain(tmp_path):
-    model = tiny_model("qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                       num_key_value_heads=2, num_hidden_layers=3)
-    with torch.no_grad():  # as tiny_gguf's: meaningful argmax decisions
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-            else:
-                p.fill_(1.0) if "norm" in name else p.normal_(0, 0.1)
-    path = tmp_path / "tiny-q4_k_m.gguf"
-    write_tiny_gguf(path, model, QT.F32, raw_overrides=kquant_overrides(model, Q4_K_M, QT.Q4_K, encode=True))
-    engine = dict(device="cpu", max_running=4, max_context=96, prefill_chunk=8, adaptive_spec=False)
+def test_q4_k_m_float32_products_speculation_equals_plain(tmp_path):
+    path = q4_k_m_gguf(tmp_path / "tiny-q4_k_m.gguf")
+    engine = dict(device="cpu", max_running=4, max_context=96, prefill_chunk=8, adaptive_spec=False,
+                  quant_kernels=False)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = LLM(str(path), **engine)
+    assert plain.engine.model.lm_head_quant is None
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert len({tuple(t) for t in expected}) == len(PROMPTS)  # the prompts lead somewhere different
     assert [plain.generate([p], params)[0].token_ids for p in PROMPTS] == expected

@@ -163,10 +163,10 @@ def write_tiny_gguf(
 
 # ----------------------------------------------------------------------------- GGUF models for the CPU kernel
 
-def tiny_gguf(path, model_type="llama", tied=True, seed=0, layer_type=QT.Q4_1):
-    """A tiny model as llama.cpp writes it: Q4_1 layers (or ``layer_type``), the (tied) embedding Q8_0."""
-    model = tiny_model(model_type, seed=seed, tie_word_embeddings=tied, num_hidden_layers=3)
-    with torch.no_grad():  # less flat than N(0, 1) everywhere: meaningful argmax decisions
+def decisive_weights(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """``model`` with weights less flat than N(0, 1) everywhere, for meaningful argmax decisions:
+    matrices N(0, 0.2), biases N(0, 0.1), norms 1."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
@@ -174,6 +174,12 @@ def tiny_gguf(path, model_type="llama", tied=True, seed=0, layer_type=QT.Q4_1):
                 p.normal_(0, 0.1)
             else:
                 p.fill_(1.0)
+    return model
+
+
+def tiny_gguf(path, model_type="llama", tied=True, seed=0, layer_type=QT.Q4_1):
+    """A tiny model as llama.cpp writes it: Q4_1 layers (or ``layer_type``), the (tied) embedding Q8_0."""
+    model = decisive_weights(tiny_model(model_type, seed=seed, tie_word_embeddings=tied, num_hidden_layers=3))
     embedding = model.model.embed_tokens.weight.detach().float().numpy()
     overrides = {"token_embd.weight": (gguf.quants.quantize(embedding, QT.Q8_0), QT.Q8_0)}
     write_tiny_gguf(path, model, layer_type, raw_overrides=overrides)

@@ -1,4 +1,5 @@
-"""Checks that compare the CPU kernel library's AVX2 build with the build this CPU picks."""
+"""Checks and references shared by the CPU block kernel's tests: its AVX2 build against the build this CPU
+picks, a row's bits alone and in a batch, and the int8 activations' rounding."""
 
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ def assert_rows_independent_of_the_call(holder: QuantizedLinear, x: torch.Tensor
         assert torch.equal(holder(x[:rows], bias), alone[:rows]), rows
     middle = slice(len(x) // 2 - 2, len(x) - 1)
     assert torch.equal(holder(x[middle], bias), alone[middle])
+
+
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernel rounds it for int8 activations, ``q * d`` per 32 values (float64, exact)."""
+    blocks = x.reshape(x.shape[0], -1, 32)  # [M, B, 32]
+    scale = blocks.abs().amax(dim=-1) / 127  # [M, B] (float32, as the kernel divides)
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(blocks * inverse[..., None])  # ties to even, like the kernel's conversion
+    return (q.double() * scale.double()[..., None]).reshape(x.shape)

@@ -13,6 +13,14 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from tests.support.checkpoints import (
+    decisive_weights,
+    gguf_name,
+    state_dict,
+    tiny_model,
+    write_tiny_gguf,
+)
+
 QK_K = 256  # weights per k-quant super-block
 
 # byte offsets of each type's fp16 scale fields in its block (ggml's block_* structs)
@@ -148,8 +156,6 @@ def kquant_overrides(model, qtypes: dict[str, QT], default: QT, seed: int = 0,
     """Blocks for every matrix of ``model`` (``write_tiny_gguf``'s raw_overrides), of the type
     ``qtypes`` gives its GGUF part (``attn_v``, ``ffn_down``, ``output``, ``token_embd`` ...), else
     ``default``: the model's own weights encoded (``encode``, Q4_K / Q6_K), else random blocks."""
-    from tests.support.checkpoints import gguf_name, state_dict
-
     rng = np.random.default_rng(seed)
     overrides = {}
     for hf_name, tensor in state_dict(model).items():
@@ -160,3 +166,15 @@ def kquant_overrides(model, qtypes: dict[str, QT], default: QT, seed: int = 0,
         blocks = ENCODERS[qtype](tensor.float().numpy()) if encode else scaled_random_blocks(*tensor.shape, qtype, rng)
         overrides[name] = (blocks, qtype)
     return overrides
+
+
+Q4_K_M = {"attn_v": QT.Q6_K, "ffn_down": QT.Q6_K, "output": QT.Q6_K}  # the rest Q4_K, as llama.cpp mixes it
+
+
+def q4_k_m_gguf(path, tied: bool = False):
+    """A tiny qwen2 (rows of 256 and 512 weights: whole super-blocks) written as a Q4_K_M-mix GGUF, its
+    own decisive weights encoded; returns ``path``."""
+    model = decisive_weights(tiny_model("qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                        num_key_value_heads=2, num_hidden_layers=3, tie_word_embeddings=tied))
+    write_tiny_gguf(path, model, QT.F32, raw_overrides=kquant_overrides(model, Q4_K_M, QT.Q4_K, encode=True))
+    return path

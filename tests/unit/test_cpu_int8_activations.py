@@ -21,6 +21,7 @@ from tests.support.checkpoints import holders, isolated_cache, tiny_gguf  # noqa
 from tests.support.cpu_builds import (
     assert_avx2_build_gives_the_same_bits,
     assert_rows_independent_of_the_call,
+    rounded_rows,
 )
 
 AVAILABLE, WHY = kernels_available()
@@ -35,15 +36,6 @@ def random_blocks(rows: int, cols: int, type_name: str, seed: int) -> tuple[torc
     data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     dense = np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(rows, cols)
     return torch.from_numpy(np.array(data).reshape(rows, -1)), torch.from_numpy(dense)
-
-
-def rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernel rounds it, ``q * d`` per 32-value block (float64, exact)."""
-    blocks = x.reshape(x.shape[0], -1, 32)  # [M, B, 32]
-    scale = blocks.abs().amax(dim=-1) / 127  # [M, B] (float32, as the kernel divides)
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(blocks * inverse[..., None])  # ties to even, like the kernel's conversion
-    return (q.double() * scale.double()[..., None]).reshape(x.shape)
 
 
 def block_slack(blocks: torch.Tensor, type_name: str, cols: int) -> torch.Tensor:

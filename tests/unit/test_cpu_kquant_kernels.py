@@ -20,6 +20,7 @@ from flashtree.kernels.cpu.quant_linear import BLOCK_TYPES, QuantizedLinear
 from tests.support.cpu_builds import (
     assert_avx2_build_gives_the_same_bits,
     assert_rows_independent_of_the_call,
+    rounded_rows,
 )
 from tests.support.kquants import (
     decode_q4_k,
@@ -42,15 +43,6 @@ def blocks_and_weights(rows: int, cols: int, type_name: str, seed: int) -> tuple
     raw = random_blocks(rows, cols, qtype, np.random.default_rng(seed), scale=0.05)
     dense = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(rows, cols)
     return torch.from_numpy(raw), torch.from_numpy(dense)
-
-
-def rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernel rounds it for int8 activations, ``q * d`` per 32 values (float64, exact)."""
-    blocks = x.reshape(x.shape[0], -1, 32)  # [M, B, 32]
-    scale = blocks.abs().amax(dim=-1) / 127  # [M, B] (float32, as the kernel divides)
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(blocks * inverse[..., None])  # ties to even, like the kernel's conversion
-    return (q.double() * scale.double()[..., None]).reshape(x.shape)
 
 
 def _fp16(raw: torch.Tensor, at: int) -> torch.Tensor:
