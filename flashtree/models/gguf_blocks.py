@@ -61,6 +61,12 @@ def _source_key(source: dict) -> list:
     return [source.get("path"), source.get("size"), source.get("mtime_ns")]
 
 
+def source_unchanged(source: dict) -> bool:
+    """The GGUF a conversion's source record names is still there, the same size and modification time."""
+    path = Path(source.get("path") or "")
+    return path.is_file() and path.stat().st_size == source.get("size") and path.stat().st_mtime_ns == source.get("mtime_ns")
+
+
 class StoredMatrix(NamedTuple):
     """One quantized matrix of a GGUF: its type, size, and how to read its raw blocks."""
 
@@ -89,8 +95,7 @@ def load_blocks(model_dir: Path, source: dict, architecture: str, heads: int, kv
     import gguf
 
     gguf_path = Path(source["path"])
-    if not gguf_path.is_file() or gguf_path.stat().st_size != source.get("size") \
-            or gguf_path.stat().st_mtime_ns != source.get("mtime_ns"):
+    if not source_unchanged(source):
         raise KernelUnavailable(f"{gguf_path} changed or is gone since it was converted")
     raw = gguf_blocks(gguf.GGUFReader(str(gguf_path)), architecture, heads, kv_heads)
     try:

@@ -29,7 +29,12 @@ from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.embedded import EMBEDDED_MODELS, embedded_gguf_path
 from flashtree.models.fp8 import check_quantization
-from flashtree.models.gguf_experts import ExpertMatrix, WeightsWithExperts, expert_matrices
+from flashtree.models.gguf_blocks import source_unchanged
+from flashtree.models.gguf_experts import (
+    ExpertMatrix,
+    WeightsWithExperts,
+    expert_matrices,
+)
 
 if TYPE_CHECKING:
     import transformers
@@ -166,8 +171,8 @@ def load_model_dir(directory: Path, *, random_weights: bool = False) -> Checkpoi
 def source_gguf_experts(source: dict[str, Any], directory: Path) -> dict[str, ExpertMatrix]:
     """The expert matrices of the GGUF a conversion came from (gguf_experts.py), which must be the
     same file (path, size, modification time) still."""
-    path = Path(source.get("path", ""))
-    if not path.is_file() or path.stat().st_size != source.get("size") or path.stat().st_mtime_ns != source.get("mtime_ns"):
+    path = Path(source.get("path") or "")
+    if not source_unchanged(source):
         raise CheckpointError(f"{directory}: its experts are read from {path}, which is gone or changed since the "
                               f"conversion; load the .gguf file itself again")
     return expert_matrices(path)
