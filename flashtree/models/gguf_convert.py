@@ -49,6 +49,7 @@ import torch
 from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.config import ModelConfig
 from flashtree.models.gguf_blocks import gguf_blocks, save_blocks
+from flashtree.models.gguf_experts import EXPERT_PROJECTIONS, expert_tensor_names
 from flashtree.models.gguf_layout import unpermute_for_hf
 from flashtree.paths import cache_root as default_cache_root
 
@@ -62,8 +63,8 @@ _MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # GGUF architecture -> Hugging Face mo
 _SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func for a softmax over the router logits
 # what gguf-py dequantizes (its numpy implementations follow ggml's): the float types, the legacy
 # 32-weight blocks, the k-quants of 256-weight super-blocks (Q4_K_M files mix Q4_K and Q6_K) and the
-# non-linear 4-bit codebooks; the CPU block kernel runs Q4_0 / Q4_1 / Q8_0 (gguf_blocks.py), the rest
-# compute from their float32 dequantization
+# non-linear 4-bit codebooks; on the CPU the types of quant_linear.BLOCK_TYPES run from their blocks
+# (gguf_blocks.py), the rest from their float32 dequantization
 SUPPORTED_TENSOR_TYPES = tuple(
     gguf.GGMLQuantizationType[name] for name in (
         "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -93,8 +94,6 @@ _BLOCK_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
-# a MoE layer's experts, stacked in one tensor [experts, rows, columns] each; split per expert
-_EXPERT_TENSOR_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -212,16 +211,6 @@ def converted_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path
         yield hf_tensor_name(tensor.name, gguf_path), torch.from_numpy(array)
 
 
-def expert_tensor_names(gguf_name: str) -> str | None:
-    """``blk.3.ffn_gate_exps.weight`` -> ``model.layers.3.mlp.experts.{expert}.gate_proj.weight`` (a
-    format string over the expert), or None for a tensor that is not a MoE layer's experts."""
-    match = _BLOCK_TENSOR.match(gguf_name)
-    if match is None or match.group(2) not in _EXPERT_TENSOR_NAMES or match.group(3) != "weight":
-        return None
-    layer, part, _ = match.groups()
-    return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERT_TENSOR_NAMES[part]}.weight"
-
-
 def _architecture(reader: gguf.GGUFReader, gguf_path: Path) -> str:
     arch = _metadata(reader, "general.architecture", gguf_path)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -259,7 +248,7 @@ def hf_tensor_name(gguf_name: str, gguf_path: Path) -> str:
         return f"{_GLOBAL_TENSOR_NAMES[match.group(1)]}.{match.group(2)}"
     raise CheckpointError(
         f"{gguf_path}: tensor {gguf_name!r} has no Hugging Face equivalent; known: "
-        f"{', '.join(_GLOBAL_TENSOR_NAMES)}, blk.N.{{{','.join([*_BLOCK_TENSOR_NAMES, *_EXPERT_TENSOR_NAMES])}}}, "
+        f"{', '.join(_GLOBAL_TENSOR_NAMES)}, blk.N.{{{','.join([*_BLOCK_TENSOR_NAMES, *EXPERT_PROJECTIONS])}}}, "
         f"rope_freqs"
     )
 

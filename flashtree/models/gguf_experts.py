@@ -12,12 +12,13 @@ rows from the GGUF on demand:
 - :class:`WeightsWithExperts`: a checkpoint's weights mapping whose expert entries are dequantized
   to float32 (gguf-py, as the converter would) only when read, one at a time, so a model built on
   a GPU never holds more than one float32 expert on the host;
-- on the CPU in float32, experts of Q4_0 / Q4_1 / Q8_0 compute from their raw blocks
-  (``quantized_weights.py``), and no float32 copy of them is ever made.
+- on the CPU in float32, experts of the types the block kernel runs (``BLOCK_TYPES``) compute from
+  their raw blocks (``quantized_weights.py``), and no float32 copy of them is ever made.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -29,6 +30,17 @@ from flashtree.errors import CheckpointError
 
 # stacked expert tensors -> the per-expert projection they hold
 EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight$")
+
+
+def expert_tensor_names(gguf_name: str) -> str | None:
+    """``blk.3.ffn_gate_exps.weight`` -> ``model.layers.3.mlp.experts.{expert}.gate_proj.weight`` (a
+    format string over the expert), or None for a tensor that is not a MoE layer's experts."""
+    match = _EXPERT_TENSOR.match(gguf_name)
+    if match is None:
+        return None
+    layer, part = match.groups()
+    return f"model.layers.{layer}.mlp.experts.{{expert}}.{EXPERT_PROJECTIONS[part]}.weight"
 
 
 class ExpertMatrix(NamedTuple):
@@ -82,13 +94,13 @@ def expert_matrices(gguf_path: Path) -> dict[str, ExpertMatrix]:
 
     found = {}
     for tensor in gguf.GGUFReader(str(gguf_path)).tensors:
-        parts = tensor.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in EXPERT_PROJECTIONS or parts[3] != "weight":
+        names = expert_tensor_names(tensor.name)
+        if names is None:
             continue
         experts, rows, columns = (int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest first
         row_bytes = int(tensor.n_bytes) // (experts * rows)
         for expert in range(experts):
-            name = f"model.layers.{parts[1]}.mlp.experts.{expert}.{EXPERT_PROJECTIONS[parts[2]]}.weight"
+            name = names.format(expert=expert)
             offset = int(tensor.data_offset) + expert * rows * row_bytes
             found[name] = ExpertMatrix(Path(gguf_path), tensor.tensor_type.name, offset, rows, columns, row_bytes)
     return found
