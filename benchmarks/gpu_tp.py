@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 import tempfile
@@ -149,6 +150,7 @@ def run_shape(name: str, target: Path, drafter: Path, args) -> list[dict]:
             if getattr(engine, "executor", None) is not None:
                 engine.executor.close()
             del engine
+            gc.collect()  # (frees what a reference cycle would keep until the next collection)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     add_scaling(rows)

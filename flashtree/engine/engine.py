@@ -103,7 +103,7 @@ class LLMEngine:
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)
         # requests are promised the pages the pad slot left free
         self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
-            self.pages.pool.free_pages, config.cache.page_size, self.runner.span), on_admit=self._admitted,
+            self.pages.pool.free_pages, config.cache.page_size, self.runner.span),
             device_type=self.device.type)
         graph_tokens = kernels.cuda_graph_max_tokens if self.runner.graphs is not None else None
         self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
@@ -263,7 +263,10 @@ class LLMEngine:
         started = time.perf_counter()
         if started - self._last_step_end > IDLE_GAP_S:  # the engine sat idle before this step
             self._untimed_round = True
-        scheduled = self.scheduler.schedule()
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._admitted(admitted)
+        scheduled = self.scheduler.plan()
         events: list[StepEvent] = []
         self.last_round_nodes = None
         round_s = prefill_s = None
@@ -306,7 +309,7 @@ class LLMEngine:
         self._last_round_end = time.perf_counter()
         self.lag.after_round(launched.rows, launched.nodes)
         if catches_up:  # the queued round's catch-up projects them all
-            self.lag.caught_up(launched.rows)
+            self._caught_up(launched.rows)
         wall = self._last_round_end - started
         # (an eager round with grammar work says little about the graphed rounds the policy weighs)
         untimed = untimed or result.captured_graph or (launched.constrained and self.runner.graphs is not None)
@@ -400,7 +403,7 @@ class LLMEngine:
         if not behind:
             return False
         captured = self.runner.catch_up_drafter(behind)
-        self.lag.caught_up(behind)
+        self._caught_up(behind)
         return captured
 
     def _admitted(self, rows: list[Request]) -> None:
@@ -427,13 +430,24 @@ class LLMEngine:
             self.cache.lengths[slots] = lengths
 
     def _register_prefixes(self, rows: Sequence[Request], deferred: Sequence[bool]) -> None:
-        """The prompt pages a prefill chunk completed become findable (not for rows whose drafter
-        deferred the prompt: its context K/V are not written yet)."""
+        """The prompt pages a prefill chunk completed become findable; for rows whose drafter deferred
+        the prompt (its context K/V are not written yet), at their next catch-up (:meth:`_caught_up`)."""
         if self.prefix_cache is None:
             return
         for req, was_deferred in zip(rows, deferred):
-            if not was_deferred:
+            if was_deferred:
+                req.prompt_unregistered = True
+            else:
                 self.prefix_cache.register(req.prompt_ids, req.prefilled, self.pages.pages_of(req.slot))
+
+    def _caught_up(self, rows: Sequence[Request]) -> None:
+        """The drafter has projected (or a queued catch-up will project, before any later round) every
+        deferred feature of ``rows``: deferred prompts' pages become findable."""
+        self.lag.caught_up(rows)
+        for req in rows:
+            if req.prompt_unregistered:
+                req.prompt_unregistered = False
+                self.prefix_cache.register(req.prompt_ids, len(req.prompt_ids), self.pages.pages_of(req.slot))
 
     def _start_running(self, rows: Sequence[Request], firsts: Sequence[FirstToken | None], deferred: Sequence[bool]
                        ) -> list[StepEvent]:

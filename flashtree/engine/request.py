@@ -71,6 +71,7 @@ class Request:
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
     cached_tokens: int = 0  # prompt tokens whose KV pages came from the prefix cache
+    prompt_unregistered: bool = False  # the drafter deferred the prompt: its pages join the prefix cache at the catch-up
     drafter_lag: int = 0  # tokens whose drafter features are deferred (read and written by DrafterLag only)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when params.logprobs is set

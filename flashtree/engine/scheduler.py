@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable
 from typing import NamedTuple
 
 from flashtree.config import CacheConfig, SchedulerConfig, prefill_tokens_for
@@ -56,13 +55,10 @@ class ScheduledStep(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig = CacheConfig(), pages: PageBudget | None = None,
-                 on_admit: Callable[[list[Request]], None] | None = None, device_type: str = "cpu"):
+                 device_type: str = "cpu"):
         """``pages``: the page pool's budget (None: no page limit, the slots alone limit admission);
-        ``on_admit``: called with the requests each step admits, once they have their slots and before
-        the step's prefill is chosen (the engine maps their cached prefixes there); ``device_type``:
-        where the engine runs (the prefill budget's default depends on it)."""
+        ``device_type``: where the engine runs (the prefill budget's default depends on it)."""
         self.config = dataclasses.replace(config, max_prefill_tokens=prefill_tokens_for(config, device_type))
-        self.on_admit = on_admit
         self.max_context = cache.max_context
         self.pages = pages
         self.promised = 0  # pages promised to the admitted requests
@@ -88,6 +84,13 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> ScheduledStep:
+        """:meth:`admit`, then :meth:`plan` (the engine calls them apart: it maps the admitted requests'
+        cached prefixes in between)."""
+        self.admit()
+        return self.plan()
+
+    def admit(self) -> list[Request]:
+        """Give the oldest waiting requests that fit a slot and their pages; returns them."""
         admitted = []
         while self.waiting and self.free_slots and self._fits(self.waiting[0]) and _ready(self.waiting[0]):
             req = self.waiting.popleft()
@@ -97,8 +100,10 @@ class Scheduler:
             self.active.append(req)
             self.admitted.append(req)
             admitted.append(req)
-        if admitted and self.on_admit is not None:
-            self.on_admit(admitted)
+        return admitted
+
+    def plan(self) -> ScheduledStep:
+        """This step's prefill batch and decode rows."""
         self.active.sort(key=lambda r: r.slot)
         self.admitted = [r for r in self.admitted if r.status is Status.PREFILLING]
         prefill = self._prefill_batch()

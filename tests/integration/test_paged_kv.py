@@ -106,3 +106,26 @@ def test_requests_admitted_with_a_cached_prefix_prefill_only_the_rest_in_one_ste
     later = [engine.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True)) for p in SUFFIXED[1:3]]
     engine.step()  # admission maps 40 and 36 cached tokens: 1 and 4 tokens left, one chunk each
     assert all(r.output_ids for r in later) and [r.cached_tokens for r in later] == [40, 36]
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_a_prompt_the_drafter_deferred_is_cached_once_it_caught_up(pair, method):
+    """A prompt of one prefill chunk that fits the drafter's lag is prefilled without the drafter (its
+    features wait for the next catch-up); its pages join the prefix cache at that catch-up, not
+    before (the drafter's context entries on them are written only then), with the plain tokens."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    short = [3, 9, 4, 11, 7, 2, 15, 6]  # two pages of 4, one prefill chunk
+    prompts = [short, short + [5], short[:4] + [8, 8]]
+    expected = [_llm(pair, "none", page_size=4).generate([p], params)[0].token_ids for p in prompts]
+    llm = _llm(pair, method, page_size=4, prefix_caching=True)
+    first = llm.engine.add_request(prompts[0], params)
+    llm.engine.step()  # the prefill: deferred, so nothing is findable yet
+    assert first.drafter_lag == len(short) and llm.engine.prefix_cache.cached_pages == 0
+    llm.engine.run_until_done([first])
+    got, cached = [first.output_ids], [first.cached_tokens]
+    for prompt in prompts[1:]:
+        req = llm.engine.add_request(prompt, params)
+        llm.engine.run_until_done([req])
+        got.append(req.output_ids)
+        cached.append(req.cached_tokens)
+    assert got == expected and cached == [0, 8, 4]
