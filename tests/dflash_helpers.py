@@ -385,6 +385,9 @@ class PassThroughGraphs:
     def has(self, key):
         return key in self.keys
 
+    def would_capture(self, key):
+        return not self.frozen and key not in self.keys
+
     def freeze(self):
         self.frozen = True
 

@@ -14,6 +14,8 @@ key, so callers consume them before the next call (the runner copies them to the
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Callable, Hashable, NamedTuple, Sequence
 
 import torch
@@ -40,6 +42,11 @@ class GraphCache:
     def has(self, key: Hashable) -> bool:
         """A graph for ``key`` is captured (``run`` would replay it)."""
         return key in self.graphs
+
+    def would_capture(self, key: Hashable) -> bool:
+        """``run`` with ``key`` would capture a graph now (waiting for the device); a frozen cache runs a
+        missing key eagerly instead."""
+        return not self.frozen and key not in self.graphs
 
     def freeze(self) -> None:
         """From now on, ``run`` with a key that has no graph runs ``fn`` eagerly instead of capturing."""
@@ -69,7 +76,21 @@ class GraphCache:
             fn(*static)  # warm up kernels and the allocator outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with _no_collection(), torch.cuda.graph(graph, pool=self.pool):
             output = fn(*static)
         self.pool = graph.pool()
         return _Captured(graph, static, output)
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """No garbage collection while a graph is captured: a collection there may destroy an unreachable
+    object's CUDA graph (a dropped engine's, kept by a reference cycle), a call CUDA forbids during a
+    capture, and the capture fails ("operation failed due to a previous error during capture")."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -126,17 +126,17 @@ class ModelRunner:
         for the real rows, the pad rows' unchanged). ``catch_up``: the drafter first projects every
         row's deferred features (its lag by then: one more than ``previous``'s), and the round starts
         from lag 0. The caller checked that every row has room for the token. None (nothing queued)
-        when a CUDA graph it needs is not captured yet: a capture would wait for the device."""
+        when a CUDA graph it needs would be captured now: a capture waits for the device (a frozen
+        cache runs a round with no graph eagerly, and that round is queued like any other)."""
         if previous.nodes != 0:
             raise ValueError("only a plain round's successor can be queued before its results are read")
         rows = previous.rows
         pads = self._pad_rows(len(rows))
         width = len(rows) + pads
         shape = self._shape(rows, 0, ahead=1)
-        if self.graphs is not None and not self.graphs.has((width, shape)):
-            return None
         capacity = self.proposer.lag.capacity
-        if catch_up and self.graphs is not None and not self.graphs.has(self._catch_up_key(width, capacity)):
+        if self.graphs is not None and (self.graphs.would_capture((width, shape)) or (
+                catch_up and self.graphs.would_capture(self._catch_up_key(width, capacity)))):
             return None
         self._map_pages(rows)
         step = self._plain_step(len(rows), pads)  # [8, B + pads]

@@ -137,6 +137,21 @@ def test_queued_rounds_catch_the_drafter_up_when_a_lag_fills(pair, plain, monkey
     assert sum(catch_ups) >= 8 and engine.queued_rounds >= 30  # (39 rounds after the first token)
 
 
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_rounds_with_no_graph_after_start_up_capture_are_queued_eagerly(pair, plain, method):
+    """After start-up capture the graph cache is frozen: a plain round whose graph was not captured (here:
+    none was) runs eagerly, with no capture to wait for, so it is queued like a graphed one; drafted
+    rounds and catch-ups between them keep plain decoding's tokens."""
+    llm = queued_llm(pair, method, graphed=True)
+    engine = llm.engine
+    engine.runner.graphs.freeze()
+    engine.policy = ScriptedNodes([max(engine.policy.ladder)] + [0] * 12)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    got = llm.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS[:3], params)]
+    assert engine.queued_rounds > 20 and engine.runner.graphs.eager_runs > 20 and not engine.runner.graphs.keys
+
+
 def test_queue_is_off_by_default_on_a_cpu(plain, pair):
     llm = LLM(str(pair.target), **ENGINE)
     assert not llm.engine.overlap.enabled
