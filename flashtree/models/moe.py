@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashtree.kernels.cpu import fused as cpu_fused
 from flashtree.kernels.gpu import fused as gpu_fused
 from flashtree.kernels.gpu.moe import fused_moe
 
@@ -36,6 +37,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalize = top_k, normalize
         self.gate_up: torch.Tensor | None = None  # [E, 2I, H] after fuse(): each expert's gate rows, then up rows
         self.down: torch.Tensor | None = None  # [E, H, I] after fuse()
+        self._block_table: tuple[tuple[int, int], torch.Tensor] | None = None  # (codes it was built for, [E, 4])
 
     @property
     def kernels(self):
@@ -48,7 +50,9 @@ class SparseMoE(nn.Module):
 
     @property
     def fused(self) -> bool:
-        return self.gate_up is not None
+        """fuse() ran: the experts' weights are stacked, or (GGUF block experts) each expert reads its fused
+        gate-up blocks."""
+        return self.gate_up is not None or self.experts[0].gate_up is not None
 
     @property
     def routes_on_device(self) -> bool:
@@ -80,7 +84,11 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``) for tokens ``x [T, hidden]``."""
-        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        if self.kernels is cpu_fused and x.dtype == torch.float32:  # (a row's routing never depends on the batch)
+            logits = cpu_fused.row_invariant_linear(x, self.gate.weight)  # [T, E]
+        else:
+            logits = F.linear(x, self.gate.weight)  # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -91,7 +99,26 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         if self.routes_on_device:
             return fused_moe(flat, self.gate.weight, self.gate_up, self.down, self.top_k, self.normalize).view(shape)
+        table = self.block_table()
+        if table is not None and flat.dtype == torch.float32:
+            weights, ids = self.route(flat)
+            return cpu_fused.moe_experts(flat, ids, weights, table, self.experts[0].down_quant.in_features).view(shape)
         return self.reference(flat).view(shape)
+
+    def block_table(self) -> torch.Tensor | None:
+        """With the CPU kernels and every expert's products from GGUF blocks: ``[E, 4]`` int64, each expert's
+        gate-up (code, operand) and down (code, operand), for the one-call path (``cpu_fused.moe_experts``: the
+        reference path's arithmetic, bit for bit, without a Python step per expert); else None. Rebuilt when
+        the products' codes change (int8 activations switched)."""
+        first = self.experts[0]
+        if self.kernels is not cpu_fused or first.gate_up_quant is None or first.down_quant is None:
+            return None
+        codes = (first.gate_up_quant.kernel_code, first.down_quant.kernel_code)
+        if self._block_table is None or self._block_table[0] != codes:
+            rows = [[e.gate_up_quant.kernel_code, e.gate_up_quant.kernel_operand, e.down_quant.kernel_code,
+                     e.down_quant.kernel_operand] for e in self.experts]
+            self._block_table = codes, torch.tensor(rows, dtype=torch.int64)
+        return self._block_table[1]
 
     def reference(self, flat: torch.Tensor) -> torch.Tensor:
         """The experts one after another on the tokens routed to them: ``[T, hidden]`` -> ``[T, hidden]``."""

@@ -82,3 +82,21 @@ def test_cpu_experts_compute_from_their_blocks(tmp_path, hf_model, qtype):
     for spec, budget in (("dflash", None), ("ddtree", 8)):
         tree = LLM(str(path), spec=spec, draft=str(drafter), budget=budget, **engine)
         assert [o.token_ids for o in tree.generate(PROMPTS, params)] == expected, spec
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [True, False])
+def test_the_one_call_moe_layer_is_the_per_expert_path_bit_for_bit(tmp_path, hf_model, int8):
+    """On GGUF experts the CPU kernels run a MoE layer's routed experts in one C++ call
+    (``cpu_fused.moe_experts``): bit-identical to the per-expert path (``SparseMoE.reference``) for one
+    row, a few and a tree's worth, and each row's result is the one it gets alone."""
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(path, hf_model, QT.Q4_0)
+    llm = LLM(str(path), device="cpu", max_running=2, max_context=64, int8_activations=int8)
+    moe = llm.engine.model.model.layers[2].mlp
+    assert moe.block_table() is not None
+    x = torch.randn(17, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    for rows in (1, 5, 17):
+        assert torch.equal(moe(x[:rows]), moe.reference(x[:rows]))
+    alone = torch.cat([moe(x[i:i + 1]) for i in range(17)])
+    assert torch.equal(moe(x), alone)

@@ -65,6 +65,34 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x ``[T, K]`` @ weight ``[N, K]``^T, float32, each output one dot product over K in order: a row's
+    result does not depend on T (a MoE router's logits; torch's product does not promise that)."""
+    x, weight = x.contiguous(), weight.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    load_kernels().flashtree_row_invariant_linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                                                  weight.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                intermediate: int) -> torch.Tensor:
+    """One sparse-MoE layer's routed experts in one call (kernels.cpp ``flashtree_moe_experts``): x ``[T, H]``
+    float32, ids ``[T, k]`` int64 and weights ``[T, k]`` float32 (each row's experts and weights), experts
+    ``[E, 4]`` int64 (gate-up code and operand, down code and operand of each expert's block products) ->
+    ``[T, H]``: the sum over each row's experts, in ascending expert order, of weight * down(silu(gate) * up)."""
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    out = torch.empty_like(x)
+    tokens, hidden = x.shape
+    status = load_kernels().flashtree_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                                                  experts.data_ptr(), out.data_ptr(), tokens, ids.shape[-1],
+                                                  experts.shape[0], hidden, intermediate, torch.get_num_threads())
+    if status:
+        raise ValueError(f"the MoE kernel refused {tokens} rows of {hidden} with experts {ids.unique().tolist()} "
+                         f"of {experts.shape[0]}")
+    return out
+
+
 def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: torch.Tensor | None, eps: float,
                         cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -825,6 +825,64 @@ int flashtree_block_gemm(int code, const float* x, const uint8_t* w, const float
   return block_gemm(code, x, w, bias, y, M, N, K, N, threads);
 }
 
+// y [M, N] = x [M, K] . w [N, K]^T in float32, each output one dot_product over K in order: a row's result
+// never depends on M (a MoE router's logits: torch's product picks its kernel, and its sums, by M).
+void flashtree_row_invariant_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                                    int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M * N >= 256)
+  for (int64_t i = 0; i < M * N; ++i) y[i] = dot_product(x + i / N * K, w + i % N * K, K);
+}
+
+// The routed experts of one sparse-MoE layer in one call (models/moe.py): x [T, hidden] (the normed
+// input), ids / weights [T, k] (each row's experts and their weights), experts [E, 4] (per expert: gate-up
+// code and operand, down code and operand, as flashtree_block_gemm takes them); out [T, hidden]. Each
+// expert some row chose runs, in ascending expert order, on its rows gathered into one block: the gate-up
+// product, silu * up, the down product; then each of its rows gets out[t] += y * weight, the product
+// rounded before the sum (asm barrier: never contracted into an fma). The same functions and the same
+// order as the per-expert path, so the results are bit-identical to it. Returns 1 for an expert id out of
+// range or a product the kernel refuses.
+int flashtree_moe_experts(const float* x, const int64_t* ids, const float* weights, const int64_t* experts, float* out,
+                          int64_t T, int64_t k, int64_t num_experts, int64_t hidden, int64_t inter, int threads) {
+  std::vector<int64_t> start(num_experts + 1, 0);
+  for (int64_t i = 0; i < T * k; ++i) {
+    if (ids[i] < 0 || ids[i] >= num_experts) return 1;
+    ++start[ids[i] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> routed(T * k), fill(start.begin(), start.end() - 1);  // (row * k + rank) by expert
+  for (int64_t i = 0; i < T * k; ++i) routed[fill[ids[i]]++] = i;
+  int64_t widest = 0;
+  for (int64_t e = 0; e < num_experts; ++e) widest = std::max(widest, start[e + 1] - start[e]);
+  std::vector<float> rows(widest * hidden), gate_up(widest * 2 * inter), act(widest * inter), y(widest * hidden);
+  std::fill(out, out + T * hidden, 0.0f);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const int64_t* entry = routed.data() + start[e];
+    for (int64_t j = 0; j < n; ++j)
+      memcpy(rows.data() + j * hidden, x + entry[j] / k * hidden, hidden * sizeof(float));
+    const int64_t* f = experts + 4 * e;
+    if (flashtree_block_gemm((int)f[0], rows.data(), (const uint8_t*)f[1], nullptr, gate_up.data(), n, 2 * inter,
+                             hidden, threads))
+      return 1;
+    flashtree_silu_mul(gate_up.data(), act.data(), n, inter);
+    if (flashtree_block_gemm((int)f[2], act.data(), (const uint8_t*)f[3], nullptr, y.data(), n, hidden, inter,
+                             threads))
+      return 1;
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = weights[entry[j]];
+      float* o = out + entry[j] / k * hidden;
+      const float* yj = y.data() + j * hidden;
+      for (int64_t h = 0; h < hidden; ++h) {
+        float product = yj[h] * w;
+        asm("" : "+x"(product));
+        o[h] += product;
+      }
+    }
+  }
+  return 0;
+}
+
 // The decoder layers of a forward in one call (see layer_stack.py; T = rows x new tokens): for each
 // layer, attention of the normed input h (qkv block product, q/k norm + rotary + KV write, tree
 // attention, o product), the fused residual add + norm, the MLP (gate-up product, silu * up, down
