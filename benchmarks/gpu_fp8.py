@@ -18,11 +18,12 @@ FP8 DDTree greedy tokens (the exact mode).
 3. lossless: FP8 plain vs FP8 DDTree-``--budget`` greedy tokens on ``--prompts`` random prompts in the exact
    mode (bf16 needs it: row-invariant attention and LM head), the target loaded once and shared, the drafter
    the z-lab Qwen3-8B-DFlash shape with random weights (it matches little: the check is that verified trees
-   give plain tokens).
+   give plain tokens); then the same with random bf16 weights (``lossless_bf16_weights``: the exact mode alone).
 The JSON is written after each part.
 """
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -367,6 +368,14 @@ def main() -> None:
         result["lossless"] = lossless(target, common, drafter, args, shape["vocab_size"])
         print(json.dumps(result["lossless"]), flush=True)
         save()
+        del target
+        _free(device)
+        # the same check with bf16 weights at the same shape: tells an FP8 product's fault from the exact mode's
+        bf16 = load_target(EngineConfig.of(model=str(write_config(workdir / "bf16", shape)), random_weights=True,
+                                           **common), torch.device(device), dtype)
+        result["lossless_bf16_weights"] = lossless(bf16, common, drafter, args, shape["vocab_size"])
+        print("bf16 weights:", json.dumps(result["lossless_bf16_weights"]), flush=True)
+        save()
     print(f"wrote {args.out}")
 
 
@@ -380,6 +389,7 @@ def _triton_version() -> str | None:
 
 
 def _free(device: str) -> None:
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
 

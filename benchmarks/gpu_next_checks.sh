@@ -8,7 +8,8 @@
 # CALL=1 (~9 min): test_fused_kernels, test_fp8_gemm (its every-tile check decides whether the FP8 tile table is
 #   row-invariant on this GPU), then the rest of tests/gpu but the exact mode's.
 # CALL=2 (~8 min): exact vs fast rounds on the Qwen3-8B shape (#29 cost targets 1.10x / 1.15x at batch 1 / 32),
-#   and the FP8 step against bf16 (#38: <= 0.6x at batch 1) with FP8 plain == FP8 DDTree-16 tokens.
+#   and the FP8 step against bf16 (#38: <= 0.6x at batch 1) with FP8 plain == FP8 DDTree-16 tokens, and the same
+#   token check with bf16 weights (lossless_bf16_weights: whether the exact mode or the FP8 product breaks it).
 # CALL=3 (~6 min): tensor parallelism at size 1 against the pre-TP code (#32 <= 1%): needs 164d528's flashtree/
 #   unpacked at /tmp/pre-tp (git archive 164d528 flashtree > .old/device/pre-tp.tar; carry .old/device).
 set -uo pipefail
@@ -31,7 +32,7 @@ case "${CALL:-1}" in
         --no-profile --tree-budgets "" --exact --out "$OUT/gpu_rounds_exact.json" 2>&1 | tail -9
     timeout 110 python benchmarks/gpu_rounds.py --methods none,dflash,ddtree:16,ddtree:64 --batches 1,32 --steps 20 \
         --no-profile --tree-budgets "" --out "$OUT/gpu_rounds_fast.json" 2>&1 | tail -9
-    timeout 300 python benchmarks/gpu_fp8.py --workdir /tmp/flashtree-fp8 --out "$OUT/gpu_fp8_qwen3_8b_shape.json" 2>&1 | tail -12 ;;
+    timeout 330 python benchmarks/gpu_fp8.py --workdir /tmp/flashtree-fp8 --out "$OUT/gpu_fp8_qwen3_8b_shape.json" 2>&1 | tail -12 ;;
   3)
     mkdir -p /tmp/pre-tp && tar -xf .old/device/pre-tp.tar -C /tmp/pre-tp
     timeout 200 env PYTHONPATH=/tmp/pre-tp python benchmarks/gpu_tp.py --tp 1 --out /tmp/gpu_tp_before.json 2>&1 | tail -4
