@@ -37,7 +37,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalize = top_k, normalize
         self.gate_up: torch.Tensor | None = None  # [E, 2I, H] after fuse(): each expert's gate rows, then up rows
         self.down: torch.Tensor | None = None  # [E, H, I] after fuse()
-        self._block_table: tuple[tuple[int, int], torch.Tensor] | None = None  # (codes it was built for, [E, 4])
+        self._kernel_table: tuple | None = None  # (the codes it was built for, the table, what it points to)
 
     @property
     def kernels(self):
@@ -84,11 +84,9 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``) for tokens ``x [T, hidden]``."""
-        if self.kernels is cpu_fused and x.dtype == torch.float32:  # (a row's routing never depends on the batch)
-            logits = cpu_fused.row_invariant_linear(x, self.gate.weight)  # [T, E]
-        else:
-            logits = F.linear(x, self.gate.weight)  # [T, E]
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        if self.kernels is cpu_fused and x.dtype == torch.float32:  # (the one-call path's router: a row's
+            return cpu_fused.moe_route(x, self.gate.weight, self.top_k, self.normalize)  # routing never depends on T)
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -99,26 +97,30 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         if self.routes_on_device:
             return fused_moe(flat, self.gate.weight, self.gate_up, self.down, self.top_k, self.normalize).view(shape)
-        table = self.block_table()
+        table = self.kernel_table()
         if table is not None and flat.dtype == torch.float32:
-            weights, ids = self.route(flat)
-            return cpu_fused.moe_experts(flat, ids, weights, table, self.experts[0].down_quant.in_features).view(shape)
+            return cpu_fused.moe_layer(flat, table).view(shape)
         return self.reference(flat).view(shape)
 
-    def block_table(self) -> torch.Tensor | None:
-        """With the CPU kernels and every expert's products from GGUF blocks: ``[E, 4]`` int64, each expert's
-        gate-up (code, operand) and down (code, operand), for the one-call path (``cpu_fused.moe_experts``: the
-        reference path's arithmetic, bit for bit, without a Python step per expert); else None. Rebuilt when
-        the products' codes change (int8 activations switched)."""
+    def kernel_table(self) -> torch.Tensor | None:
+        """With the CPU kernels and every expert's products from GGUF blocks: the layer's operands for the
+        one-call path (``cpu_fused.moe_layer``, also what the layer stack runs: the reference path's arithmetic,
+        bit for bit, without a Python step per expert), ``[6]`` int64: the router's weight, a ``[E, 4]`` table of
+        each expert's gate-up (code, operand) and down (code, operand), E, k, normalize, the experts' width;
+        else None. Rebuilt when the products' codes change (int8 activations switched)."""
         first = self.experts[0]
         if self.kernels is not cpu_fused or first.gate_up_quant is None or first.down_quant is None:
             return None
         codes = (first.gate_up_quant.kernel_code, first.down_quant.kernel_code)
-        if self._block_table is None or self._block_table[0] != codes:
-            rows = [[e.gate_up_quant.kernel_code, e.gate_up_quant.kernel_operand, e.down_quant.kernel_code,
-                     e.down_quant.kernel_operand] for e in self.experts]
-            self._block_table = codes, torch.tensor(rows, dtype=torch.int64)
-        return self._block_table[1]
+        if self._kernel_table is None or self._kernel_table[0] != codes:
+            experts = torch.tensor([[e.gate_up_quant.kernel_code, e.gate_up_quant.kernel_operand,
+                                     e.down_quant.kernel_code, e.down_quant.kernel_operand] for e in self.experts],
+                                   dtype=torch.int64)  # [E, 4]
+            router = self.gate.weight.detach().contiguous()  # [E, H] float32
+            table = torch.tensor([router.data_ptr(), experts.data_ptr(), len(self.experts), self.top_k,
+                                  int(self.normalize), first.down_quant.in_features], dtype=torch.int64)
+            self._kernel_table = codes, table, (router, experts)  # (the operands stay alive with the table)
+        return self._kernel_table[1]
 
     def reference(self, flat: torch.Tensor) -> torch.Tensor:
         """The experts one after another on the tokens routed to them: ``[T, hidden]`` -> ``[T, hidden]``."""

@@ -325,6 +325,13 @@ class FusedKernelSwitch:
             layer.self_attn.fused_attention = attention
 
 
+def _stack_mlp(mlp: nn.Module) -> tuple:
+    """A layer's MLP as :class:`LayerWeights` takes it: (gate_up, down, moe)."""
+    if isinstance(mlp, SparseMoE):
+        return None, None, mlp.kernel_table()
+    return mlp.gate_up_quant, mlp.down_quant, None
+
+
 class ForwardOutput(NamedTuple):
     logits: torch.Tensor  # [B, M, vocab] float32, at the requested positions
     hidden: torch.Tensor | None  # [B, N, len(capture_layers) * hidden], after those layers (None with a sink)
@@ -362,15 +369,15 @@ class CausalLM(FusedKernelSwitch, nn.Module):
     def use_layer_stack(self, enabled: bool = True) -> bool:
         """Run the decoder layers of CPU forwards that attend with the C++ attention in one call into the kernel
         library (``kernels/cpu/layer_stack.py``; the same values as layer by layer) where every layer
-        can: the C++ kernels on, every linear with GGUF blocks, no MoE. Returns whether it is on.
-        Call it again after the kernels or the blocks change."""
+        can: the C++ kernels on, every linear with GGUF blocks (a MoE layer's experts too). Returns whether
+        it is on. Call it again after the kernels or the blocks change."""
         self.layer_stack = None
         layers = self.model.layers
-        if not enabled or self.kernels is not cpu_fused or self.config.moe is not None:
+        if not enabled or self.kernels is not cpu_fused:
             return False
-        if not all(isinstance(layer.mlp, MLP) and None not in (
-                layer.self_attn.qkv_quant, layer.self_attn.o_quant, layer.mlp.gate_up_quant, layer.mlp.down_quant)
-                for layer in layers):
+        if not all(None not in (layer.self_attn.qkv_quant, layer.self_attn.o_quant) and (
+                layer.mlp.kernel_table() is not None if isinstance(layer.mlp, SparseMoE)
+                else None not in (layer.mlp.gate_up_quant, layer.mlp.down_quant)) for layer in layers):
             return False
         attn = layers[0].self_attn
         cfg = self.config
@@ -379,7 +386,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         self.layer_stack = LayerStack([LayerWeights(
             layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
             layer.self_attn.qk_norm_weight, layer.self_attn.qkv_bias, layer.self_attn.qkv_quant,
-            layer.self_attn.o_quant, layer.mlp.gate_up_quant, layer.mlp.down_quant) for layer in layers], dims)
+            layer.self_attn.o_quant, *_stack_mlp(layer.mlp)) for layer in layers], dims)
         return True
 
     def setup_rope(self, max_positions: int) -> None:

@@ -87,16 +87,36 @@ def test_cpu_experts_compute_from_their_blocks(tmp_path, hf_model, qtype):
 @needs_kernel
 @pytest.mark.parametrize("int8", [True, False])
 def test_the_one_call_moe_layer_is_the_per_expert_path_bit_for_bit(tmp_path, hf_model, int8):
-    """On GGUF experts the CPU kernels run a MoE layer's routed experts in one C++ call
-    (``cpu_fused.moe_experts``): bit-identical to the per-expert path (``SparseMoE.reference``) for one
+    """On GGUF experts the CPU kernels run a MoE layer (router and routed experts) in one C++ call
+    (``cpu_fused.moe_layer``): bit-identical to the per-expert path (``SparseMoE.reference``) for one
     row, a few and a tree's worth, and each row's result is the one it gets alone."""
     path = tmp_path / "moe.gguf"
     write_moe_gguf(path, hf_model, QT.Q4_0)
     llm = LLM(str(path), device="cpu", max_running=2, max_context=64, int8_activations=int8)
     moe = llm.engine.model.model.layers[2].mlp
-    assert moe.block_table() is not None
+    assert moe.kernel_table() is not None
     x = torch.randn(17, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
     for rows in (1, 5, 17):
         assert torch.equal(moe(x[:rows]), moe.reference(x[:rows]))
     alone = torch.cat([moe(x[i:i + 1]) for i in range(17)])
     assert torch.equal(moe(x), alone)
+
+
+@needs_kernel
+def test_the_layer_stack_runs_moe_layers_with_the_per_op_paths_tokens(tmp_path, hf_model):
+    """The C++ layer stack takes a MoE GGUF (its MoE layers through the same router and expert call as
+    the per-op path): the tokens of plain and DDTree decoding equal the per-op path's."""
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(path, hf_model, QT.Q4_0)
+    engine = dict(device="cpu", max_running=3, max_context=96, adaptive_spec=False)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    stacked = LLM(str(path), **engine)
+    assert stacked.engine.model.layer_stack is not None
+    per_op = LLM(str(path), cpu_layer_stack=False, **engine)
+    assert per_op.engine.model.layer_stack is None
+    expected = [o.token_ids for o in per_op.generate(PROMPTS, params)]
+    assert [o.token_ids for o in stacked.generate(PROMPTS, params)] == expected
+    drafter = save_tiny_drafter(resolve_model_dir(str(path)), tmp_path / "drafter", block_size=4)
+    tree = LLM(str(path), spec="ddtree", draft=str(drafter), budget=8, **engine)
+    assert tree.engine.model.layer_stack is not None
+    assert [o.token_ids for o in tree.generate(PROMPTS, params)] == expected

@@ -65,31 +65,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x ``[T, K]`` @ weight ``[N, K]``^T, float32, each output one dot product over K in order: a row's
-    result does not depend on T (a MoE router's logits; torch's product does not promise that)."""
-    x, weight = x.contiguous(), weight.contiguous()
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    load_kernels().flashtree_row_invariant_linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
-                                                  weight.shape[0], x.shape[1], torch.get_num_threads())
-    return out
+def moe_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse-MoE router (kernels.cpp ``flashtree_moe_route``): x ``[T, H]`` and the router's weight ``[E, H]``,
+    float32 -> (weights ``[T, k]`` float32, expert ids ``[T, k]`` int64, most probable first): softmax over the
+    experts, the k most probable, renormalized to sum 1 when ``normalize``. A row's routing never depends on T."""
+    x, gate = x.contiguous(), gate.contiguous()
+    ids = torch.empty(x.shape[0], top_k, dtype=torch.int64)
+    weights = torch.empty(x.shape[0], top_k, dtype=torch.float32)
+    load_kernels().flashtree_moe_route(x.data_ptr(), gate.data_ptr(), ids.data_ptr(), weights.data_ptr(), x.shape[0],
+                                       gate.shape[0], x.shape[1], top_k, int(normalize), torch.get_num_threads())
+    return weights, ids
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                intermediate: int) -> torch.Tensor:
-    """One sparse-MoE layer's routed experts in one call (kernels.cpp ``flashtree_moe_experts``): x ``[T, H]``
-    float32, ids ``[T, k]`` int64 and weights ``[T, k]`` float32 (each row's experts and weights), experts
-    ``[E, 4]`` int64 (gate-up code and operand, down code and operand of each expert's block products) ->
-    ``[T, H]``: the sum over each row's experts, in ascending expert order, of weight * down(silu(gate) * up)."""
-    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+def moe_layer(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """A sparse-MoE layer's MLP on x ``[T, H]`` float32 (kernels.cpp ``flashtree_moe_layer``: :func:`moe_route`, then
+    ``flashtree_moe_experts``); ``table``: the layer's ``[MOE_FIELDS]`` int64 (``SparseMoE.kernel_table``)."""
+    x = x.contiguous()
     out = torch.empty_like(x)
-    tokens, hidden = x.shape
-    status = load_kernels().flashtree_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
-                                                  experts.data_ptr(), out.data_ptr(), tokens, ids.shape[-1],
-                                                  experts.shape[0], hidden, intermediate, torch.get_num_threads())
-    if status:
-        raise ValueError(f"the MoE kernel refused {tokens} rows of {hidden} with experts {ids.unique().tolist()} "
-                         f"of {experts.shape[0]}")
+    if load_kernels().flashtree_moe_layer(x.data_ptr(), table.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                          torch.get_num_threads()):
+        raise ValueError(f"the MoE kernel refused {x.shape[0]} rows of {x.shape[1]}")
     return out
 
 

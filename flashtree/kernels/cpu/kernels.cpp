@@ -825,12 +825,35 @@ int flashtree_block_gemm(int code, const float* x, const uint8_t* w, const float
   return block_gemm(code, x, w, bias, y, M, N, K, N, threads);
 }
 
-// y [M, N] = x [M, K] . w [N, K]^T in float32, each output one dot_product over K in order: a row's result
-// never depends on M (a MoE router's logits: torch's product picks its kernel, and its sums, by M).
-void flashtree_row_invariant_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-                                    int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M * N >= 256)
-  for (int64_t i = 0; i < M * N; ++i) y[i] = dot_product(x + i / N * K, w + i % N * K, K);
+// A sparse-MoE router (models/moe.py): per row t of x [T, H], logits[e] = x[t] . gate[e] (one dot_product over
+// H in order, so a row's routing never depends on T), probabilities = softmax in float32 (the max subtracted,
+// expf, the sum in expert order), the k most probable experts (ties: the lower id first) into ids [T, k] in
+// falling order and their probabilities into weights [T, k], divided by their sum (in rank order) when
+// `normalize`.
+void flashtree_moe_route(const float* x, const float* gate, int64_t* ids, float* weights, int64_t T, int64_t E,
+                         int64_t H, int64_t k, int normalize, int threads) {
+  std::vector<float> logits(T * E);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T * E >= 256)
+  for (int64_t i = 0; i < T * E; ++i) logits[i] = dot_product(x + i / E * H, gate + i % E * H, H);
+  for (int64_t t = 0; t < T; ++t) {
+    float* p = logits.data() + t * E;
+    float top = p[0], sum = 0.0f;
+    for (int64_t e = 1; e < E; ++e) top = std::max(top, p[e]);
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = expf(p[e] - top));
+    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    float chosen = 0.0f;
+    for (int64_t r = 0; r < k; ++r) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+      ids[t * k + r] = best;
+      weights[t * k + r] = p[best];
+      chosen += p[best];
+      p[best] = -1.0f;  // (taken)
+    }
+    if (normalize)
+      for (int64_t r = 0; r < k; ++r) weights[t * k + r] /= chosen;
+  }
 }
 
 // The routed experts of one sparse-MoE layer in one call (models/moe.py): x [T, hidden] (the normed
@@ -883,6 +906,20 @@ int flashtree_moe_experts(const float* x, const int64_t* ids, const float* weigh
   return 0;
 }
 
+// One sparse-MoE layer's MLP on its normed input x [T, H] (the per-op path and the layer stack both call
+// it): the router, then the routed experts (flashtree_moe_route, flashtree_moe_experts). moe [MOE_FIELDS]:
+// the router's float32 weight [E, H], the experts' table [E, 4], E, k, normalize, the experts' width.
+constexpr int MOE_FIELDS = 6;
+
+int flashtree_moe_layer(const float* x, const int64_t* moe, float* out, int64_t T, int64_t H, int threads) {
+  const int64_t E = moe[2], k = moe[3];
+  std::vector<int64_t> ids(T * k);
+  std::vector<float> weights(T * k);
+  flashtree_moe_route(x, (const float*)moe[0], ids.data(), weights.data(), T, E, H, k, (int)moe[4], threads);
+  return flashtree_moe_experts(x, ids.data(), weights.data(), (const int64_t*)moe[1], out, T, k, E, H, moe[5],
+                               threads);
+}
+
 // The decoder layers of a forward in one call (see layer_stack.py; T = rows x new tokens): for each
 // layer, attention of the normed input h (qkv block product, q/k norm + rotary + KV write, tree
 // attention, o product), the fused residual add + norm, the MLP (gate-up product, silu * up, down
@@ -890,7 +927,8 @@ int flashtree_moe_experts(const float* x, const int64_t* ids, const float* weigh
 // with the same operands, so the results are bit-identical to it.
 // - layers [L * LAYER_FIELDS]: per layer the input-norm weight, the post-attention-norm weight, the
 //   qk-norm weight (or 0), the qkv bias (or 0), then (code, blocks) of qkv, o, gate-up and down (the code
-//   as flashtree_block_gemm takes it);
+//   as flashtree_block_gemm takes it); a MoE layer's gate-up code is MOE_LAYER and its next field its
+//   flashtree_moe_layer table (the down fields unused);
 // - dims: hidden, heads, kv_heads, head_dim, intermediate; scale: the attention's score scale;
 // - K of layer l at k_cache + l * layer_stride, V at v_cache + l * layer_stride (page / head /
 //   position strides as in flashtree_tree_attention);
@@ -898,6 +936,7 @@ int flashtree_moe_experts(const float* x, const int64_t* ids, const float* weigh
 //   last layer's MLP output and residual its residual (their sum is the last layer's output);
 // - capture[l] (or 0): where layer l's input goes ([T, hidden]), for l >= 1.
 constexpr int LAYER_FIELDS = 12;
+constexpr int64_t MOE_LAYER = -1;  // a MoE layer's gate-up code: its next field is its flashtree_moe_layer table
 
 int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64_t* dims, float eps,
                           float qk_eps, float scale, float* h, float* residual, float* mlp_out, float* const* capture,
@@ -938,6 +977,10 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
                              threads))
       return 1;
     flashtree_add_rms_norm(x.data(), residual, post_norm, residual, h, T, hidden, eps);
+    if (f[8] == MOE_LAYER) {
+      if (flashtree_moe_layer(h, (const int64_t*)f[9], mlp_out, T, hidden, threads)) return 1;
+      continue;
+    }
     if (flashtree_block_gemm((int)f[8], h, (const uint8_t*)f[9], nullptr, gate_up.data(), T, 2 * inter, hidden,
                              threads))
       return 1;

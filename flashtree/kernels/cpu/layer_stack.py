@@ -7,7 +7,8 @@ to ``flashtree_layer_stack`` (``kernels.cpp``), which calls the same C++ functio
 operands in the same order: the results are bit-identical to the per-op path's. It serves the
 forwards that attend with the C++ attention (at most
 :data:`~flashtree.kernels.cpu.fused.MAX_ATTENTION_NEW_TOKENS` new tokens per row, any number of rows)
-of models whose every layer holds GGUF blocks.
+of models whose every layer holds GGUF blocks; a sparse-MoE layer runs its router and routed experts
+with the function its per-op path calls (``flashtree_moe_layer``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flashtree.kernels.cpu.library import load_kernels
 from flashtree.kernels.cpu.quant_linear import QuantizedLinear
 
 LAYER_FIELDS = 12  # int64 fields per layer in the table the kernel reads (kernels.cpp)
+MOE_LAYER = -1  # a MoE layer's gate-up code in that table; its next field is the address of its MoE table
 
 
 class LayerWeights(NamedTuple):
@@ -32,8 +34,9 @@ class LayerWeights(NamedTuple):
     qkv_bias: torch.Tensor | None  # [(H + 2 KVH) * D] (Qwen2), or None
     qkv: QuantizedLinear
     o: QuantizedLinear
-    gate_up: QuantizedLinear
-    down: QuantizedLinear
+    gate_up: QuantizedLinear | None  # (None in a MoE layer)
+    down: QuantizedLinear | None
+    moe: torch.Tensor | None = None  # a MoE layer's table (``SparseMoE.kernel_table``), else None
 
 
 class LayerDims(NamedTuple):
@@ -60,11 +63,11 @@ class LayerStack:
         rows = []
         for i, w in enumerate(layers):
             input_norm, post_norm, qk_norm, qkv_bias = self._held[4 * i:4 * i + 4]
+            mlp = ([MOE_LAYER, w.moe.data_ptr(), 0, 0] if w.moe is not None else
+                   [w.gate_up.kernel_code, w.gate_up.kernel_operand, w.down.kernel_code, w.down.kernel_operand])
             rows.append([_address(input_norm), _address(post_norm), _address(qk_norm), _address(qkv_bias),
-                         w.qkv.kernel_code, w.qkv.kernel_operand, w.o.kernel_code, w.o.kernel_operand,
-                         w.gate_up.kernel_code, w.gate_up.kernel_operand, w.down.kernel_code,
-                         w.down.kernel_operand])
-        self._quants = [(w.qkv, w.o, w.gate_up, w.down) for w in layers]  # their blocks stay alive
+                         w.qkv.kernel_code, w.qkv.kernel_operand, w.o.kernel_code, w.o.kernel_operand, *mlp])
+        self._quants = [(w.qkv, w.o, w.gate_up, w.down, w.moe) for w in layers]  # their blocks stay alive
         self.table = torch.tensor(rows, dtype=torch.int64)  # [L, LAYER_FIELDS]
         self.num_layers = len(rows)
         self._dims = torch.tensor([dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate],

@@ -96,10 +96,10 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_qkv_rope_write.argtypes = [ptr] * 10 + [i64] * 5 + [ctypes.c_float] + [i64] * 3
     lib.flashtree_tree_attention.argtypes = [ptr] * 8 + [i64] * 6 + [ctypes.c_float] + [i64] * 5 + [ctypes.c_int]
     f32 = ctypes.c_float
-    lib.flashtree_moe_experts.restype = ctypes.c_int  # (models/moe.py)
-    lib.flashtree_row_invariant_linear.restype = None
-    lib.flashtree_row_invariant_linear.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
-    lib.flashtree_moe_experts.argtypes = [ptr] * 5 + [i64] * 5 + [ctypes.c_int]
+    lib.flashtree_moe_route.restype = None  # (models/moe.py)
+    lib.flashtree_moe_route.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.flashtree_moe_layer.restype = ctypes.c_int
+    lib.flashtree_moe_layer.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_int]
     lib.flashtree_layer_stack.restype = ctypes.c_int  # (layer_stack.py)
     lib.flashtree_layer_stack.argtypes = ([ptr, i64, ptr, f32, f32, f32] + [ptr] * 11 + [i64] * 4 + [ptr] * 4
                                           + [i64] * 4 + [ctypes.c_int])
