@@ -12,7 +12,10 @@ groups the tokens by expert and runs the grouped expert products on the device, 
 the engine replays MoE rounds as CUDA graphs. Otherwise (the CPU, or the Triton kernels off) the
 reference path runs the experts one after another on the tokens routed to them, which reads the
 routing on the host (one sync per MoE layer, free on a CPU); the engine then runs rounds without
-graphs. Each expert is a :class:`~flashtree.models.transformer.MLP`; :meth:`SparseMoE.fuse` stacks
+graphs. On the CPU with the C++ kernels, the router is a C++ function whose every row's routing is
+independent of the batch, and where every expert computes from GGUF blocks the whole layer (router and
+routed experts) is one C++ call with the reference path's arithmetic (:meth:`SparseMoE.kernel_table`),
+which the layer stack also runs. Each expert is a :class:`~flashtree.models.transformer.MLP`; :meth:`SparseMoE.fuse` stacks
 the experts' weights once (``gate_up [E, 2I, H]``, ``down [E, H, I]``) and leaves every expert's
 parameters as views into them, so both paths read the same memory.
 """

@@ -842,14 +842,15 @@ void flashtree_moe_route(const float* x, const float* gate, int64_t* ids, float*
     for (int64_t e = 0; e < E; ++e) sum += (p[e] = expf(p[e] - top));
     for (int64_t e = 0; e < E; ++e) p[e] /= sum;
     float chosen = 0.0f;
+    std::vector<char> taken(E, 0);
     for (int64_t r = 0; r < k; ++r) {
-      int64_t best = -1;
+      int64_t best = -1;  // (a NaN never wins a comparison: all-NaN rows take the lowest ids)
       for (int64_t e = 0; e < E; ++e)
-        if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = 1;
       ids[t * k + r] = best;
       weights[t * k + r] = p[best];
       chosen += p[best];
-      p[best] = -1.0f;  // (taken)
     }
     if (normalize)
       for (int64_t r = 0; r < k; ++r) weights[t * k + r] /= chosen;
