@@ -211,13 +211,16 @@ constexpr int ROW_GROUP = 8;  // rows of x whose accumulators share the register
 constexpr int64_t L1_X_BYTES = 32768;  // a group's rows of x stay in L1 (else the group is halved)
 constexpr int COLUMN_TILE = 4;  // weight rows (output columns) a task takes at once
 
-// Output columns worked on together by a group of M rows: one column's chain of FMAs is latency-bound
-// when few rows share it, so small groups interleave the independent chains of several columns
-// (as many as the registers hold: accumulators, decoded weights and the x vectors).
+// Output columns worked on together by a group of M rows. One or two rows stream the weight one row at a
+// time: each thread's share of the matrix is then read as one sequential stream, which the hardware
+// prefetcher follows at near the full memory bandwidth; interleaving 4 weight rows (4 short streams of about
+// 1 KB) halved what a thread read from DRAM (2-core EPYC, Q4_0 / Q8_0 [6144, 2048], one row of x: 18 GB/s
+// against 30). Three or four rows interleave two columns: their chains of FMAs are then the limit.
+// (A (row, column) pair's arithmetic does not depend on this: see dot_rows.)
 #if defined(__AVX512F__)
-template <int M> constexpr int columns_for() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+template <int M> constexpr int columns_for() { return M == 3 || M == 4 ? 2 : 1; }
 #else
-template <int M> constexpr int columns_for() { return M == 1 ? 2 : 1; }
+template <int M> constexpr int columns_for() { return 1; }
 #endif
 
 // y[r * N + c] = x[r] . W[c] + add[c] for the M <= ROW_GROUP rows of x and the C consecutive weight
