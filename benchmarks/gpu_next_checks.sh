@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
 # repository root: CALL=1|2|3 bash benchmarks/gpu_next_checks.sh OUT_DIR (every pytest log goes whole to OUT_DIR).
-# Seen on an H100 (2026-12-05): test_exact_mode (8) and test_invariant_gemm passed; test_fused_kernels and
-#   test_fp8_gemm did not finish in 65 s each (Triton compiles; no verdict); the failures of test_paged_kv /
-#   test_traces / test_cuda_graphs were fixed on the CPU side after the run and are unconfirmed on a GPU;
-#   gpu_fp8.py's lossless part found FP8 plain != FP8 DDTree-16 in the exact mode (4 of 4 prompts, bf16).
+# What the last run found, and why these calls: benchmarks/journal/session-25-2026-12-05.md.
 # CALL=1 (~9 min): test_fused_kernels, test_fp8_gemm (its every-tile check decides whether the FP8 tile table is
 #   row-invariant on this GPU), then the rest of tests/gpu but the exact mode's.
 # CALL=2 (~8 min): exact vs fast rounds on the Qwen3-8B shape (#29 cost targets 1.10x / 1.15x at batch 1 / 32),

@@ -168,7 +168,7 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del engine
-            gc.collect()  # an engine holds reference cycles: without this its memory stays until the next collection
+            gc.collect()  # (frees what a reference cycle would keep until the next collection)
             torch.cuda.empty_cache()
     plain = {r["batch"]: r["ms_per_round"] for r in rows if r["method"] == "none" and not r["profiled"]}
     for r in rows:

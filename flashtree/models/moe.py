@@ -15,8 +15,8 @@ routing on the host (one sync per MoE layer, free on a CPU); the engine then run
 graphs. On the CPU with the C++ kernels, the router is a C++ function whose every row's routing is
 independent of the batch, and where every expert computes from GGUF blocks the whole layer (router and
 routed experts) is one C++ call with the reference path's arithmetic (:meth:`SparseMoE.kernel_table`),
-which the layer stack also runs. Each expert is a :class:`~flashtree.models.transformer.MLP`; :meth:`SparseMoE.fuse` stacks
-the experts' weights once (``gate_up [E, 2I, H]``, ``down [E, H, I]``) and leaves every expert's
+which the layer stack also runs. Each expert is a :class:`~flashtree.models.transformer.MLP`;
+:meth:`SparseMoE.fuse` stacks the experts' weights once (``gate_up [E, 2I, H]``, ``down [E, H, I]``) and leaves every expert's
 parameters as views into them, so both paths read the same memory.
 """
 

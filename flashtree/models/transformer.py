@@ -325,11 +325,13 @@ class FusedKernelSwitch:
             layer.self_attn.fused_attention = attention
 
 
-def _stack_mlp(mlp: nn.Module) -> tuple:
-    """A layer's MLP as :class:`LayerWeights` takes it: (gate_up, down, moe)."""
+def _stack_mlp(mlp: nn.Module) -> tuple | None:
+    """A layer's MLP as :class:`LayerWeights` takes it, (gate_up, down, moe); None when its products are not
+    all GGUF blocks on the C++ kernels (the stack cannot run it)."""
     if isinstance(mlp, SparseMoE):
-        return None, None, mlp.kernel_table()
-    return mlp.gate_up_quant, mlp.down_quant, None
+        table = mlp.kernel_table()
+        return None if table is None else (None, None, table)
+    return None if None in (mlp.gate_up_quant, mlp.down_quant) else (mlp.gate_up_quant, mlp.down_quant, None)
 
 
 class ForwardOutput(NamedTuple):
@@ -375,9 +377,9 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         layers = self.model.layers
         if not enabled or self.kernels is not cpu_fused:
             return False
-        if not all(None not in (layer.self_attn.qkv_quant, layer.self_attn.o_quant) and (
-                layer.mlp.kernel_table() is not None if isinstance(layer.mlp, SparseMoE)
-                else None not in (layer.mlp.gate_up_quant, layer.mlp.down_quant)) for layer in layers):
+        mlps = [_stack_mlp(layer.mlp) for layer in layers]
+        if None in mlps or not all(None not in (layer.self_attn.qkv_quant, layer.self_attn.o_quant)
+                                   for layer in layers):
             return False
         attn = layers[0].self_attn
         cfg = self.config
@@ -386,7 +388,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         self.layer_stack = LayerStack([LayerWeights(
             layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
             layer.self_attn.qk_norm_weight, layer.self_attn.qkv_bias, layer.self_attn.qkv_quant,
-            layer.self_attn.o_quant, *_stack_mlp(layer.mlp)) for layer in layers], dims)
+            layer.self_attn.o_quant, *mlp) for layer, mlp in zip(layers, mlps)], dims)
         return True
 
     def setup_rope(self, max_positions: int) -> None:

@@ -79,7 +79,7 @@ def moe_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, normalize: bool) 
 
 def moe_layer(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """A sparse-MoE layer's MLP on x ``[T, H]`` float32 (kernels.cpp ``flashtree_moe_layer``: :func:`moe_route`, then
-    ``flashtree_moe_experts``); ``table``: the layer's ``[MOE_FIELDS]`` int64 (``SparseMoE.kernel_table``)."""
+    ``flashtree_moe_experts``); ``table``: the layer's ``[6]`` int64 (``SparseMoE.kernel_table``)."""
     x = x.contiguous()
     out = torch.empty_like(x)
     if load_kernels().flashtree_moe_layer(x.data_ptr(), table.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],

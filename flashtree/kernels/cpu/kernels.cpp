@@ -213,9 +213,9 @@ constexpr int COLUMN_TILE = 4;  // weight rows (output columns) a task takes at 
 
 // Output columns worked on together by a group of M rows. One or two rows stream the weight one row at a
 // time: each thread's share of the matrix is then read as one sequential stream, which the hardware
-// prefetcher follows at near the full memory bandwidth; interleaving 4 weight rows (4 short streams of about
-// 1 KB) halved what a thread read from DRAM (2-core EPYC, Q4_0 / Q8_0 [6144, 2048], one row of x: 18 GB/s
-// against 30). Three or four rows interleave two columns: their chains of FMAs are then the limit.
+// prefetcher follows at near the full memory bandwidth; 4 interleaved weight rows (4 short streams of about
+// 1 KB) read about half as fast from DRAM (2-core EPYC, Q4_0 / Q8_0 [6144, 2048], one row of x: 18 against
+// 30 GB/s). Three or four rows interleave two columns: their chains of FMAs are then the limit.
 // (A (row, column) pair's arithmetic does not depend on this: see dot_rows.)
 #if defined(__AVX512F__)
 template <int M> constexpr int columns_for() { return M == 3 || M == 4 ? 2 : 1; }
@@ -911,10 +911,8 @@ int flashtree_moe_experts(const float* x, const int64_t* ids, const float* weigh
 }
 
 // One sparse-MoE layer's MLP on its normed input x [T, H] (the per-op path and the layer stack both call
-// it): the router, then the routed experts (flashtree_moe_route, flashtree_moe_experts). moe [MOE_FIELDS]:
-// the router's float32 weight [E, H], the experts' table [E, 4], E, k, normalize, the experts' width.
-constexpr int MOE_FIELDS = 6;
-
+// it): the router, then the routed experts (flashtree_moe_route, flashtree_moe_experts). moe [6]: the
+// router's float32 weight [E, H], the experts' table [E, 4], E, k, normalize, the experts' width.
 int flashtree_moe_layer(const float* x, const int64_t* moe, float* out, int64_t T, int64_t H, int threads) {
   const int64_t E = moe[2], k = moe[3];
   std::vector<int64_t> ids(T * k);
