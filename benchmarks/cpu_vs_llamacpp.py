@@ -38,6 +38,7 @@ PROMPTS = ["Write a short story about a robot who learns to paint.",
            "Give me a recipe for a simple tomato soup.",
            "Summarize the plot of a detective story in five sentences."]
 SYSTEMS = ("flashtree", "flashtree_default", "llama.cpp")
+QUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # --requantize
 
 
 def gguf_path(name: str) -> str:
@@ -56,7 +57,7 @@ def requantize(gguf: str, kind: str) -> str:
     out = Path(tempfile.gettempdir()) / f"{Path(gguf).stem}.{kind}.gguf"
     if not out.is_file():
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, True
+        params.ftype, params.allow_requantize = getattr(llama_cpp, QUANT_TYPES[kind]), True
         if llama_cpp.llama_model_quantize(gguf.encode(), str(out).encode(), ctypes.byref(params)) != 0:
             raise SystemExit(f"llama.cpp could not quantize {gguf} to {kind}")
     return str(out)
@@ -140,7 +141,8 @@ def main() -> None:
     parser.add_argument("--pp-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
-    parser.add_argument("--requantize", choices=("q8_0",), help="compare on the GGUF's Q8_0 twin (made with llama.cpp)")
+    parser.add_argument("--requantize", choices=tuple(QUANT_TYPES),
+                        help="compare on the GGUF's twin of this type (made with llama.cpp's quantizer)")
     parser.add_argument("--out")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--prompt", type=int, default=0, help=argparse.SUPPRESS)

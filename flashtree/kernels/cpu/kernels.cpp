@@ -149,6 +149,16 @@ inline __m128i q6_quants(const uint8_t* ql, const uint8_t* qh, int shift, int qs
   return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
 }
 
+// The 32 Q6_K quants minus 32 of a sub-block as q6_quants takes them, at once: 4 bits of ql[0..31] at nibble
+// SHIFT, 2 of `high_bits` (qh[0..31]) at bit QSHIFT
+template <int SHIFT, int QSHIFT>
+inline __m256i q6_quants32(const uint8_t* ql, __m256i high_bits) {
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)ql), SHIFT),
+                                       _mm256_set1_epi8(0x0F));
+  const __m256i high = _mm256_and_si256(_mm256_srli_epi16(high_bits, QSHIFT), _mm256_set1_epi8(0x03));
+  return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+}
+
 // 32-weight block b of the weight row at `row` as two vectors of 16 weights (elements 0..15 and 16..31),
 // each weight exactly as gguf-py decodes it (see the type list above).
 template <int TYPE>
@@ -279,7 +289,8 @@ inline void dot_rows(const float* x, const uint8_t* w, int64_t row_bytes, int64_
 constexpr int INT8_ACTIVATIONS = 16;  // or-ed into a product's type code: x quantized to int8 blocks
 
 // x's rows as int8 blocks, `pairs` block pairs a row: q [M, pairs * 64] (per pair: a[0:16], b[0:16],
-// a[16:32], b[16:32]); per (row, pair) two values, a's then b's: the scale d, -2 sum(q), d sum(q) / 4.
+// a[16:32], b[16:32]); per (row, pair) the scale d, -2 sum(q) and d sum(q) / 4 of a and b as the pair's lanes
+// take them: 8 values each, a's four times then b's (a plain load, no shuffle, per pair).
 struct Int8Rows {
   const int8_t* q;
   const float* scales;
@@ -287,7 +298,7 @@ struct Int8Rows {
   const float* min_terms;
   int64_t pairs;
   Int8Rows from_row(int64_t r0) const {
-    const int64_t i = r0 * pairs * 2;
+    const int64_t i = r0 * pairs * 8;
     return {q + r0 * pairs * 64, scales + i, starts + i, min_terms + i, pairs};
   }
 };
@@ -333,7 +344,7 @@ inline float quantize_block(const float* x, int8_t* low, int8_t* high, int32_t* 
 
 // The M rows of x [M, K] into `store` (resized; an odd count's last pair gets a zero block b).
 inline Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, std::vector<uint8_t>& store) {
-  const int64_t blocks = K / 32, pairs = (blocks + 1) / 2, values = M * pairs * 2, q_bytes = M * pairs * 64;
+  const int64_t blocks = K / 32, pairs = (blocks + 1) / 2, values = M * pairs * 8, q_bytes = M * pairs * 64;
   store.assign(q_bytes + 12 * values, 0);
   int8_t* q = (int8_t*)store.data();
   float* scales = (float*)(store.data() + q_bytes);
@@ -341,12 +352,15 @@ inline Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, std::vector<
   float* min_terms = (float*)(store.data() + q_bytes + 8 * values);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t j = 0; j < blocks; ++j) {  // block j: pair j / 2, half j % 2
-      const int64_t i = r * pairs * 2 + j;
+      const int64_t i = (r * pairs + j / 2) * 8 + (j % 2) * 4;  // its 4 lanes
       int8_t* pair = q + (r * pairs + j / 2) * 64 + (j % 2) * 16;
       int32_t sum;
-      scales[i] = quantize_block(x + r * K + j * 32, pair, pair + 32, &sum);
-      starts[i] = -2 * sum;
-      min_terms[i] = scales[i] * (float)sum * 0.25f;
+      const float d = quantize_block(x + r * K + j * 32, pair, pair + 32, &sum);
+      for (int lane = 0; lane < 4; ++lane) {
+        scales[i + lane] = d;
+        starts[i + lane] = -2 * sum;
+        min_terms[i + lane] = d * (float)sum * 0.25f;
+      }
     }
   return {q, scales, starts, min_terms, pairs};
 }
@@ -366,8 +380,6 @@ inline __m256i dot_u8_s8(__m256i acc, __m256i u, __m256i s) {
 inline __m256 spread_pair(__m128 ab) {
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ab), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
-inline __m256 load_pair(const float* p) { return spread_pair(_mm_castpd_ps(_mm_load_sd((const double*)p))); }
-inline __m256i load_pair(const int32_t* p) { return _mm256_castps_si256(load_pair((const float*)p)); }
 inline __m256 halves_pair(const uint8_t* a, const uint8_t* b) {  // fp16 values at a and b
   uint16_t ha, hb;
   memcpy(&ha, a, 2);
@@ -415,20 +427,22 @@ inline SuperScales load_super_scales(const uint8_t* s) {
   }
 }
 
-// lanes 0-3: v[i], lanes 4-7: v[k]
-inline __m256 pick_pair(__m256 v, int i, int k) {
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, k, k, k, k));
+// lanes 0-3: v[i], lanes 4-7: v[k] (i and k constants: the index vector is a constant, not built per call)
+template <int I, int K>
+inline __m256 pick_pair(__m256 v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(I, I, I, I, K, K, K, K));
 }
 
 // blocks 2p and 2p + 1 of the weight row at `row` (a row of `blocks` blocks; an odd count's last pair
-// takes a zero block b); super-block types: `scales` of the pair's super-block
-template <int TYPE>
+// takes a zero block b); super-block types: `scales` of the pair's super-block, SUB = p % 4 (the pair's
+// place in its super-block, a constant so that the scales are picked with constant indices)
+template <int TYPE, int SUB>
 inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks, const SuperScales& scales) {
   WeightPair w;
   if constexpr (TYPE == 5) {  // sub-blocks j, j + 1 of a super-block: the low and high nibbles of the same 32 bytes
-    const int j = (int)(2 * p % 8);
-    w.d = pick_pair(scales.a, j, j + 1);
-    w.m = pick_pair(scales.b, j, j + 1);
+    constexpr int j = 2 * SUB;
+    w.d = pick_pair<j, j + 1>(scales.a);
+    w.m = pick_pair<j, j + 1>(scales.b);
     const uint8_t* qs = row + block_offset(TYPE, 2 * p) + 16 + 16 * j;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m128i v0 = _mm_loadu_si128((const __m128i*)qs), v1 = _mm_loadu_si128((const __m128i*)(qs + 16));
@@ -438,16 +452,18 @@ inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks
   }
   if constexpr (TYPE == 6) {  // sub-blocks j, j + 1 (j even): ql's next 32 bytes, qh's same bytes two bits up
     const uint8_t* s = row + block_offset(TYPE, 2 * p);
-    const int j = (int)(2 * p % 8), h = j / 4, t = j % 4;
+    constexpr int j = 2 * SUB, h = j / 4, t = j % 4;
     const uint8_t *ql = s + 64 * h, *qh = s + 128 + 32 * h;
-    const int shift = 4 * (t / 2);
-    w.s0 = both_halves(q6_quants(ql, qh, shift, 2 * t), q6_quants(ql + 32, qh, shift, 2 * t + 2));
-    w.s1 = both_halves(q6_quants(ql + 16, qh + 16, shift, 2 * t), q6_quants(ql + 48, qh + 16, shift, 2 * t + 2));
+    constexpr int shift = 4 * (t / 2);
+    const __m256i high_bits = _mm256_loadu_si256((const __m256i*)qh);
+    const __m256i a = q6_quants32<shift, 2 * t>(ql, high_bits), b = q6_quants32<shift, 2 * t + 2>(ql + 32, high_bits);
+    w.s0 = _mm256_permute2x128_si256(a, b, 0x20);  // a's elements 0..15, b's 0..15
+    w.s1 = _mm256_permute2x128_si256(a, b, 0x31);  // 16..31 of each
     w.w0 = _mm256_abs_epi8(w.s0);
     w.w1 = _mm256_abs_epi8(w.s1);
     const __m256 half = h ? scales.b : scales.a;  // groups 2j .. 2j + 3 sit at 2t .. 2t + 3 of it
-    w.d = pick_pair(half, 2 * t, 2 * t + 2);
-    w.m = pick_pair(half, 2 * t + 1, 2 * t + 3);
+    w.d = pick_pair<2 * t, 2 * t + 2>(half);
+    w.m = pick_pair<2 * t + 1, 2 * t + 3>(half);
     return w;
   }
   static const uint8_t zero[34] = {};
@@ -492,6 +508,48 @@ inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks
 // block pairs of the section comment, whatever M and C are. Q6_K (a scale per 16 weights) takes the
 // products of w0 and of w1 as two integer sums, each with its scales: acc = fma(I0, d0 d, acc), then
 // acc = fma(I1, d1 d, acc).
+// One block pair p of dot_rows_int8 (SUB: as load_weight_pair's) into acc.
+template <int TYPE, int M, int C, int SUB>
+inline void pair_step_int8(const Int8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t blocks, int64_t p,
+                           const SuperScales* scales, __m256 (&acc)[C][M]) {
+  WeightPair wp[C];
+  for (int c = 0; c < C; ++c) {
+    const uint8_t* row = w + c * row_bytes;
+    // (super-block types: the pair's share of its super-block's bytes, so that every cache line is prefetched)
+    const int64_t at = is_super_block(TYPE) ? 2 * p * block_bytes(TYPE) / 8 : block_offset(TYPE, 2 * p);
+    _mm_prefetch((const char*)(row + at + PREFETCH_BYTES), _MM_HINT_T0);
+    wp[c] = load_weight_pair<TYPE, SUB>(row, p, blocks, scales[is_super_block(TYPE) ? c : 0]);
+  }
+  for (int r = 0; r < M; ++r) {
+    const int64_t i = (r * x.pairs + p) * 8;
+    const int8_t* q = x.q + (r * x.pairs + p) * 64;
+    const __m256i q0 = _mm256_loadu_si256((const __m256i*)q), q1 = _mm256_loadu_si256((const __m256i*)(q + 32));
+    const __m256 d = _mm256_loadu_ps(x.scales + i);
+    // Q4_0: -2 sum(q) a lane (its block's 4 lanes: -8 sum(q)); Q5_0: twice that (-16 sum(q))
+    const __m256i start = TYPE == 0 ? _mm256_loadu_si256((const __m256i*)(x.starts + i))
+                          : TYPE == 3 ? _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(x.starts + i)), 1)
+                                      : _mm256_setzero_si256();
+    for (int c = 0; c < C; ++c) {
+      const __m256i u0 = signed_quants(TYPE) ? _mm256_sign_epi8(q0, wp[c].s0) : q0;
+      const __m256i u1 = signed_quants(TYPE) ? _mm256_sign_epi8(q1, wp[c].s1) : q1;
+      if (TYPE == 6) {
+        const __m256 lanes0 = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_setzero_si256(), wp[c].w0, u0));
+        const __m256 lanes1 = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_setzero_si256(), wp[c].w1, u1));
+        acc[c][r] = _mm256_fmadd_ps(lanes0, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
+        acc[c][r] = _mm256_fmadd_ps(lanes1, _mm256_mul_ps(wp[c].m, d), acc[c][r]);
+      } else {
+        const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_s8(dot_u8_s8(start, wp[c].w0, u0), wp[c].w1, u1));
+        acc[c][r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
+      }
+      if (has_min(TYPE)) acc[c][r] = _mm256_fmadd_ps(wp[c].m, _mm256_loadu_ps(x.min_terms + i), acc[c][r]);
+    }
+  }
+}
+
+// As dot_rows, from int8 rows (row r of x at x.from_row(r)): every (row, column) pair runs the loop over
+// block pairs of the section comment, whatever M and C are. Q6_K (a scale per 16 weights) takes the
+// products of w0 and of w1 as two integer sums, each with its scales: acc = fma(I0, d0 d, acc), then
+// acc = fma(I1, d1 d, acc). Super-block types go a super-block (4 pairs) at a time.
 template <int TYPE, int M, int C>
 inline void dot_rows_int8(const Int8Rows& x, const uint8_t* w, int64_t row_bytes, int64_t blocks, const float* add,
                           float* y, int64_t N) {
@@ -499,38 +557,16 @@ inline void dot_rows_int8(const Int8Rows& x, const uint8_t* w, int64_t row_bytes
   SuperScales scales[is_super_block(TYPE) ? C : 1];  // (super-block types) each column's current super-block's
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < M; ++r) acc[c][r] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < x.pairs; ++p) {
-    WeightPair wp[C];
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* row = w + c * row_bytes;
-      _mm_prefetch((const char*)(row + block_offset(TYPE, 2 * p) + PREFETCH_BYTES), _MM_HINT_T0);
-      if constexpr (is_super_block(TYPE))
-        if (p % 4 == 0) scales[c] = load_super_scales<TYPE>(row + block_offset(TYPE, 2 * p));
-      wp[c] = load_weight_pair<TYPE>(row, p, blocks, scales[is_super_block(TYPE) ? c : 0]);
+  if constexpr (is_super_block(TYPE)) {
+    for (int64_t p = 0; p < x.pairs; p += 4) {  // (a row of whole super-blocks: pairs is a multiple of 4)
+      for (int c = 0; c < C; ++c) scales[c] = load_super_scales<TYPE>(w + c * row_bytes + block_offset(TYPE, 2 * p));
+      pair_step_int8<TYPE, M, C, 0>(x, w, row_bytes, blocks, p, scales, acc);
+      pair_step_int8<TYPE, M, C, 1>(x, w, row_bytes, blocks, p + 1, scales, acc);
+      pair_step_int8<TYPE, M, C, 2>(x, w, row_bytes, blocks, p + 2, scales, acc);
+      pair_step_int8<TYPE, M, C, 3>(x, w, row_bytes, blocks, p + 3, scales, acc);
     }
-    for (int r = 0; r < M; ++r) {
-      const int64_t i = (r * x.pairs + p) * 2;
-      const int8_t* q = x.q + (r * x.pairs + p) * 64;
-      const __m256i q0 = _mm256_loadu_si256((const __m256i*)q), q1 = _mm256_loadu_si256((const __m256i*)(q + 32));
-      const __m256 d = load_pair(x.scales + i);
-      // Q4_0: -2 sum(q) a lane (its block's 4 lanes: -8 sum(q)); Q5_0: twice that (-16 sum(q))
-      const __m256i start = TYPE == 0 ? load_pair(x.starts + i)
-                            : TYPE == 3 ? _mm256_slli_epi32(load_pair(x.starts + i), 1) : _mm256_setzero_si256();
-      for (int c = 0; c < C; ++c) {
-        const __m256i u0 = signed_quants(TYPE) ? _mm256_sign_epi8(q0, wp[c].s0) : q0;
-        const __m256i u1 = signed_quants(TYPE) ? _mm256_sign_epi8(q1, wp[c].s1) : q1;
-        if (TYPE == 6) {
-          const __m256 lanes0 = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_setzero_si256(), wp[c].w0, u0));
-          const __m256 lanes1 = _mm256_cvtepi32_ps(dot_u8_s8(_mm256_setzero_si256(), wp[c].w1, u1));
-          acc[c][r] = _mm256_fmadd_ps(lanes0, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
-          acc[c][r] = _mm256_fmadd_ps(lanes1, _mm256_mul_ps(wp[c].m, d), acc[c][r]);
-        } else {
-          const __m256 lanes = _mm256_cvtepi32_ps(dot_u8_s8(dot_u8_s8(start, wp[c].w0, u0), wp[c].w1, u1));
-          acc[c][r] = _mm256_fmadd_ps(lanes, _mm256_mul_ps(wp[c].d, d), acc[c][r]);
-        }
-        if (has_min(TYPE)) acc[c][r] = _mm256_fmadd_ps(wp[c].m, load_pair(x.min_terms + i), acc[c][r]);
-      }
-    }
+  } else {
+    for (int64_t p = 0; p < x.pairs; ++p) pair_step_int8<TYPE, M, C, 0>(x, w, row_bytes, blocks, p, scales, acc);
   }
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < M; ++r) y[r * N + c] = hsum8(acc[c][r]) + add[c];
