@@ -9,11 +9,9 @@ by the same x with int8 activations, the two calls alternating ``--pairs`` times
 each side's median G multiply-adds per second and the median of the pairs' time ratios (baseline / current:
 above 1, the current kernel is faster). On a shared machine whose speed swings by tens of percent from one
 second to the next, paired ratios are what stays put; each side's own figures are for orientation only.
-Caveat (2-core EPYC, 2026-12-06): with 512 rows, two builds of the same source have shown a paired ratio of
-0.74x or 1.33x within one run (one library's calls steadily ~100, the other's ~138 G MAC/s; which one varies
-from run to run; fresh processes that start at 512 rows gave 1.00x); rows 1 and 8 stay within 1-2%. So
-trust a large-row ratio only when a run of the baseline against itself (--baseline HEAD, no change) gives 1.
-The matrix ([N, K], ``--shape``) is larger than L2, so large row counts read it from L3 as prefill does.
+A baseline older than 69035c5 may run its multi-row products 25-30% slow at random (its int8 copy of x
+was only 16-byte aligned, so whether its 32-byte loads straddled cache lines depended on the allocator):
+check such a baseline against itself (--baseline REV with REV checked out) before reading a ratio.
 """
 
 from __future__ import annotations
