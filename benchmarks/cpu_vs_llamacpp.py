@@ -5,9 +5,11 @@ number of new tokens (end of sequence ignored), the same thread count. Each (pro
 a process of its own (``--worker``), so its peak resident memory is its own, and the systems take
 turns prompt by prompt (the starting system rotates), so background load hits them alike. Reports
 per system: decode tokens/s (new tokens after the first over the time after the first), prompt
-processing tokens/s on a ``--pp-tokens`` prompt, peak RSS, and per prompt the first position where
-a system's tokens differ from flashtree plain's (llama.cpp quantizes activations to 8 bits in its
-quantized products, so its tokens may part from ours; the report says where instead of hiding it).
+processing tokens/s on a ``--pp-tokens`` prompt, peak RSS, the median over (prompt, repeat) of a
+system's decode rate over another's on the same prompt run back to back (``decode_vs_*_paired``), and
+per prompt the first position where a system's tokens differ from flashtree plain's (llama.cpp
+quantizes activations to 8 bits in its quantized products, so its tokens may part from ours; the report
+says where instead of hiding it).
 llama.cpp comes from ``llama-cpp-python`` (the ``bench`` extra; never a default dependency).
 
     python benchmarks/cpu_vs_llamacpp.py --gguf smollm2 --out benchmarks/results/cpu_vs_llamacpp_smollm2_q4_1_epyc.json
@@ -180,11 +182,16 @@ def main() -> None:
         summary[system]["first_difference_from_flashtree_plain"] = [
             first_difference(r["tokens"], plain[(r["prompt"], r["repeat"])]) for r in runs
             if r["system"] == system and r["prompt"] >= 0]
+    rate = {(r["system"], r["prompt"], r["repeat"]): (len(r["tokens"]) - 1) / r["decode_s"] for r in runs
+            if r["prompt"] >= 0}
     for reference in ("llama.cpp", "flashtree"):  # (--systems may leave either out)
         if reference in summary:
             for system in systems:
                 summary[system][f"decode_vs_{reference}"] = (summary[system]["decode_tok_s"]
                                                              / summary[reference]["decode_tok_s"])
+                # the same prompt and repeat, run back to back: steadier on a machine whose speed drifts
+                summary[system][f"decode_vs_{reference}_paired"] = statistics.median(
+                    rate[(system, p, rep)] / rate[(reference, p, rep)] for (s, p, rep) in rate if s == system)
     out = {"cpu": platform.processor() or platform.machine(), "gguf": args.gguf, "threads": args.threads,
            "new_tokens": args.new_tokens, "pp_tokens": args.pp_tokens, "summary": summary, "runs": runs}
     if args.out:
