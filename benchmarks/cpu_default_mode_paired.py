@@ -8,7 +8,8 @@ the other right after (the order alternates), greedy, ``--new-tokens`` tokens, e
 tokens must be equal (lossless); reported: each run's decode tokens/s (after the first token), the tree
 rounds the default mode ran, and the median of the default mode's rate over plain's per pair. Two runs a
 few hundred milliseconds apart see the same machine, so on a machine whose speed drifts by 10-20% the
-paired ratio is what a process-per-run comparison (cpu_vs_llamacpp.py ``decode_vs_flashtree_paired``)
+paired ratio is what a process-per-run comparison (cpu_default_mode.py, or cpu_vs_llamacpp.py
+``decode_vs_flashtree_paired``)
 cannot resolve; that one also counts what a fresh process costs (the policy's memory makes it probe trees
 now and then: about one 4-round probe per 800 rounds).
 """
