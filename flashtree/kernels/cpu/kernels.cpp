@@ -448,9 +448,10 @@ inline WeightPair load_weight_pair(const uint8_t* row, int64_t p, int64_t blocks
     w.m = pick_pair<j, j + 1>(scales.b);
     const uint8_t* qs = row + block_offset(TYPE, 2 * p) + 16 + 16 * j;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m128i v0 = _mm_loadu_si128((const __m128i*)qs), v1 = _mm_loadu_si128((const __m128i*)(qs + 16));
-    w.w0 = _mm256_and_si256(both_halves(v0, _mm_srli_epi16(v0, 4)), low4);
-    w.w1 = _mm256_and_si256(both_halves(v1, _mm_srli_epi16(v1, 4)), low4);
+    const __m256i v = _mm256_loadu_si256((const __m256i*)qs);
+    const __m256i low = _mm256_and_si256(v, low4), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    w.w0 = _mm256_permute2x128_si256(low, high, 0x20);  // sub-block j's elements 0..15, then j + 1's
+    w.w1 = _mm256_permute2x128_si256(low, high, 0x31);  // their 16..31
     return w;
   }
   if constexpr (TYPE == 6) {  // sub-blocks j, j + 1 (j even): ql's next 32 bytes, qh's same bytes two bits up
