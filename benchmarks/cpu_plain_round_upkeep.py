@@ -60,9 +60,9 @@ class ProjectingRound(DeviceRound):
         super().__init__(round_program.model, round_program.cache, ProjectedEveryRound(round_program.proposer),
                          round_program.kernels, round_program.tracing)
 
-    def __call__(self, shape, *tensors, timer=None):
+    def __call__(self, shape, *tensors, **options):
         self.proposer.starts = RoundInputs(*tensors).starts
-        return super().__call__(shape, *tensors, timer=timer)
+        return super().__call__(shape, *tensors, **options)
 
 
 def project_every_round(engine) -> None:
