@@ -345,8 +345,8 @@ inline float quantize_block(const float* x, int8_t* low, int8_t* high, int32_t* 
 // The M rows of x [M, K] into `store` (resized; an odd count's last pair gets a zero block b).
 inline Int8Rows quantize_rows(const float* x, int64_t M, int64_t K, std::vector<uint8_t>& store) {
   const int64_t blocks = K / 32, pairs = (blocks + 1) / 2, values = M * pairs * 8, q_bytes = M * pairs * 64;
-  // (64-byte aligned: the 32-byte loads of x then never straddle two cache lines, which cost prefill 25-30%
-  // whenever the allocator returned an address 16 bytes past one)
+  // 64-byte aligned, so that no 32-byte load of x straddles two cache lines (such loads slow multi-row
+  // products by 25-30%)
   store.assign(q_bytes + 12 * values + 64, 0);
   uint8_t* base = store.data() + (64 - (uintptr_t)store.data() % 64) % 64;
   int8_t* q = (int8_t*)base;
