@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashtree.kv.cache import KVCache, KVCacheSpec
+from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.models.build import build_model
 from flashtree.models.config import ModelConfig
 
@@ -56,3 +57,21 @@ def make_cache(model, max_slots=4, max_context=128, scratch=64) -> KVCache:
     cfg = model.config
     spec = KVCacheSpec(cfg.num_hidden_layers, max_slots, max_context, scratch, cfg.num_key_value_heads, cfg.head_dim)
     return KVCache(spec, model.lm_head.weight.dtype, model.lm_head.weight.device)
+
+
+def prefill_then_step(model, capture, sink=None):
+    """Prefill two prompts (rows of different lengths), then one decode token per row capturing the
+    layers ``capture`` (returned, or written into the feature ``sink``); the step's output."""
+    cache = make_cache(model)
+    prompts = [[3, 14, 15, 92, 65], [79, 32]]
+    width = max(len(p) for p in prompts)
+    counts = torch.tensor([len(p) for p in prompts])
+    slots = torch.tensor([2, 0])
+    prefill = ForwardBatch(torch.tensor([p + [0] * (width - len(p)) for p in prompts]),
+                           torch.arange(width).expand(2, -1), slots, torch.zeros(2, dtype=torch.long),
+                           causal_mask(counts, width), kv_len=width)
+    model(prefill, cache)
+    cache.advance(slots, counts)
+    step = ForwardBatch(torch.tensor([[7], [11]]), counts[:, None], slots, counts,
+                        torch.ones(2, 1, 1, dtype=torch.bool), kv_len=width + 1)
+    return model(step, cache, capture_layers=capture, feature_sink=sink)

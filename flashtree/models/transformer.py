@@ -442,17 +442,26 @@ class CausalLM(FusedKernelSwitch, nn.Module):
     def _run_layer_stack(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
                          write_index: tuple[torch.Tensor, torch.Tensor], keepers: dict,
                          captured: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer loop of :meth:`forward` in one kernel call: (last MLP output, residual)."""
+        """The layer loop of :meth:`forward` in one kernel call: (last MLP output, residual). The
+        kernel writes a sink's layers straight into its rows; other captures come back in ``captured``."""
         residual = x.clone()  # [B, N, hidden]; the kernel updates it layer by layer
         h = self.model.layers[0].input_layernorm(x)
-        inputs = {i + 1: torch.empty_like(x) for i in keepers if i + 1 < len(self.model.layers)}
+        inner = {i + 1: kept for i, kept in keepers.items() if i + 1 < len(self.model.layers)}  # layer l's input
+        # is layer l - 1's output
+        direct = [kept for kept in inner.values() if isinstance(kept, SinkSegment) and kept.columns.dtype == x.dtype]
+        if direct and len(direct) == len(inner):  # (a float32 sink: every captured layer straight into its rows)
+            inputs, sink_rows = {layer: kept.columns for layer, kept in inner.items()}, direct[0].rows  # [R, hidden]
+        else:
+            inputs, sink_rows = {layer: x.new_empty(x.shape[0] * x.shape[1], x.shape[2]) for layer in inner}, None
         out = self.layer_stack(h, residual, inputs, (self.rope.cos, self.rope.sin), batch.positions, write_index,
-                               cache.storage, cache.block_table, batch.slots, batch.cache_lengths, batch.new_mask)
-        for layer, kept in inputs.items():  # layer l's input is layer l - 1's output
-            if isinstance(keepers[layer - 1], list):
-                captured[layer - 1] = kept
-            else:
-                keepers[layer - 1].write(kept)
+                               cache.storage, cache.block_table, batch.slots, batch.cache_lengths, batch.new_mask,
+                               capture_rows=sink_rows)
+        if sink_rows is None:
+            for layer, kept in inputs.items():  # [B * N, hidden] each
+                if isinstance(inner[layer], SinkSegment):
+                    inner[layer].write(kept)
+                else:
+                    captured[layer - 1] = kept.view_as(x)
         return out, residual
 
     def _keepers(self, capture_layers: Sequence[int], sink: FeatureSink | None) -> dict:

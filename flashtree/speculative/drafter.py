@@ -10,10 +10,11 @@ Glossary
   drafted round it equals the target's committed length.
 - lag: after plain rounds (0 nodes) the drafter does not project the committed tokens' context
   features at once. It keeps them (``defer``, or in a plain round ``feature_sink``: the target's
-  fused norm writes them in place; up to ``LAG_CAPACITY`` per slot) and projects them all in one
-  pass (``catch_up_rows``) before the slot's next drafted round, or when the lag is full. An
-  engine that settles on plain rounds (a drafter that rarely matches) then pays one batched
-  projection per ``LAG_CAPACITY`` tokens instead of a drafter pass per token. A prompt short enough
+  fused norm writes them in place; up to the lag capacity per slot, :func:`lag_capacity`) and
+  projects them all in one pass (``catch_up_rows``) before the slot's next drafted round, or when
+  the lag is full. An engine that settles on plain rounds (a drafter that rarely matches) then pays
+  one batched projection per capacity's worth of tokens instead of a drafter pass per token, and a
+  short request none at all unless a drafted round comes. A prompt short enough
   to fit the lag is deferred the same way at prefill, so the first token does not wait for the
   drafter. :class:`DrafterLag` is the one place that counts each request's lag and decides when it is
   caught up; the device keeps no count.
@@ -33,7 +34,21 @@ from flashtree.models.dflash import DFlashDrafter
 from flashtree.speculative.proposer import DraftCandidates, RoundRows
 from flashtree.speculative.tree.draft_tree import ROOT, DraftTree
 
-LAG_CAPACITY = 64  # committed tokens a slot's drafter context may lag behind (see "lag")
+LAG_CAPACITY = 64  # committed tokens a slot's drafter context may lag behind (see "lag"), on a GPU
+CPU_LAG_CAPACITY = 256  # the same on a CPU, where the lag buffer's memory allows it (CPU_LAG_BYTES)
+CPU_LAG_BYTES = 32 * 2 ** 20  # at most this much lag buffer for the longer CPU capacity
+
+
+def lag_capacity(device: torch.device, slots: int, feature_bytes: int) -> int:
+    """The lag capacity for ``slots`` slots of ``feature_bytes`` context features per token. A GPU
+    keeps LAG_CAPACITY (its catch-up's CUDA graph runs the full width, so wider costs every catch-up);
+    a CPU's catch-up runs the lags it has, so a longer capacity only defers more: up to
+    CPU_LAG_CAPACITY while the buffer stays within CPU_LAG_BYTES (a request of a few hundred tokens on
+    plain rounds then never projects its context at all)."""
+    if device.type != "cpu":
+        return LAG_CAPACITY
+    fits = CPU_LAG_BYTES // (slots * feature_bytes) - 1  # (- the padding column)
+    return max(LAG_CAPACITY, min(CPU_LAG_CAPACITY, fits))
 
 
 class LaggingRow(Protocol):
@@ -99,14 +114,15 @@ class DrafterRunner:
         prefill chunk and a catch-up, which pads to the largest lag) is made by :meth:`attach_pages`."""
         self.drafter = drafter
         self.max_slots, self.max_context = max_slots, max_context
-        self.scratch = max(prefill_chunk, LAG_CAPACITY)
-        self.cache: KVCache | None = None
         slots, width = max_slots, drafter.fc.in_features
         weight = drafter.fc.weight
-        self.lag = DrafterLag(LAG_CAPACITY)
-        # [S, W + 1, F]: W = LAG_CAPACITY deferred tokens per slot, then a column that takes the
-        # writes of padding (positions past a row's count, pad rows).
-        self.lagging = torch.zeros(slots, LAG_CAPACITY + 1, width, dtype=weight.dtype, device=weight.device)
+        capacity = lag_capacity(weight.device, slots, width * weight.element_size())
+        self.scratch = max(prefill_chunk, capacity)
+        self.cache: KVCache | None = None
+        self.lag = DrafterLag(capacity)
+        # [S, W + 1, F]: W = capacity deferred tokens per slot, then a column that takes the writes of
+        # padding (positions past a row's count, pad rows).
+        self.lagging = torch.zeros(slots, capacity + 1, width, dtype=weight.dtype, device=weight.device)
         self.vocab_ids: torch.Tensor | None = None  # [N] token ids of the draft indices (draft_vocab.py), or None
 
     def attach_pages(self, pages: PageTable | None) -> None:
@@ -141,9 +157,9 @@ class DrafterRunner:
               counts: torch.Tensor | None = None) -> None:
         """Keep the context features ``[B, P, F]`` of each row's ``counts[b]`` newly committed
         tokens (default: all P; a plain round has P = 1) for a later catch-up, after the
-        ``lags[b]`` tokens the row has deferred already (``[B]``; LAG_CAPACITY for a pad row: its
+        ``lags[b]`` tokens the row has deferred already (``[B]``; the lag capacity for a pad row: its
         writes go to the padding column). Capturable; the host keeps every real row's lag within
-        LAG_CAPACITY."""
+        the capacity."""
         width, capacity = features.shape[1], self.lag.capacity
         if counts is None and width == 1:  # a plain round (inside its CUDA graph): one small op
             self.lagging[slots, lags] = features[:, 0].to(self.lagging.dtype)

@@ -154,7 +154,7 @@ def test_plain_rounds_keep_the_drafter_in_sync(pair, method, lag_capacity, graph
     never run, is drafted, so the ninth queues nothing behind it)."""
     import flashtree.speculative.drafter as proposer_module
 
-    monkeypatch.setattr(proposer_module, "LAG_CAPACITY", lag_capacity)
+    monkeypatch.setattr(proposer_module, "lag_capacity", lambda *_: lag_capacity)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, queue_plain_rounds=queued,
               **ENGINE)
     if graphed:
@@ -410,7 +410,7 @@ def test_a_full_lag_catches_up_every_lagging_row_in_one_pass(pair, plain, method
     rounds, not one per row); the tokens stay plain decoding's."""
     import flashtree.speculative.drafter as proposer_module
 
-    monkeypatch.setattr(proposer_module, "LAG_CAPACITY", 4)
+    monkeypatch.setattr(proposer_module, "lag_capacity", lambda *_: 4)
     llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, **ENGINE)
     llm.engine.policy = ScriptedPolicy(llm.engine.policy.ladder, [0])  # plain rounds only
     passes = []

@@ -5,11 +5,14 @@ under speculation (whose rounds capture the drafter's layers), on tiny GGUF mode
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flashtree import LLM, SamplingParams
+from flashtree.kernels.feature_sink import FeatureSink
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.models.loader import resolve_model_dir
 from tests.dflash_helpers import save_tiny_drafter
+from tests.helpers import prefill_then_step
 from tests.support.checkpoints import isolated_cache, tiny_gguf  # noqa: F401 (autouse fixture)
 
 AVAILABLE, WHY = kernels_available()
@@ -47,3 +50,24 @@ def test_layer_stack_off_without_blocks(tmp_path):
     path = str(tiny_gguf(tmp_path / "tiny.gguf"))
     llm = LLM(path, device="cpu", max_running=2, max_context=64, quant_kernels=False)
     assert llm.engine.model.layer_stack is None
+
+
+def test_layer_stack_writes_a_sink_in_place(tmp_path):
+    """A plain round's captured layers go from the stack's kernel straight into the sink's rows
+    (column slices of the lag buffer, rows out of order): exactly what the forward returns without a
+    sink, nothing else written; a row past the buffer is refused."""
+    path = str(tiny_gguf(tmp_path / "qwen3.gguf", model_type="qwen3"))
+    model = LLM(path, device="cpu", max_running=2, max_context=64).engine.model
+    real, rows_given = model.layer_stack, []
+    model.layer_stack = lambda *args, **kwargs: rows_given.append(kwargs.get("capture_rows")) or real(*args, **kwargs)
+    capture = (1, 0, 2)  # the last layer (taken after the final norm) among them
+    expected = prefill_then_step(model, capture)
+    buffer = torch.zeros(6, expected.hidden.shape[-1])
+    rows = torch.tensor([4, 1])
+    sunk = prefill_then_step(model, capture, FeatureSink(buffer, rows))
+    assert rows_given[-1] is rows  # (the step ran in the stack, writing the sink itself)
+    assert sunk.hidden is None and torch.equal(sunk.logits, expected.logits)
+    assert torch.equal(buffer[rows], expected.hidden[:, 0])
+    assert not buffer[[0, 2, 3, 5]].any()
+    with pytest.raises(ValueError, match="capture_rows holds a row outside"):
+        prefill_then_step(model, capture, FeatureSink(torch.zeros(4, buffer.shape[1]), rows))

@@ -108,7 +108,7 @@ def test_queued_rounds_catch_the_drafter_up_when_a_lag_fills(pair, plain, monkey
     context holds each row's committed tokens but its lag, and the tokens are plain decoding's."""
     import flashtree.speculative.drafter as proposer_module
 
-    monkeypatch.setattr(proposer_module, "LAG_CAPACITY", 4)
+    monkeypatch.setattr(proposer_module, "lag_capacity", lambda *_: 4)
     llm = queued_llm(pair, "ddtree", graphed)
     engine = llm.engine
     # one tree round, then plain rounds: the measured policy's choice depends on round times (a CI

@@ -8,25 +8,7 @@ import pytest
 import torch
 
 from flashtree.kernels.feature_sink import FeatureSink
-from flashtree.models.batch import ForwardBatch, causal_mask
-from tests.helpers import make_cache, ours_from_hf, tiny_hf_model
-
-
-def _forward(model, capture, sink=None):
-    """Prefill two prompts (rows of different lengths), then one decode token per row."""
-    cache = make_cache(model)
-    prompts = [[3, 14, 15, 92, 65], [79, 32]]
-    width = max(len(p) for p in prompts)
-    counts = torch.tensor([len(p) for p in prompts])
-    slots = torch.tensor([2, 0])
-    prefill = ForwardBatch(torch.tensor([p + [0] * (width - len(p)) for p in prompts]),
-                           torch.arange(width).expand(2, -1), slots, torch.zeros(2, dtype=torch.long),
-                           causal_mask(counts, width), kv_len=width)
-    model(prefill, cache)
-    cache.advance(slots, counts)
-    step = ForwardBatch(torch.tensor([[7], [11]]), counts[:, None], slots, counts,
-                        torch.ones(2, 1, 1, dtype=torch.bool), kv_len=width + 1)
-    return model(step, cache, capture_layers=capture, feature_sink=sink)
+from tests.helpers import ours_from_hf, prefill_then_step, tiny_hf_model
 
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
@@ -35,10 +17,10 @@ def test_a_sink_receives_the_features_the_forward_would_return(kernels):
     if kernels == "cpu" and not model.use_cpu_kernels():
         pytest.skip("the C++ kernels do not build here")
     capture = (2, 0)  # out of order, the last layer (taken after the final norm) included
-    expected = _forward(model, capture)
+    expected = prefill_then_step(model, capture)
     buffer = torch.zeros(5, expected.hidden.shape[-1])
     rows = torch.tensor([3, 1])
-    sunk = _forward(model, capture, FeatureSink(buffer, rows))
+    sunk = prefill_then_step(model, capture, FeatureSink(buffer, rows))
     assert sunk.hidden is None
     assert torch.equal(sunk.logits, expected.logits)
     assert torch.equal(buffer[rows], expected.hidden[:, 0])

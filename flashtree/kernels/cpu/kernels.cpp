@@ -976,12 +976,15 @@ int flashtree_moe_layer(const float* x, const int64_t* moe, float* out, int64_t 
 //   position strides as in flashtree_tree_attention);
 // - h: layer 0's normed input [T, hidden]; residual: layer 0's input. On return mlp_out holds the
 //   last layer's MLP output and residual its residual (their sum is the last layer's output);
-// - capture[l] (or 0): where layer l's input goes ([T, hidden]), for l >= 1.
+// - capture[l] (or 0): where layer l's input goes, for l >= 1: token t's hidden values to row
+//   capture_rows[t] (t when capture_rows is 0) of capture_stride floats each, a row below capture_limit
+//   (rows out of range refuse the call before anything is written: status 2).
 constexpr int LAYER_FIELDS = 12;
 constexpr int64_t MOE_LAYER = -1;  // a MoE layer's gate-up code: its next field is its flashtree_moe_layer table
 
 int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64_t* dims, float eps,
                           float qk_eps, float scale, float* h, float* residual, float* mlp_out, float* const* capture,
+                          const int64_t* capture_rows, int64_t capture_stride, int64_t capture_limit,
                           const float* cos_table, const float* sin_table, const int64_t* positions,
                           const int64_t* write_pages, const int64_t* write_offsets, float* k_cache, float* v_cache,
                           int64_t layer_stride, int64_t page_stride, int64_t head_stride, int64_t pos_stride,
@@ -990,6 +993,10 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
                           int64_t new_tokens, int threads) {
   const int64_t hidden = dims[0], heads = dims[1], kv_heads = dims[2], head_dim = dims[3], inter = dims[4];
   const int64_t T = rows * new_tokens, qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t row = capture_rows ? capture_rows[t] : t;
+    if (row < 0 || row >= capture_limit) return 2;
+  }
   std::vector<float> qkv(T * qkv_width), q(T * q_width), att(T * q_width), o(T * q_width), x(T * hidden);
   std::vector<float> gate_up(T * 2 * inter), act(T * inter);
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -1000,7 +1007,10 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
     float* v_layer = v_cache + l * layer_stride;
     if (l > 0) {  // this layer's input: previous MLP output + residual, normed
       flashtree_add_rms_norm(mlp_out, residual, input_norm, residual, h, T, hidden, eps);  // (the sum in place)
-      if (capture[l]) memcpy(capture[l], residual, T * hidden * sizeof(float));
+      if (capture[l])
+        for (int64_t t = 0; t < T; ++t)
+          memcpy(capture[l] + (capture_rows ? capture_rows[t] : t) * capture_stride, residual + t * hidden,
+                 hidden * sizeof(float));
     }
     if (flashtree_block_gemm((int)f[4], h, (const uint8_t*)f[5], qkv_bias, qkv.data(), T, qkv_width, hidden, threads))
       return 1;

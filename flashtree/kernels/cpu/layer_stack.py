@@ -78,30 +78,57 @@ class LayerStack:
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, captures: dict[int, torch.Tensor],
                  rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                  write_index: tuple[torch.Tensor, torch.Tensor], storage: torch.Tensor, block_table: torch.Tensor,
-                 slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
+                 slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor,
+                 capture_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run every layer. h, residual ``[B, N, hidden]``: layer 0's normed input and its input
         (``residual`` is updated in place to the last layer's residual); ``captures``: layer l >= 1
-        -> a ``[B, N, hidden]`` tensor that receives layer l's input; ``rope``: the whole cos, sin
-        tables ``[P, D]``; ``write_index``: (page, offset) ``[B, N]`` of the new entries; ``storage``:
-        the cache's ``[layers, 2, pages, KVH, page_size, D]``. Returns the last layer's MLP output."""
+        -> an ``[R, hidden]`` float tensor (unit column stride, one row stride for all) whose row
+        ``capture_rows[t]`` (``[B * N]`` long; default t) receives token t's input to layer l
+        (a column slice of the drafter's lag buffer, or a ``[B * N, hidden]`` tensor of its own);
+        ``rope``: the whole cos, sin tables ``[P, D]``; ``write_index``: (page, offset) ``[B, N]`` of
+        the new entries; ``storage``: the cache's ``[layers, 2, pages, KVH, page_size, D]``. Returns
+        the last layer's MLP output."""
         b, n, hidden = h.shape
         if b * n == 0 or hidden != self.dims.hidden or not residual.is_contiguous():
             raise ValueError(f"the layer stack takes contiguous [B, N, {self.dims.hidden}] inputs, got {list(h.shape)}")
         h = h.contiguous().clone()  # the kernel writes each layer's normed input into it
         out = torch.empty_like(h)
-        capture = (ctypes.c_void_p * self.num_layers)(*[captures[l].data_ptr() if l in captures else None
-                                                        for l in range(self.num_layers)])
+        capture, stride, limit = self._capture_targets(captures, b * n)
+        if capture_rows is not None:
+            capture_rows = capture_rows.contiguous()
+            if capture_rows.dtype != torch.int64 or capture_rows.numel() != b * n:
+                raise ValueError(f"capture_rows must be {b * n} int64 rows, got {capture_rows.numel()} "
+                                 f"{capture_rows.dtype}")
         pages, offsets = (t.contiguous() for t in write_index)
         positions, slots, lengths = positions.contiguous(), slots.contiguous(), lengths.contiguous()
         block_table, mask = block_table.contiguous(), new_mask.contiguous().view(torch.uint8)
         k_cache, v_cache = storage[0, 0], storage[0, 1]
         status = self._run(
             self.table.data_ptr(), self.num_layers, self._dims.data_ptr(), self.dims.eps, self.dims.qk_eps,
-            self._scale, h.data_ptr(), residual.data_ptr(), out.data_ptr(), capture, rope[0].data_ptr(),
+            self._scale, h.data_ptr(), residual.data_ptr(), out.data_ptr(), capture, _address(capture_rows), stride,
+            limit, rope[0].data_ptr(),
             rope[1].data_ptr(), positions.data_ptr(), pages.data_ptr(), offsets.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), storage.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_table.data_ptr(), slots.data_ptr(), lengths.data_ptr(), mask.data_ptr(), block_table.shape[1],
             k_cache.shape[2], b, n, torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"capture_rows holds a row outside the captures' {limit} rows")
         if status:
             raise ValueError("the layer stack's kernel refused its operands (a block type or row count)")
         return out
+
+    def _capture_targets(self, captures: dict[int, torch.Tensor], tokens: int) -> tuple[ctypes.Array, int, int]:
+        """The kernel's per-layer capture addresses, their common row stride and row count."""
+        stride, limit = self.dims.hidden, tokens
+        if captures:
+            first = next(iter(captures.values()))
+            stride, limit = first.stride(0), first.shape[0]
+            for layer, target in captures.items():
+                if (target.dtype != torch.float32 or target.dim() != 2 or target.shape != (limit, self.dims.hidden)
+                        or target.stride() != (stride, 1) or not 1 <= layer < self.num_layers):
+                    raise ValueError(f"capture of layer {layer}: want float32 [{limit}, {self.dims.hidden}] with "
+                                     f"strides ({stride}, 1) for a layer in 1..{self.num_layers - 1}, got "
+                                     f"{target.dtype} {list(target.shape)} strides {target.stride()}")
+        addresses = (ctypes.c_void_p * self.num_layers)(*[captures[l].data_ptr() if l in captures else None
+                                                          for l in range(self.num_layers)])
+        return addresses, stride, limit
