@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flashtree import LLM, SamplingParams
-from flashtree.kernels.feature_sink import FeatureSink
 from flashtree.kernels.cpu.library import kernels_available
+from flashtree.kernels.feature_sink import FeatureSink
 from flashtree.models.loader import resolve_model_dir
 from tests.dflash_helpers import save_tiny_drafter
 from tests.helpers import prefill_then_step

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from flashtree.speculative.drafter import CPU_LAG_BYTES, CPU_LAG_CAPACITY, LAG_CAPACITY, lag_capacity
+from flashtree.speculative.drafter import (
+    CPU_LAG_BYTES,
+    CPU_LAG_CAPACITY,
+    LAG_CAPACITY,
+    lag_capacity,
+)
 
 SMOLLM2_FEATURES = 3 * 576 * 4  # three captured layers of 576 fp32 values
 
