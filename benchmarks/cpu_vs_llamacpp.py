@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -90,6 +91,7 @@ def run_flashtree(model: str, ids: list[int], new_tokens: int, default_mode: boo
     engine = llm.engine
     warm = engine.add_request(ids[:8], flashtree.SamplingParams(max_tokens=4, ignore_eos=True))
     engine.run_until_done([warm])
+    engine.rounds_by_nodes.clear()
     req = engine.add_request(ids, flashtree.SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     t0 = time.perf_counter()
     while not req.output_ids:
@@ -97,7 +99,8 @@ def run_flashtree(model: str, ids: list[int], new_tokens: int, default_mode: boo
     t1 = time.perf_counter()
     engine.run_until_done([req])
     t2 = time.perf_counter()
-    return {"tokens": req.output_ids, "prefill_s": t1 - t0, "decode_s": t2 - t1}
+    tree_rounds = sum(count for nodes, count in engine.rounds_by_nodes.items() if nodes)
+    return {"tokens": req.output_ids, "prefill_s": t1 - t0, "decode_s": t2 - t1, "tree_rounds": tree_rounds}
 
 
 def run_llamacpp(gguf: str, ids: list[int], new_tokens: int, threads: int) -> dict:
@@ -145,6 +148,9 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
     parser.add_argument("--requantize", choices=tuple(QUANT_TYPES),
                         help="compare on the GGUF's twin of this type (made with llama.cpp's quantizer)")
+    parser.add_argument("--policy-memory", help="the default mode's policy memory directory (default: the "
+                                                "user's, as `flashtree generate` reads it; a fresh directory "
+                                                "makes the run's first default process explore)")
     parser.add_argument("--out")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--prompt", type=int, default=0, help=argparse.SUPPRESS)
@@ -166,7 +172,8 @@ def main() -> None:
                 command = [sys.executable, __file__, "--gguf", args.model, "--threads", str(args.threads),
                            "--new-tokens", str(args.new_tokens), "--pp-tokens", str(args.pp_tokens),
                            "--worker", system, "--prompt", str(prompt)]
-                done = subprocess.run(command, capture_output=True, text=True, check=True)
+                env = {**os.environ, "FLASHTREE_POLICY_CACHE": args.policy_memory} if args.policy_memory else None
+                done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
                 runs.append({"system": system, "prompt": prompt, "repeat": repeat,
                              **json.loads(done.stdout.strip().splitlines()[-1])})
                 print(system, prompt, {k: v for k, v in runs[-1].items() if k != "tokens"}, flush=True)
@@ -177,6 +184,8 @@ def main() -> None:
         pp = [r["prompt_tokens"] / r["prefill_s"] for r in mine if r["prompt"] < 0]
         summary[system] = {"decode_tok_s": statistics.median(decode), "pp_tok_s": statistics.median(pp),
                            "peak_rss_mib": max(r["peak_rss_mib"] for r in mine)}
+        if system != "llama.cpp":  # (drafted rounds per decode run: the default mode's probes)
+            summary[system]["tree_rounds"] = [r["tree_rounds"] for r in mine if r["prompt"] >= 0]
     plain = {(r["prompt"], r["repeat"]): r["tokens"] for r in runs if r["system"] == "flashtree" and r["prompt"] >= 0}
     for system in systems:
         summary[system]["first_difference_from_flashtree_plain"] = [
@@ -193,7 +202,8 @@ def main() -> None:
                 summary[system][f"decode_vs_{reference}_paired"] = statistics.median(
                     rate[(system, p, rep)] / rate[(reference, p, rep)] for (s, p, rep) in rate if s == system)
     out = {"cpu": platform.processor() or platform.machine(), "gguf": args.gguf, "threads": args.threads,
-           "new_tokens": args.new_tokens, "pp_tokens": args.pp_tokens, "summary": summary, "runs": runs}
+           "new_tokens": args.new_tokens, "pp_tokens": args.pp_tokens, "policy_memory": args.policy_memory,
+           "summary": summary, "runs": runs}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
