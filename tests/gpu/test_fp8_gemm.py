@@ -42,3 +42,20 @@ def test_fp8_speculative_tokens_equal_plain_tokens(layout, dtype, tmp_path):
 def test_fp8_logits_are_the_dequantized_checkpoints(dtype, bound, exact, tmp_path):
     fp8, reference = write_fp8_target(tmp_path, "block", "blocks")
     assert logits_vs_dequantized(fp8, reference, "cuda", dtype, exact) < bound
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])  # the Qwen3-8B shape's qkv and down products
+def test_fp8_rows_are_identical_at_the_8b_shapes_and_row_counts(n, k):
+    """The row counts a DDTree-16 round and a plain step of 4 prompts give the product (68 and 4), and those of
+    1 and 17 (batch 1), on weights as an 8B checkpoint holds them (N(0, 0.02) quantized in 128 x 128 blocks) and
+    bf16 activations of a hidden state's size: every row equals the one-row product's bits."""
+    from flashtree.kernels.gpu.fp8_gemm import SCALE_BLOCK, Fp8Linear
+    from flashtree.models.fp8 import quantize_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    values, scale = quantize_fp8(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    layer = Fp8Linear(values, scale, SCALE_BLOCK)
+    x = torch.randn(68, k, device="cuda", generator=gen).to(torch.bfloat16)  # [68, K]
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(68)])  # [68, N], one row at a time
+    for m in (4, 17, 68):
+        assert torch.equal(layer(x[:m]), alone[:m]), m
