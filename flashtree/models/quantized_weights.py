@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, NamedTuple
 import torch
 from torch import nn
 
+from flashtree.kernels.cpu.huge_pages import BlockArena
 from flashtree.kernels.cpu.library import KernelUnavailable, load_kernels
 from flashtree.kernels.cpu.quant_linear import (
     BLOCK_TYPES,
@@ -151,32 +152,48 @@ def read_groups(groups: Iterable[BlockGroup], stored: Mapping[str, StoredMatrix]
     ``rows``, default: indexing ``weights``; reads from a file that keep a memory map untouched); raises
     KernelUnavailable when blocks differ from their weight."""
     rows = rows or (lambda name, picked: weights[name][picked])
+    groups = list(groups)
+    readable = {group.gguf: sum(p.rows * p.row_bytes for p in _parts(group, stored)) for group in groups
+                if _readable(group, stored, weights)}
+    arena = BlockArena(list(readable.values()))  # every holder's blocks in one (huge-page) mapping
     holders: dict[tuple[str, ...], QuantizedLinear | None] = {}
     found = {}
     for group in groups:
         if group.gguf not in holders:
-            holders[group.gguf] = _read_group(group, stored, weights, rows)
+            holders[group.gguf] = _read_group(group, stored, weights, rows, arena) if group.gguf in readable else None
         if holders[group.gguf] is not None:
             found[group] = holders[group.gguf]
     return found
 
 
+def _parts(group: BlockGroup, stored: Mapping[str, StoredMatrix]) -> list[StoredMatrix | None]:
+    return [stored.get(name) for name in group.gguf]
+
+
+def _readable(group: BlockGroup, stored: Mapping[str, StoredMatrix], weights: Mapping[str, torch.Tensor]) -> bool:
+    """Every matrix of ``group`` is stored as blocks, all of one width, and its fp32 weights are there."""
+    parts = _parts(group, stored)
+    return (None not in parts and len({p.in_features for p in parts}) == 1
+            and all(name in weights for name in group.weights))
+
+
 def _read_group(group: BlockGroup, stored: Mapping[str, StoredMatrix], weights: Mapping[str, torch.Tensor],
-                rows: RowReader) -> QuantizedLinear | None:
-    parts = [stored.get(name) for name in group.gguf]
-    if None in parts or len({p.in_features for p in parts}) != 1 or any(name not in weights for name in group.weights):
-        return None
+                rows: RowReader, arena: BlockArena) -> QuantizedLinear:
+    parts = _parts(group, stored)
+    total = sum(p.rows * p.row_bytes for p in parts)
     if len({p.type_name for p in parts}) == 1:
-        quant = QuantizedLinear(parts[0].type_name, _read_parts(parts), parts[0].in_features)
+        blocks = arena.take(sum(p.rows for p in parts), parts[0].row_bytes)
+        quant = QuantizedLinear(parts[0].type_name, _read_parts(parts, blocks), parts[0].in_features)
     else:  # e.g. Q4_K_M's q/k Q4_K and v Q6_K: one product of per-type parts
-        quant = MixedQuantizedLinear([QuantizedLinear(p.type_name, _read_parts([p]), p.in_features) for p in parts])
+        singles = [QuantizedLinear(p.type_name, _read_parts([p], torch.empty(p.rows, p.row_bytes, dtype=torch.uint8)),
+                                   p.in_features) for p in parts]
+        quant = MixedQuantizedLinear(singles, flat=arena.take(1, total).view(-1))
     _check(quant, group, weights, rows)
     return quant
 
 
-def _read_parts(parts: list[StoredMatrix]) -> torch.Tensor:
-    """The parts' blocks stacked ``uint8 [rows, row bytes]`` (parts of one type)."""
-    blocks = torch.empty(sum(p.rows for p in parts), parts[0].row_bytes, dtype=torch.uint8)
+def _read_parts(parts: list[StoredMatrix], blocks: torch.Tensor) -> torch.Tensor:
+    """The parts' blocks stacked into ``blocks`` (``uint8 [rows, row bytes]``, parts of one type)."""
     offset = 0
     for part in parts:
         part.read_into(blocks[offset:offset + part.rows])

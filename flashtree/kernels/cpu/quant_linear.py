@@ -139,11 +139,13 @@ class MixedQuantizedLinear(QuantizedLinear):
     into its columns (a part's outputs are what the part alone gives). :attr:`blocks` holds every part's
     bytes (flat ``uint8``); the kernel reads the parts through a table (``MIXED_PARTS``, kernels.cpp)."""
 
-    def __init__(self, parts: Sequence[QuantizedLinear], int8_activations: bool = False):
+    def __init__(self, parts: Sequence[QuantizedLinear], int8_activations: bool = False,
+                 flat: torch.Tensor | None = None):
+        """``flat``: where the parts' bytes go (uint8 ``[total bytes]``; default: a new tensor)."""
         if not parts or len({p.in_features for p in parts}) != 1:
             raise ValueError("a mixed product needs parts of one width, got "
                              f"{[(p.type_name, p.in_features) for p in parts]}")
-        flat = torch.cat([p.blocks.reshape(-1) for p in parts])  # [total bytes]: all parts, one storage
+        flat = torch.cat([p.blocks.reshape(-1) for p in parts], out=flat)  # [total bytes]: all parts, one storage
         self.parts, offset = [], 0
         for part in parts:
             view = flat[offset:offset + part.blocks.numel()].view(part.blocks.shape)
