@@ -30,16 +30,15 @@ SCALE_ROWS = (1, SCALE_BLOCK)  # weight rows per scale row: one's own, or 128-ro
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # the tile by row count: (largest M it serves, tile). Every entry computes each output element with the same
-# sequence of 128-wide K blocks (block_k must stay SCALE_BLOCK), so which one serves a product changes no bit;
-# tests/gpu/test_fp8_gemm.py checks it across the table on the device. Decode rows (M <= 64) are what matters:
-# a one-row product streams the weight, and with no split-K its parallelism is N / block_n programs (128 for
-# N = 4096 at block_n 32), so deep pipelines keep enough bytes in flight per SM. Not yet tuned on a GPU:
-# benchmarks/gpu_fp8.py --sweep times the candidates at the Qwen3-8B products.
+# sequence of 128-wide K blocks (block_k must stay SCALE_BLOCK) and at most 32 rows per tile: on Hopper (H100,
+# 2026-12-06) tiles of 64 rows or more (wgmma) rounded some rows of the Qwen3-8B products one bf16 step apart from
+# the 16- and 32-row tiles (mma), which broke FP8 speculative == plain tokens; 32 x 64 gave the 16-row tile's bits
+# at 68 / 272 / 1,040 rows and was the fastest 32-row tile there (1.1-1.5x the 64 x 128 tile's time at 272-1,040
+# rows). tests/gpu/test_fp8_gemm.py checks the table on the device. Decode rows (M <= 64) are what matters: a
+# one-row product streams the weight, and with no split-K its parallelism is N / block_n programs.
 TILES: tuple[tuple[int, Tile], ...] = ((16, Tile(16, 32, SCALE_BLOCK, warps=4, stages=6)),
                                        (32, Tile(32, 32, SCALE_BLOCK, warps=4, stages=5)),
-                                       (64, Tile(64, 32, SCALE_BLOCK, warps=4, stages=4)),
-                                       (256, Tile(64, 128, SCALE_BLOCK, warps=4, stages=3)),
-                                       (1 << 62, Tile(128, 128, SCALE_BLOCK, warps=8, stages=3)))
+                                       (1 << 62, Tile(32, 64, SCALE_BLOCK, warps=4, stages=4)))
 
 
 def tile_for(rows: int) -> Tile:
