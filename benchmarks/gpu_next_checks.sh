@@ -4,7 +4,7 @@
 # What the last run found, and why these calls: benchmarks/journal/session-27-2026-12-06.md.
 # CALL=1 (~6 min): test_fp8_gemm whole (its tile table now stops at 32 rows: the 64-row tiles rounded rows of the
 #   8B products apart on an H100), then the tests/gpu files the last run did not reach (row budgets, start-up
-#   graphs, CUDA tensor parallelism, traces) and test_invariant_gemm.
+#   graphs, CUDA tensor parallelism, traces) and test_invariant_gemm (now also rows at the 8B shapes, every tile).
 # CALL=2 (~9 min): test_fused_kernels alone (it compiles many Triton shapes: 200 s did not finish its first test).
 # CALL=3 (~6 min): gpu_fp8.py at the 8B shape: FP8 plain == FP8 DDTree-16 tokens with the new table (#38), the FP8
 #   step against bf16.

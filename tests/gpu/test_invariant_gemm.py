@@ -14,3 +14,22 @@ def test_rows_are_identical_whatever_the_row_count():
     assert results["torch.float32"]["rows_identical"] and results["torch.bfloat16"]["rows_identical"]
     assert results["torch.float32"]["max_abs_diff"] < 1e-3
     assert results["torch.bfloat16"]["max_abs_diff"] < 0.5  # one bf16 rounding of |y| up to ~40
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])  # the Qwen3-8B shape's qkv and down products
+def test_rows_are_identical_at_the_8b_shapes_with_every_tile(n, k):
+    """bf16 weights of an 8B layer's size, rows of a plain step (1, 4) and of verify forwards (17, 68, 272):
+    every row equals the one-row product's bits, with the table's tiles (the FP8 kernel's 64-row tiles did
+    not at these shapes, though they did at small ones)."""
+    from flashtree.kernels.gpu.gemm import TILES, invariant_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(272, k, device="cuda", generator=gen).to(torch.bfloat16)  # [272, K]
+    picked = list(range(0, 272, 17))
+    alone = torch.cat([invariant_linear(x[i:i + 1], weight) for i in picked])  # [16, N]
+    for m in (4, 17, 68, 272):
+        rows = [i for i in picked if i < m]
+        assert torch.equal(invariant_linear(x[:m], weight)[rows], alone[:len(rows)]), m
+    for _, tile in TILES:
+        assert torch.equal(invariant_linear(x, weight, tile=tile)[picked], alone), tile
