@@ -180,13 +180,13 @@ def _readable(group: BlockGroup, stored: Mapping[str, StoredMatrix], weights: Ma
 def _read_group(group: BlockGroup, stored: Mapping[str, StoredMatrix], weights: Mapping[str, torch.Tensor],
                 rows: RowReader, arena: BlockArena) -> QuantizedLinear:
     parts = _parts(group, stored)
-    total = sum(p.rows * p.row_bytes for p in parts)
     if len({p.type_name for p in parts}) == 1:
         blocks = arena.take(sum(p.rows for p in parts), parts[0].row_bytes)
         quant = QuantizedLinear(parts[0].type_name, _read_parts(parts, blocks), parts[0].in_features)
     else:  # e.g. Q4_K_M's q/k Q4_K and v Q6_K: one product of per-type parts
         singles = [QuantizedLinear(p.type_name, _read_parts([p], torch.empty(p.rows, p.row_bytes, dtype=torch.uint8)),
                                    p.in_features) for p in parts]
+        total = sum(p.rows * p.row_bytes for p in parts)
         quant = MixedQuantizedLinear(singles, flat=arena.take(1, total).view(-1))
     _check(quant, group, weights, rows)
     return quant
