@@ -7,6 +7,14 @@ M (1 .. 2,080: plain steps to DDTree-64 at batch 32), times F.linear (cuBLAS) an
 with every candidate tile (bf16, CUDA-event timing of graph-free launches after warm-up, median of
 ``--reps``), and checks that every tile gives the reference tile's output bit for bit (the tiles may then
 share the table: kernels/gpu/gemm.py TILES). Prints the best tile per M and its time against cuBLAS.
+
+    python benchmarks/gpu_exact_gemm.py --decode --out benchmarks/results/gpu_exact_gemm_decode_h100.json
+
+``--decode``: the rows of decode steps and small verify forwards (M = 1 .. 64), timed the way a step runs them
+(CUDA graph replays over enough weight copies to defeat L2: gpu_fp8.time_calls_us): cuBLAS, the table's
+product with K cut by :func:`k_chunk` (chunks in programs of their own where the tiles are few, the default),
+the same chunks in one program, and K in one chunk (no split at all); each checked bit for bit against the
+one-pass product of the same chunks.
 """
 
 import argparse
@@ -18,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flashtree.kernels.gpu.gemm import Tile, invariant_linear  # noqa: E402
+from flashtree.kernels.gpu.gemm import CHUNK_ALIGN, Tile, invariant_linear, k_chunk  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}  # name: (N, K)
@@ -79,15 +87,45 @@ def sweep(name: str, n: int, k: int, reps: int) -> list[dict]:
     return rows
 
 
+DECODE_ROWS = (1, 4, 16, 32, 64)
+
+
+def decode_rows(name: str, n: int, k: int) -> list[dict]:
+    from gpu_fp8 import L2_FLUSH_BYTES, copy_bandwidth, time_calls_us
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copies = max(2, -(-L2_FLUSH_BYTES // (2 * n * k)))
+    weights = [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16() for _ in range(copies)]
+    bandwidth, chunk, whole = copy_bandwidth("cuda"), k_chunk(n, k), -(-k // CHUNK_ALIGN) * CHUNK_ALIGN
+    ways = {"split": {"chunk": chunk}, "one_program": {"chunk": chunk, "split": False}, "no_chunks": {"chunk": whole}}
+    rows = []
+    for m in DECODE_ROWS:
+        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        reference = invariant_linear(x, weights[0], chunk=chunk, split=False)
+        row = {"product": name, "n": n, "k": k, "m": m, "chunk": chunk, "floor_us": 2 * n * k / bandwidth * 1e6,
+               "cublas_us": time_calls_us([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in weights], "cuda")}
+        for way, kwargs in ways.items():
+            row[f"{way}_us"] = time_calls_us([lambda w=w, x=x, kw=kwargs: invariant_linear(x, w, **kw) for w in weights],
+                                             "cuda")
+            if way != "no_chunks":
+                row[f"{way}_same_bits"] = torch.equal(invariant_linear(x, weights[0], **kwargs), reference)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--products", default=",".join(SHAPES))
+    parser.add_argument("--decode", action="store_true", help="graph-timed decode rows, split K against not")
     args = parser.parse_args()
     rows = []
     for name in args.products.split(","):
-        rows += sweep(name, *SHAPES[name], args.reps)
+        rows += decode_rows(name, *SHAPES[name]) if args.decode else sweep(name, *SHAPES[name], args.reps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))

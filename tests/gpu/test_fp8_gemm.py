@@ -25,7 +25,8 @@ def test_fp8_rows_are_identical_with_every_tile_and_match_the_dequantized_produc
     for layout in LAYOUTS:
         for dtype, bound in (("torch.float32", 1e-5), ("torch.bfloat16", 1e-2)):  # bf16: one rounding of y
             result = results[f"{layout}/{dtype}"]
-            assert result["rows_identical"] and result["batched_3d"], (layout, dtype, result)
+            assert result["rows_identical"] and result["chunks_identical"] and result["batched_3d"], (layout, dtype, result)
+            assert result["chunked_relative_diff"] < bound, (layout, dtype, result)
             assert result["relative_diff"] < bound, (layout, dtype, result)
 
 

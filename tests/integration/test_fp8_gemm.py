@@ -19,7 +19,8 @@ def test_fp8_rows_are_identical_whatever_the_row_count_and_match_the_dequantized
     results = run_interpreted("tests.support.fp8_gemm_checks", timeout=300)
     assert set(results) == {"block/torch.float32", "row_blocks/torch.float32", "channel/torch.float32"}
     for layout, result in results.items():
-        assert result["rows_identical"] and result["batched_3d"], (layout, result)
+        assert result["rows_identical"] and result["chunks_identical"] and result["batched_3d"], (layout, result)
+        assert result["chunked_relative_diff"] < 1e-5, (layout, result)
         assert result["relative_diff"] < 1e-5, (layout, result)
 
 

@@ -4,8 +4,9 @@ and converts them exactly), and on CUDA in float32 and bfloat16 (tests/gpu/test_
 
 :func:`check` returns, per scale layout and dtype: whether every row of M = 1, 7 and 64 equals the same row of
 the 64-row product bit for bit (and rows 5..11 alone; on the device also with every tile of the table), and
-the largest difference from a float64 product of the dequantized weight, relative to the largest output
-magnitude. The weight is N = 200 by K = 300: a partial N tile, a partial 128-row scale block, and three K blocks
+whether K cut into chunks of one scale block gives the same bits split and in one program
+(``chunks_identical``), and the largest difference from a float64 product of the dequantized weight, relative
+to the largest output magnitude. The weight is N = 200 by K = 300: a partial N tile, a partial 128-row scale block, and three K blocks
 of which the last is partial; block scales span 2^-8..2^4, so a factor applied to the wrong block shows.
 Run as a module it prints the result as one JSON line."""
 
@@ -50,12 +51,24 @@ def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
 
                 same &= all(torch.equal(fp8_linear(x, layer.weight, layer.scale, layer.scale_rows, bias, tile), full)
                             for _, tile in TILES)
+            chunked = fp8_linear_chunked(layer, x, bias, split=False)
+            chunks_same = all(torch.equal(fp8_linear_chunked(layer, x[:m], bias, split=split), chunked[:m])
+                              for m in (1, 7, 64) for split in (False, True))
             reference = torch.nn.functional.linear(x.double(), reference_weight, bias.double())
             results[f"{layout}/{dtype}"] = {
-                "rows_identical": bool(same and shifted), "batched_3d": torch.equal(layer(x.view(8, 8, K), bias),
+                "rows_identical": bool(same and shifted), "chunks_identical": chunks_same,
+                "chunked_relative_diff": ((chunked.double() - reference).abs().max() / reference.abs().max()).item(),
+                "batched_3d": torch.equal(layer(x.view(8, 8, K), bias),
                                                                                     full.view(8, 8, N)),
                 "relative_diff": ((full.double() - reference).abs().max() / reference.abs().max()).item()}
     return results
+
+
+def fp8_linear_chunked(layer: Fp8Linear, x: torch.Tensor, bias: torch.Tensor, split: bool) -> torch.Tensor:
+    """``layer``'s product with K cut into chunks of one scale block (three chunks, the last partial)."""
+    from flashtree.kernels.gpu.fp8_gemm import fp8_linear
+
+    return fp8_linear(x, layer.weight, layer.scale, layer.scale_rows, bias, chunk=SCALE_BLOCK, split=split)
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 (tests/integration/test_invariant_gemm.py; the interpreter has no bfloat16 arithmetic), and on CUDA in
 float32 and bfloat16 (tests/gpu/test_invariant_gemm.py). :func:`check` returns, per dtype, whether every
 row of M = 1, 7 and 64 equals the same row of the 64-row product bit for bit (and rows 5..11 alone, and on the
-device with every tile of the table), and
-the largest difference from torch's product; run as a module it prints that as one JSON line."""
+device with every tile of the table), the same for K cut into chunks with the chunks in programs of their own
+and in one program (``chunks_identical``: K = 600 in chunks of 256, every way the same bits), and the largest
+difference from torch's product; run as a module it prints that as one JSON line."""
 
 from __future__ import annotations
 
@@ -28,9 +29,24 @@ def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
         reference = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
         if not interpreting():  # every tile of the table gives the same bits (the interpreter uses the first)
             same &= all(torch.equal(invariant_linear(x, weight, bias, tile=tile), full) for _, tile in TILES)
-        results[str(dtype)] = {"rows_identical": same and shifted,
+        results[str(dtype)] = {"rows_identical": same and shifted, "chunks_identical": chunks_identical(gen, dtype, device),
                                "max_abs_diff": (full.float() - reference).abs().max().item()}
     return results
+
+
+def chunks_identical(gen: torch.Generator, dtype: torch.dtype, device: str) -> bool:
+    """K = 600 in chunks of 256 (two whole and one partial): split and one-pass, M = 1, 7 and 64, and on the
+    device every tile, give the one-pass 64-row product's rows bit for bit; and it matches torch's product."""
+    x = torch.randn(64, 600, generator=gen).to(device, dtype)
+    weight = torch.randn(80, 600, generator=gen).to(device, dtype)
+    bias = torch.randn(80, generator=gen).to(device, dtype)
+    full = invariant_linear(x, weight, bias, chunk=256, split=False)
+    tiles = [None] if interpreting() else [tile for _, tile in TILES]
+    same = all(torch.equal(invariant_linear(x[:m], weight, bias, tile=tile, chunk=256, split=split), full[:m])
+               for m in (1, 7, 64) for split in (False, True) for tile in tiles)
+    close = torch.allclose(full.float(), torch.nn.functional.linear(x.float(), weight.float(), bias.float()),
+                           rtol=0, atol=1e-3 if dtype == torch.float32 else 0.5)
+    return same and close
 
 
 def main() -> None:

@@ -3,9 +3,10 @@ float32 scales on the device, and a decode step reads one byte per weight instea
 
 :func:`fp8_linear` computes ``x @ (w * scale)^T`` with x in bfloat16 (or any float dtype), the weight
 converted to x's dtype inside the kernel (exact), a float32 product per 128-wide K block scaled by that
-block's factor and added in K order, and one rounding at the end (``triton_fp8_gemm.py``). The K step is
-the scale block (``SCALE_BLOCK``) and is never split, so like the exact mode's product (gemm.py) a row's
-result is bit for bit the same whatever the row count and whatever the other rows hold: a tree node gets
+block's factor and added in K order within chunks of K set by the weight's shape (gemm.k_chunk), the chunk
+sums added in chunk order, and one rounding at the end (``triton_fp8_gemm.py``). The K step is the scale
+block (``SCALE_BLOCK``), and like the exact mode's product (gemm.py) a row's result is bit for bit the same
+whatever the row count, whatever the other rows hold, and whether the chunks ran in one program or apart: a tree node gets
 what a plain step computes, and FP8 speculative decoding gives FP8 plain decoding's tokens. The tile (by row
 count: :data:`TILES`) only decides which program computes which outputs. The large-M tiles are the same
 kernel (no torch._scaled_mm: it would quantize the activations too, a different and row-dependent product).
@@ -23,7 +24,7 @@ import functools
 import torch
 
 from flashtree.kernels.gpu import interpreting
-from flashtree.kernels.gpu.gemm import Tile
+from flashtree.kernels.gpu.gemm import SPLIT_PROGRAMS, Tile, k_chunk, sum_chunks
 
 SCALE_BLOCK = 128  # K columns per scale block, and the kernel's K step
 SCALE_ROWS = (1, SCALE_BLOCK)  # weight rows per scale row: one's own, or 128-row blocks
@@ -57,9 +58,11 @@ def _kernels():
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int,
-               bias: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, tile: Tile | None = None, chunk: int | None = None,
+               split: bool | None = None) -> torch.Tensor:
     """x ``[..., K]`` (bf16 / fp16 / fp32), weight ``[N, K]`` e4m3 (or e5m2), scale float32 (module docstring),
-    bias ``[N]`` or None -> ``[..., N]`` in x's dtype. ``tile`` overrides the table's choice (benchmarks)."""
+    bias ``[N]`` or None -> ``[..., N]`` in x's dtype. ``tile``, ``chunk`` (K columns per chunk, a multiple of
+    the scale block) and ``split`` (chunks in programs of their own) override the defaults (tests, benchmarks)."""
     *lead, k = x.shape
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k:
@@ -69,15 +72,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     tile = tile or tile_for(m)
     if tile.block_k != SCALE_BLOCK:
         raise ValueError(f"fp8_linear: a tile's block_k must be the scale block {SCALE_BLOCK}, got {tile.block_k}")
+    chunk = chunk or k_chunk(n, k, SCALE_BLOCK, TILES[0][1].block_n)
+    if chunk % SCALE_BLOCK:
+        raise ValueError(f"fp8_linear: chunk {chunk} is not a multiple of the scale block {SCALE_BLOCK}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
-        grid = (-(-m // tile.block_m) * -(-n // tile.block_n),)
-        _kernels()._fp8_linear_kernel[grid](
-            rows, weight, scale, bias if bias is not None else rows, y, m, n, k,
+        tiles, chunks = -(-m // tile.block_m) * -(-n // tile.block_n), max(1, -(-k // chunk))
+        split = chunks > 1 and tiles < SPLIT_PROGRAMS if split is None else split
+        part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device) if split else y
+        _kernels()._fp8_linear_kernel[(tiles, chunks if split else 1)](
+            rows, weight, scale, bias if bias is not None else rows, y, part, m, n, k, chunk,
             rows.stride(0), weight.stride(0), y.stride(0), scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0,
-            SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k, GROUP_M=tile.group_m, IEEE=x.dtype == torch.float32,
+            SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, IEEE=x.dtype == torch.float32,
             num_warps=tile.warps, num_stages=tile.stages)
+        if split:
+            sum_chunks(part, bias, y)
     return y.reshape(*lead, n)
 
 
