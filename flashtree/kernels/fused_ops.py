@@ -46,8 +46,8 @@ class FusedOps(Protocol):
         rotary at ``positions [B, N]``, K/V written into one layer's cache views at ``write_index``
         (page, offset ``[B, N]`` each); returns q ``[B, H, N, D]``."""
 
-    def handles_attention(self, new_tokens: int) -> bool:
-        """:meth:`tree_attention` serves forwards of this many new tokens per row."""
+    def handles_attention(self, new_tokens: int, prefill: bool = False) -> bool:
+        """:meth:`tree_attention` serves forwards of this many new tokens per row (a prompt chunk's: ``prefill``)."""
 
     def tree_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_table: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,

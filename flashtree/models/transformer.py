@@ -300,7 +300,7 @@ class FusedKernelSwitch:
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
         """Switch the C++ kernels on for an fp32 model on the CPU where their library builds,
-        attention of up to 32 new tokens included; returns whether they are on."""
+        attention included (kernels/cpu/fused.py says which forwards); returns whether they are on."""
         on = enabled and cpu_fused.usable_on(self._kernel_weight()) and self._ready_for_kernels()
         self._set_kernels(cpu_fused if on else None, on)
         self.kernel_attention_prefill = True
@@ -313,7 +313,7 @@ class FusedKernelSwitch:
     def uses_kernel_attention(self, new_tokens: int, prefill: bool = False) -> bool:
         """A forward of ``new_tokens`` per row (a prompt chunk's: ``prefill``) attends with the
         backend's kernel (it needs no mask, key range or gathered pages) rather than SDPA."""
-        return (self.fused_attention and self.kernels.handles_attention(new_tokens)
+        return (self.fused_attention and self.kernels.handles_attention(new_tokens, prefill)
                 and (self.kernel_attention_prefill or not prefill))
 
     def _set_kernels(self, kernels, attention: bool) -> None:

@@ -1,6 +1,7 @@
 """Int8 activations in the engine (the default for GGUF targets on the CPU): speculation stays
 token-identical to plain decoding and a prompt's tokens do not depend on its batch, on tiny GGUFs of
-each family and block type; and on a real layer (SmolLM2's) the products stay within the error bound
+each family and block type, and a verification forward of any width computes a node as the plain step
+does, bit for bit; and on a real layer (SmolLM2's) the products stay within the error bound
 of rounding x to int8 blocks. The kernel's own arithmetic: tests/unit/test_cpu_int8_activations.py."""
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import torch
 from flashtree import LLM, SamplingParams
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.kernels.cpu.quant_linear import QuantizedLinear
+from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.models.loader import resolve_model_dir
 from tests.dflash_helpers import save_tiny_drafter
+from tests.helpers import make_cache
 from tests.support.checkpoints import QT, holders, isolated_cache, tiny_gguf  # noqa: F401 (autouse fixture)
 
 AVAILABLE, WHY = kernels_available()
@@ -40,6 +43,40 @@ def test_speculation_and_batches_keep_plain_tokens(tmp_path, model_type, layer_t
         llm = LLM(path, spec=spec, draft=str(drafter), budget=budget, **engine)
         assert llm.engine.model.lm_head_quant.int8_activations
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, (spec, budget)
+
+
+def random_tree(nodes: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor mask ``[1, n, n]``, depth ``[n]``) of a random tree of ``nodes`` nodes, node 0 the root."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+    ancestors: list[set[int]] = []
+    for i, parent in enumerate(parents):
+        ancestors.append({i} | (ancestors[parent] if parent >= 0 else set()))
+    mask = torch.tensor([[j in ancestors[i] for j in range(nodes)] for i in range(nodes)])[None]
+    return mask, torch.tensor([len(a) - 1 for a in ancestors])
+
+
+@pytest.mark.parametrize("layer_stack", [True, False])
+def test_a_verify_forward_computes_its_root_as_the_plain_step_does(tmp_path, layer_stack):
+    """The root of a verification forward gets the plain decode step's logits bit for bit, at 8 nodes and at
+    40 (past the 32-token limit of prompt chunks, where SDPA's blocked kernel once served trees: its sums in
+    another order moved the o product's input by an ulp, which the int8 rounding of x can turn into a whole
+    step; a DDTree-64 round on SmolLM2 then differed from plain decoding)."""
+    model = LLM(str(tiny_gguf(tmp_path / "tiny.gguf", "qwen3")), device="cpu", max_context=128).engine.model
+    assert all(h.int8_activations for h in holders(model)) and model.use_layer_stack(layer_stack) == layer_stack
+    gen = torch.Generator().manual_seed(0)
+    for nodes in (8, 40):
+        cache, slot = make_cache(model), torch.tensor([0])
+        prompt = torch.randint(0, 64, (1, 23), generator=gen)  # [1, P]
+        p = prompt.shape[1]
+        model(ForwardBatch(prompt, torch.arange(p)[None], slot, torch.tensor([0]), causal_mask(torch.tensor([p]), p),
+                           kv_len=p, prefill=True), cache)
+        cache.advance(slot, torch.tensor([p]))
+        mask, depth = random_tree(nodes, gen)
+        ids = torch.randint(0, 64, (1, nodes), generator=gen)  # [1, n]
+        tree = model(ForwardBatch(ids, p + depth[None], slot, torch.tensor([p]), mask, kv_len=p + nodes), cache)
+        step = model(ForwardBatch(ids[:, :1], torch.tensor([[p]]), slot, torch.tensor([p]),
+                                  torch.ones(1, 1, 1, dtype=torch.bool), kv_len=p + 1), cache)
+        assert torch.equal(step.logits[0, 0], tree.logits[0, 0]), nodes
 
 
 def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

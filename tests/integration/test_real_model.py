@@ -55,7 +55,7 @@ def test_chat_stops_at_end_of_turn(smollm2_float):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, budget", [("dflash", None), ("ddtree", 4), ("ddtree", 16)])
+@pytest.mark.parametrize("method, budget", [("dflash", None), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)])
 def test_shipped_drafter_is_lossless_and_accepts(smollm2, method, budget):
     """The drafter shipped for the embedded default (flashtree/assets/smollm2-dflash) gives the
     plain tokens, greedy and seeded, batched, and real acceptance (mean acceptance length > 1.2)."""

@@ -3,10 +3,11 @@
 
 On a 2-core CPU each small torch op between the matmuls costs 15-30 us of dispatch and cache misses
 for a few hundred floats of work; these are C++ loops in the kernel library (``library.py``: it
-needs AVX-512 or AVX2 and a C++ compiler). :func:`tree_attention` serves forwards of at most
-:data:`MAX_ATTENTION_NEW_TOKENS` new tokens per row (longer ones keep SDPA). Each token's sums run in
-the same order whatever else is in the call, so a token's result does not depend on its batch; the
-order differs from torch's, so results differ from the torch ops by float rounding.
+needs AVX-512 or AVX2 and a C++ compiler). :func:`tree_attention` serves every decode and verification forward, and prompt chunks of at most
+:data:`MAX_KERNEL_PREFILL_TOKENS` tokens per row (longer ones keep SDPA's blocked kernel). Each token's sums
+run in the same order whatever else is in the call, so a token's result does not depend on its batch or
+on how many tree nodes share its forward; the order differs from torch's, so results differ from the
+torch ops by float rounding.
 """
 
 
@@ -109,12 +110,14 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
     return q
 
 
-MAX_ATTENTION_NEW_TOKENS = 32  # longer chunks (prefill, big trees) keep SDPA's blocked kernel
+MAX_KERNEL_PREFILL_TOKENS = 32  # longer prompt chunks keep SDPA's blocked kernel (every mode prefills alike)
 
 
-def handles_attention(new_tokens: int) -> bool:
-    """:func:`tree_attention` is used for forwards of at most this many new tokens per row."""
-    return new_tokens <= MAX_ATTENTION_NEW_TOKENS
+def handles_attention(new_tokens: int, prefill: bool = False) -> bool:
+    """:func:`tree_attention` serves every forward that is not a prompt chunk, whatever its width: a tree
+    node of any tree must get the bits plain decoding computes (SDPA's blocked kernel sums in an order set
+    by the query count); prompt chunks of at most :data:`MAX_KERNEL_PREFILL_TOKENS` tokens too."""
+    return not prefill or new_tokens <= MAX_KERNEL_PREFILL_TOKENS
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

@@ -5,8 +5,8 @@ ops; called one by one from Python, each pays dispatch and argument marshalling 
 on a 2-core EPYC for SmolLM2-135M, a quarter of the step). :class:`LayerStack` hands the whole stack
 to ``flashtree_layer_stack`` (``kernels.cpp``), which calls the same C++ functions with the same
 operands in the same order: the results are bit-identical to the per-op path's. It serves the
-forwards that attend with the C++ attention (at most
-:data:`~flashtree.kernels.cpu.fused.MAX_ATTENTION_NEW_TOKENS` new tokens per row, any number of rows)
+forwards that attend with the C++ attention (:func:`~flashtree.kernels.cpu.fused.handles_attention`: decode
+and verification forwards, short prompt chunks; any number of rows)
 of models whose every layer holds GGUF blocks; a sparse-MoE layer runs its router and routed experts
 with the function its per-op path calls (``flashtree_moe_layer``).
 """

@@ -52,7 +52,7 @@ def key_order(new_mask: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch
     return None if causal else ancestor_order(new_mask)
 
 
-def handles_attention(new_tokens: int) -> bool:
+def handles_attention(new_tokens: int, prefill: bool = False) -> bool:
     return True
 
 

@@ -81,6 +81,6 @@ def qkv_norm_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, qk_norm: t
     return q
 
 
-def handles_attention(new_tokens: int) -> bool:
+def handles_attention(new_tokens: int, prefill: bool = False) -> bool:
     """:func:`tree_attention` serves forwards of any width."""
     return True
