@@ -40,7 +40,9 @@ def _register_train(subparsers) -> None:
     levers = p.add_argument_group("drafter shape and loss (the recipe's levers)")
     levers.add_argument("--arch", default=d.arch, choices=ARCHES,
                         help="a new drafter's format: dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel: "
-                             "grouped local convolutions and a candidate selector); --resume / --init keep theirs")
+                             "grouped local convolutions and a candidate selector); --resume / --init keep theirs, but "
+                             "dflash2 with --init (or --resume without trainer state) of a first-generation drafter starts a DFlash2 drafter that "
+                             "drafts as it did (convolutions pass through, the selector adds nothing)")
     levers.add_argument("--layers", type=int, default=d.layers, help="drafter depth: decoder layers")
     levers.add_argument("--intermediate-size", type=int, default=None,
                         help="drafter width: MLP intermediate size (default: the target's); the hidden size is "

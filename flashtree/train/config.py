@@ -36,7 +36,8 @@ class TrainConfig:
     resume: str | None = None  # checkpoint directory with trainer_state/ (continue that run exactly)
     init: str | None = None  # drafter checkpoint to start a new run from (its weights and shape only)
     # drafter shape
-    arch: str = "dflash"  # a new drafter's format (ARCHES); a resumed / --init drafter keeps its own
+    arch: str = "dflash"  # a new drafter's format (ARCHES); a resumed / --init drafter keeps its own, except
+    # that "dflash2" starting a new run from a first-generation drafter makes a DFlash2 drafter of it
     layers: int = 3
     intermediate_size: int | None = None  # drafter MLP width; None: the target's
     block_size: int = 16

@@ -113,10 +113,17 @@ def drafter_config_dict(target: ModelConfig, layers: int, block_size: int, mask:
         raw["rope_scaling"] = {"rope_type": scaling.rope_type, "factor": scaling.factor,
                                "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
                                "original_max_position_embeddings": scaling.original_max_position_embeddings}
-    if arch == "dflash2":
-        raw.update(architectures=[DFLASH2_ARCHITECTURE], is_causal=False, hidden_act="silu")
-        raw["dflash_config"].update(block_size=raw.pop("block_size"), **dflash2_keys(target))
-    return raw
+    return as_dflash2_config(raw, target) if arch == "dflash2" else raw
+
+
+def as_dflash2_config(raw: dict[str, Any], target: ModelConfig) -> dict[str, Any]:
+    """A first-generation drafter's ``config.json`` dict made a DFlash2 drafter's: the same shape, mask token
+    and target layers, the block size moved into ``dflash_config``, and :func:`dflash2_keys`. A new dict."""
+    draft = dict(raw["dflash_config"])
+    upgraded = {key: value for key, value in raw.items() if key != "block_size"}
+    draft.update(block_size=raw.get("block_size", draft.get("block_size")), **dflash2_keys(target))
+    upgraded.update(architectures=[DFLASH2_ARCHITECTURE], is_causal=False, hidden_act="silu", dflash_config=draft)
+    return upgraded
 
 
 def dflash2_keys(target: ModelConfig) -> dict[str, int]:
@@ -163,6 +170,18 @@ def start_dflash2_as_dflash(drafter: DFlash2Drafter, seed: int) -> None:
     rank = selector.predecessor_codebook.shape[1]
     for codebook in (selector.predecessor_codebook, selector.successor_codebook):
         codebook.normal_(0.0, rank ** -0.25, generator=gen)
+
+
+def dflash2_from_dflash(raw: dict[str, Any], weights: dict[str, torch.Tensor], target: CausalLM, tokenizer,
+                        seed: int = 0, source: str = "--init config.json"
+                        ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config dict, float32 weights) of a DFlash2 drafter that starts as the first-generation drafter
+    (``raw``, ``weights``): its weights, with the DFlash2 additions as a new drafter's no-ops
+    (:func:`start_dflash2_as_dflash`), so it drafts as that drafter did until training moves them."""
+    upgraded = as_dflash2_config(raw, target.config)
+    fresh = trainable_drafter(upgraded, target, tokenizer, torch.device("cpu"), seed=seed, source=source)
+    added = {name: p.detach() for name, p in fresh.named_parameters() if name not in weights}
+    return upgraded, {name: t.float() for name, t in weights.items()} | added
 
 
 def unfuse(drafter: DFlashDrafter) -> None:

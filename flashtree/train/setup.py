@@ -12,6 +12,7 @@ import torch
 from flashtree.errors import ConfigError
 from flashtree.models.build import build_model, resolve_device, resolve_dtype
 from flashtree.models.dflash import DFlashDrafter
+from flashtree.models.dflash_config import is_dflash2
 from flashtree.models.loader import load_checkpoint
 from flashtree.models.tokenizer import stop_token_ids_for
 from flashtree.models.transformer import CausalLM
@@ -22,6 +23,7 @@ from flashtree.train.data import load_conversations, split_conversations
 from flashtree.train.encode import EncodedConversation, encode_all
 from flashtree.train.new_drafter import (
     choose_mask_token,
+    dflash2_from_dflash,
     drafter_config_dict,
     trainable_drafter,
 )
@@ -98,6 +100,8 @@ def drafter_source(cfg: TrainConfig, target: CausalLM, tokenizer
               f"(new optimizer, schedule and data position)", flush=True)
     if state is not None:
         weights = state.model
+    elif cfg.arch == "dflash2" and not is_dflash2(raw):  # a new run: --arch dflash2 upgrades a first generation
+        raw, weights = dflash2_from_dflash(raw, weights, target, tokenizer, cfg.seed, f"{source}/config.json")
     return raw, {k: v.float() for k, v in weights.items()}, state
 
 

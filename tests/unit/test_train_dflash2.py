@@ -1,6 +1,6 @@
 """Training a DFlash2 drafter, its pieces: the training forward (convolutions within each block)
 equals inference drafting, a new drafter's config is the public format and its additions start as
-no-ops, and the loss is the block loss on the unary scores plus the selector's cross-entropy over
+no-ops (also when it starts from a first-generation drafter, which it then drafts as), and the loss is the block loss on the unary scores plus the selector's cross-entropy over
 its candidates after the true previous token. Training runs: tests/integration/test_train_dflash2.py."""
 
 import pytest
@@ -9,18 +9,23 @@ import torch
 from flashtree.models.build import build_model
 from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.models.dflash2_config import parse_dflash2_config
+from flashtree.models.dflash_config import is_dflash2
 from flashtree.models.drafters import load_drafter
 from flashtree.models.loader import load_checkpoint
+from flashtree.train import checkpoint
 from flashtree.train.anchors import build_blocks
+from flashtree.train.config import TrainConfig
 from flashtree.train.dflash2_loss import dflash2_block_loss
 from flashtree.train.forward import training_hidden
 from flashtree.train.new_drafter import (
     MaskToken,
+    dflash2_from_dflash,
     drafter_config_dict,
     trainable_drafter,
 )
+from flashtree.train.setup import drafter_source
 from flashtree.train.target_features import TargetFeatures
-from tests.dflash_helpers import one_thread  # noqa: F401 (a fixture)
+from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401 (a fixture)
 from tests.support.dflash2_checkpoints import tiny_dflash2_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,3 +136,43 @@ def test_loss_is_block_plus_selector_cross_entropy(loaded):
     torch.testing.assert_close(result.loss, mean(block_terms) + weight * mean(selector_terms), rtol=1e-5, atol=1e-5)
     assert torch.equal(result.slot_correct, correct.flatten(0, 1).float().sum(0))
     assert torch.equal(result.slot_count, blocks.label_mask.flatten(0, 1).float().sum(0))
+
+
+def draft_logits_of(drafter, target, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """The drafter's logits ``[1, b-1, V]`` for the block after ``ids[:, :start]``."""
+    features = TargetFeatures(target, drafter.config.target_layer_ids)(ids, torch.tensor([ids.shape[1]]))
+    drafter.setup_rope(64)
+    cache, slot = drafter.new_cache(1, 64, 16), torch.tensor([0])
+    drafter.observe(cache, slot, features[:, :start], torch.tensor([start]), torch.tensor([0]))
+    with torch.no_grad():
+        return drafter.draft_logits(cache, slot, ids[:, start], torch.tensor([start]),
+                                    kv_len=start + drafter.config.block_size)
+
+
+def test_dflash2_started_from_a_first_generation_drafter_drafts_as_it(tmp_path):
+    pair = tiny_pair(tmp_path, vocab=48, block_size=5, drafter_layers=2)
+    ckpt = load_checkpoint(str(pair.target))
+    target = build_model(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32)
+    first = load_drafter(str(pair.drafter), target, ckpt.tokenizer)
+    raw, weights = checkpoint.read_drafter(pair.drafter)
+    upgraded_raw, upgraded = dflash2_from_dflash(raw, weights, target, ckpt.tokenizer)
+    assert is_dflash2(upgraded_raw) and upgraded_raw["dflash_config"]["block_size"] == 5
+    assert upgraded_raw["dflash_config"]["target_layer_ids"] == raw["dflash_config"]["target_layer_ids"]
+    second = trainable_drafter(upgraded_raw, target, ckpt.tokenizer, torch.device("cpu"), upgraded).eval()
+    assert isinstance(second, DFlash2Drafter)
+    own = dict(second.named_parameters())
+    assert all(torch.equal(own[name], tensor.float()) for name, tensor in weights.items())
+    ids = torch.randint(0, 48, (1, 20), generator=torch.Generator().manual_seed(1))
+    z = draft_logits_of(first, target, ids, 13)[0]  # [b-1, V] the first generation's logits
+    scores = draft_logits_of(second, target, ids, 13)[0]  # [b-1, V] the selector's, -inf off its candidates
+    k = upgraded_raw["dflash_config"]["selector_top_k"]
+    candidates = z.topk(k, dim=-1).indices  # [b-1, k]
+    assert torch.equal(scores.isfinite(), torch.zeros_like(z, dtype=torch.bool).scatter_(-1, candidates, True))
+    torch.testing.assert_close(scores.gather(-1, candidates), z.gather(-1, candidates), rtol=1e-5, atol=1e-5)
+    assert torch.equal(scores.argmax(-1), z.argmax(-1))  # the chain it proposes
+    # through the trainer's setup: --init of a first-generation drafter with --arch dflash2
+    raw_setup, weights_setup, state = drafter_source(TrainConfig(init=str(pair.drafter), arch="dflash2"), target,
+                                                     ckpt.tokenizer)
+    assert is_dflash2(raw_setup) and state is None and set(weights_setup) == set(upgraded)
+    kept, _, _ = drafter_source(TrainConfig(init=str(pair.drafter)), target, ckpt.tokenizer)
+    assert not is_dflash2(kept)
