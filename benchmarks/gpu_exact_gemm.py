@@ -39,6 +39,7 @@ CANDIDATES = (
     Tile(32, 64, 64, stages=4), Tile(32, 128, 64, stages=4),
     Tile(64, 64, 64, stages=4), Tile(64, 128, 64, stages=4), Tile(64, 256, 64, warps=8, stages=3),
     Tile(128, 128, 64, warps=8, stages=3), Tile(128, 256, 64, warps=8, stages=3),
+    Tile(128, 128, 64, warps=8, stages=4), Tile(128, 128, 128, warps=8, stages=3), Tile(256, 128, 64, warps=8, stages=3),
 )
 
 
@@ -56,13 +57,13 @@ def timed_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def sweep(name: str, n: int, k: int, reps: int) -> list[dict]:
+def sweep(name: str, n: int, k: int, reps: int, row_counts: tuple[int, ...] = ROWS) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
-    x_all = torch.randn(max(ROWS), k, generator=gen, device="cuda").bfloat16()
+    x_all = torch.randn(max(row_counts), k, generator=gen, device="cuda").bfloat16()
     full = invariant_linear(x_all, weight, tile=REFERENCE)
     rows = []
-    for m in ROWS:
+    for m in row_counts:
         x = x_all[:m]
         row = {"product": name, "n": n, "k": k, "m": m,
                "cublas_us": timed_us(lambda: torch.nn.functional.linear(x, weight), reps),
@@ -122,10 +123,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--products", default=",".join(SHAPES))
     parser.add_argument("--decode", action="store_true", help="graph-timed decode rows, split K against not")
+    parser.add_argument("--rows", default=None, help="row counts of the tile sweep (default: 1 .. 2,080)")
     args = parser.parse_args()
     rows = []
     for name in args.products.split(","):
-        rows += decode_rows(name, *SHAPES[name]) if args.decode else sweep(name, *SHAPES[name], args.reps)
+        row_counts = tuple(int(m) for m in args.rows.split(",")) if args.rows else ROWS
+        rows += decode_rows(name, *SHAPES[name]) if args.decode else sweep(name, *SHAPES[name], args.reps, row_counts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "rows": rows}, indent=1))

@@ -65,6 +65,18 @@ def time_steps(engine, batch, context, steps, warmup_steps=3, around=None):
     return ms, stages
 
 
+def kernel_table(engine, batch, context, top, steps=5):
+    """The ``top`` kernels by device time over ``steps`` steps (torch.profiler): name, ms per step, share."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        time_steps(engine, batch, context, steps, warmup_steps=1)
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    total = sum(e.device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [{"kernel": e.key[:120], "ms_per_step": e.device_time_total / 1000 / steps,
+             "share": e.device_time_total / total} for e in events[:top]]
+
+
 def tree_work_ms(budget, batch, kernel, reps=50):
     """build_tree (``kernel``: its Triton kept-list kernel) + accept_walk + KV commit for one round,
     as one replayed CUDA graph, two ways (ms each):
@@ -146,6 +158,8 @@ def main():
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time each method with profile_stages (eager, synchronized) for the stage split")
     parser.add_argument("--exact", action="store_true", help="the exact mode (kernels/gpu/exact.py)")
+    parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                        help="also the N kernels of most device time per round (torch.profiler, 5 rounds)")
     args = parser.parse_args()
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
@@ -165,6 +179,8 @@ def main():
                 row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages}
                 if not profile:
                     row["host_syncs_per_round"] = count_syncs(engine, batch, args.context)
+                    if args.kernel_table:
+                        row["kernels"] = kernel_table(engine, batch, args.context, args.kernel_table)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del engine

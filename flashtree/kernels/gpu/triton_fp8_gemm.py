@@ -3,7 +3,11 @@
 import triton
 import triton.language as tl
 
-from flashtree.kernels.gpu.triton_gemm import output_tile
+from flashtree.kernels.gpu.triton_gemm import (
+    output_tile,
+    store_chunk_partial,
+    store_total,
+)
 
 
 @triton.jit
@@ -50,16 +54,11 @@ def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N,
         acc = _fp8_chunk_product(x_ptr, w_ptr, scale_rows, rows, cols, M, N, k_begin,
                                  tl.minimum(k_begin + CHUNK_K, K), stride_x, stride_w, stride_scale_k,
                                  BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-        part = part_ptr + tl.program_id(1).to(tl.int64) * M * N
-        tl.store(part + rows[:, None].to(tl.int64) * N + cols[None, :], acc,
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        store_chunk_partial(part_ptr, acc, rows, cols, M, N)
     else:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_begin in range(0, K, CHUNK_K):
             total += _fp8_chunk_product(x_ptr, w_ptr, scale_rows, rows, cols, M, N, k_begin,
                                         tl.minimum(k_begin + CHUNK_K, K), stride_x, stride_w, stride_scale_k,
                                         BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], total.to(y_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        store_total(y_ptr, bias_ptr, total, rows, cols, M, N, stride_y, HAS_BIAS)

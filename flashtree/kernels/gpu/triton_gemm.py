@@ -41,6 +41,22 @@ def _chunk_product(x_ptr, w_ptr, rows, cols, M, N, k_begin, k_end, stride_x, str
 
 
 @triton.jit
+def store_chunk_partial(part_ptr, acc, rows, cols, M, N):
+    """Chunk ``program_id(1)``'s float32 tile into ``part [chunks, M, N]`` (a split product's)."""
+    part = part_ptr + tl.program_id(1).to(tl.int64) * M * N
+    tl.store(part + rows[:, None].to(tl.int64) * N + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def store_total(y_ptr, bias_ptr, total, rows, cols, M, N, stride_y, HAS_BIAS: tl.constexpr):
+    """y's tile = the float32 total (+ bias), rounded once to y's dtype."""
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], total.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
 def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, CHUNK_K, stride_x, stride_w,
                              stride_y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -57,18 +73,13 @@ def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, C
         k_begin = tl.program_id(1) * CHUNK_K
         acc = _chunk_product(x_ptr, w_ptr, rows, cols, M, N, k_begin, tl.minimum(k_begin + CHUNK_K, K), stride_x,
                              stride_w, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-        part = part_ptr + tl.program_id(1).to(tl.int64) * M * N
-        tl.store(part + rows[:, None].to(tl.int64) * N + cols[None, :], acc,
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        store_chunk_partial(part_ptr, acc, rows, cols, M, N)
     else:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_begin in range(0, K, CHUNK_K):
             total += _chunk_product(x_ptr, w_ptr, rows, cols, M, N, k_begin, tl.minimum(k_begin + CHUNK_K, K),
                                     stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], total.to(y_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        store_total(y_ptr, bias_ptr, total, rows, cols, M, N, stride_y, HAS_BIAS)
 
 
 @triton.jit
