@@ -24,21 +24,13 @@ from flashtree import LLM
 from flashtree.kernels.cpu import fused
 from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.batch import ForwardBatch, causal_mask
+from tests.helpers import random_tree
 
 KERNEL_ROUTE = fused.handles_attention
 
 
 def sdpa_route(new_tokens: int, prefill: bool = False) -> bool:  # the routing before: SDPA past 32 tokens
     return new_tokens <= 32
-
-
-def random_tree(nodes: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
-    ancestors: list[set[int]] = []
-    for i, parent in enumerate(parents):
-        ancestors.append({i} | (ancestors[parent] if parent >= 0 else set()))
-    mask = torch.tensor([[j in ancestors[i] for j in range(nodes)] for i in range(nodes)])[None]  # [1, n, n]
-    return mask, torch.tensor([len(a) - 1 for a in ancestors])  # [n]
 
 
 def measure(model, context: int, tokens: int, repeats: int) -> dict:

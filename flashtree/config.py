@@ -194,7 +194,8 @@ def prefill_tokens_for(config: SchedulerConfig, device_type: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    quant_kernels: bool = True  # CPU fp32 GGUF models: every product straight from the GGUF blocks (no fp32 copies)
+    quant_kernels: bool = True  # CPU fp32 GGUF models: every product straight from the GGUF blocks (no fp32 copies);
+    # the other float32 CPU products through the same kernel over their weights (row-invariant, unlike F.linear)
     int8_activations: bool = True  # with quant_kernels: each row of x rounded to int8 per 32 values (as llama.cpp
     # does) and integer block dot products; False: float x (bit-comparable with the fp32 weights' products)
     gpu_kernels: bool = True  # CUDA with Triton: fused kernels for norms, rotary, KV writes (kernels/gpu/)

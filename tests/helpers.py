@@ -75,3 +75,32 @@ def prefill_then_step(model, capture, sink=None):
     step = ForwardBatch(torch.tensor([[7], [11]]), counts[:, None], slots, counts,
                         torch.ones(2, 1, 1, dtype=torch.bool), kv_len=width + 1)
     return model(step, cache, capture_layers=capture, feature_sink=sink)
+
+
+def random_tree(nodes: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor mask ``[1, n, n]``, depth ``[n]``) of a random tree of ``nodes`` nodes, node 0 the root: node i
+    sees itself and its ancestors."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+    ancestors: list[set[int]] = []
+    for i, parent in enumerate(parents):
+        ancestors.append({i} | (ancestors[parent] if parent >= 0 else set()))
+    mask = torch.tensor([[j in ancestors[i] for j in range(nodes)] for i in range(nodes)])[None]
+    return mask, torch.tensor([len(a) - 1 for a in ancestors])
+
+
+def root_of_tree_and_plain_step(model, nodes: int, prompt_tokens: int, vocab: int, gen: torch.Generator
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill a random prompt of ``prompt_tokens`` into a fresh cache, then the logits ``[V]`` of the root of a
+    verification forward of a random ``nodes``-node tree and of the plain decode step of the same token."""
+    cache, slot = make_cache(model), torch.tensor([0])
+    prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=gen)  # [1, P]
+    p = prompt_tokens
+    model(ForwardBatch(prompt, torch.arange(p)[None], slot, torch.tensor([0]), causal_mask(torch.tensor([p]), p),
+                       kv_len=p, prefill=True), cache)
+    cache.advance(slot, torch.tensor([p]))
+    mask, depth = random_tree(nodes, gen)
+    ids = torch.randint(0, vocab, (1, nodes), generator=gen)  # [1, n]
+    tree = model(ForwardBatch(ids, p + depth[None], slot, torch.tensor([p]), mask, kv_len=p + nodes), cache)
+    step = model(ForwardBatch(ids[:, :1], torch.tensor([[p]]), slot, torch.tensor([p]),
+                              torch.ones(1, 1, 1, dtype=torch.bool), kv_len=p + 1), cache)
+    return tree.logits[0, 0], step.logits[0, 0]

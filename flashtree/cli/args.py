@@ -112,7 +112,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
     kernels = parser.add_argument_group("kernels (KernelConfig)")
     _on_off(kernels, "quant_kernels", KernelConfig.quant_kernels,
-            "CPU fp32 GGUF models: every product straight from the GGUF blocks, no fp32 copies (AVX-512 / AVX2 kernel)")
+            "CPU fp32 GGUF models: every product straight from the GGUF blocks, no fp32 copies (AVX-512 / AVX2 kernel); "
+            "other float32 CPU products through the same kernel over their weights, so that a row's result never "
+            "depends on the rows beside it (speculation gives plain decoding's bits); off: F.linear")
     _on_off(kernels, "int8_activations", KernelConfig.int8_activations,
             "with --quant-kernels: round each row of activations to int8 per 32 values (as llama.cpp does) and take "
             "integer block dot products (faster); off: float activations, the products of the fp32 weights")

@@ -41,6 +41,7 @@ def load_target(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     model = build_model(checkpoint.config, checkpoint.weights, device, dtype, seed=target.seed, quantized=quantized)
     model.use_fused_kernels(kernels.gpu_kernels, kernels.cpu_kernels, attention=kernels.triton_attention,
                             exact=kernels.exact)
+    model.hold_float32_products(kernels.quant_kernels)  # (CPU float32 only)
     model.use_layer_stack(kernels.cpu_layer_stack)
     return LoadedTarget(model, checkpoint.tokenizer)
 

@@ -18,7 +18,15 @@ from flashtree.errors import ConfigError
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kernels.cpu import fused as cpu_fused
 from flashtree.kernels.cpu.layer_stack import LayerDims, LayerStack, LayerWeights
-from flashtree.kernels.cpu.quant_linear import QuantizedLinear, embedding, linear
+from flashtree.kernels.cpu.library import KernelUnavailable, load_kernels
+from flashtree.kernels.cpu.quant_linear import (
+    Float32Rows,
+    QuantizedLinear,
+    embedding,
+    float32_rows,
+    linear,
+    prompt_chunk,
+)
 from flashtree.kernels.feature_sink import FeatureSink, SinkSegment
 from flashtree.kernels.gpu import exact as gpu_exact
 from flashtree.kernels.gpu import fused as gpu_fused
@@ -361,6 +369,39 @@ class CausalLM(FusedKernelSwitch, nn.Module):
     def _kernel_layers(self):
         return self.model.layers
 
+    def hold_float32_products(self, on: bool = True) -> bool:
+        """Every product that holds no GGUF blocks (a dense float32 CPU model's, an F16 GGUF's) runs the block
+        kernel over its float32 weight (``quant_linear.float32_rows``, no copy), as the blocks' products do: a
+        row's result then never depends on how many rows share the forward (F.linear's does: MKL picks its
+        kernels by shape), so a tree node gets plain decoding's bits in every CPU model. Off, those holders go
+        (GGUF ones stay). Returns whether any product is held so; call :meth:`use_layer_stack` after."""
+        weight = self.lm_head.weight
+        if on and (weight.device.type != "cpu" or weight.dtype != torch.float32 or self.kernels not in (None, cpu_fused)):
+            on = False  # (the Triton backends, also run by the interpreter on CPU tensors, take no blocks)
+        if on:
+            try:
+                load_kernels()
+            except KernelUnavailable:
+                on = False
+        for owner, attr, weight in self._dense_products():
+            held = getattr(owner, attr)
+            if on and held is None:
+                setattr(owner, attr, float32_rows(weight))
+            elif not on and isinstance(held, Float32Rows):
+                setattr(owner, attr, None)
+        return any(isinstance(getattr(owner, attr), Float32Rows) for owner, attr, _ in self._dense_products())
+
+    def _dense_products(self):
+        """(module, holder attribute, float32 weight) of every product of the layers and the LM head."""
+        for layer in self._kernel_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            yield attn, "qkv_quant", attn.qkv_weight
+            yield attn, "o_quant", attn.o_proj.weight
+            if not isinstance(mlp, SparseMoE):
+                yield mlp, "gate_up_quant", mlp.gate_up
+                yield mlp, "down_quant", mlp.down_proj.weight
+        yield self, "lm_head_quant", self.lm_head.weight
+
     def _kernel_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
@@ -402,6 +443,11 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         """Run the new tokens; ``logits_index [B, M]`` picks positions for the lm_head (all when None);
         ``capture_layers`` are decoder-layer ids whose outputs are returned (HF ``hidden_states[id+1]``),
         side by side, or written into ``feature_sink`` (then ``hidden`` is None)."""
+        with prompt_chunk(batch.prefill):
+            return self._forward(batch, cache, logits_index, capture_layers, feature_sink)
+
+    def _forward(self, batch: ForwardBatch, cache: KVCache, logits_index: torch.Tensor | None,
+                 capture_layers: Sequence[int], feature_sink: FeatureSink | None) -> ForwardOutput:
         if self.rope is None:
             self.setup_rope(self.config.max_position_embeddings)
         self.rope.ensure(int(batch.kv_len) + 1)

@@ -12,10 +12,9 @@ import torch
 from flashtree import LLM, SamplingParams
 from flashtree.kernels.cpu.library import kernels_available
 from flashtree.kernels.cpu.quant_linear import QuantizedLinear
-from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.models.loader import resolve_model_dir
 from tests.dflash_helpers import save_tiny_drafter
-from tests.helpers import make_cache
+from tests.helpers import root_of_tree_and_plain_step
 from tests.support.checkpoints import QT, holders, isolated_cache, tiny_gguf  # noqa: F401 (autouse fixture)
 
 AVAILABLE, WHY = kernels_available()
@@ -45,16 +44,6 @@ def test_speculation_and_batches_keep_plain_tokens(tmp_path, model_type, layer_t
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, (spec, budget)
 
 
-def random_tree(nodes: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ancestor mask ``[1, n, n]``, depth ``[n]``) of a random tree of ``nodes`` nodes, node 0 the root."""
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
-    ancestors: list[set[int]] = []
-    for i, parent in enumerate(parents):
-        ancestors.append({i} | (ancestors[parent] if parent >= 0 else set()))
-    mask = torch.tensor([[j in ancestors[i] for j in range(nodes)] for i in range(nodes)])[None]
-    return mask, torch.tensor([len(a) - 1 for a in ancestors])
-
-
 @pytest.mark.parametrize("layer_stack", [True, False])
 def test_a_verify_forward_computes_its_root_as_the_plain_step_does(tmp_path, layer_stack):
     """The root of a verification forward gets the plain decode step's logits bit for bit, at 8 nodes and at
@@ -65,18 +54,8 @@ def test_a_verify_forward_computes_its_root_as_the_plain_step_does(tmp_path, lay
     assert all(h.int8_activations for h in holders(model)) and model.use_layer_stack(layer_stack) == layer_stack
     gen = torch.Generator().manual_seed(0)
     for nodes in (8, 40):
-        cache, slot = make_cache(model), torch.tensor([0])
-        prompt = torch.randint(0, 64, (1, 23), generator=gen)  # [1, P]
-        p = prompt.shape[1]
-        model(ForwardBatch(prompt, torch.arange(p)[None], slot, torch.tensor([0]), causal_mask(torch.tensor([p]), p),
-                           kv_len=p, prefill=True), cache)
-        cache.advance(slot, torch.tensor([p]))
-        mask, depth = random_tree(nodes, gen)
-        ids = torch.randint(0, 64, (1, nodes), generator=gen)  # [1, n]
-        tree = model(ForwardBatch(ids, p + depth[None], slot, torch.tensor([p]), mask, kv_len=p + nodes), cache)
-        step = model(ForwardBatch(ids[:, :1], torch.tensor([[p]]), slot, torch.tensor([p]),
-                                  torch.ones(1, 1, 1, dtype=torch.bool), kv_len=p + 1), cache)
-        assert torch.equal(step.logits[0, 0], tree.logits[0, 0]), nodes
+        root, step = root_of_tree_and_plain_step(model, nodes, 23, 64, gen)
+        assert torch.equal(root, step), nodes
 
 
 def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

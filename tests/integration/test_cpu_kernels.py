@@ -29,3 +29,23 @@ def test_engines_use_them_and_stay_lossless(tmp_path):
         runs[spec, kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs["ddtree", True] == runs["none", True]
     assert runs["ddtree", True] == runs["ddtree", False]
+
+
+def test_a_dense_engine_holds_its_products_and_stays_lossless_on_wide_trees(tmp_path):
+    """A dense float32 target (no GGUF blocks): the engine runs every product through the block kernel over the
+    float32 weights (the layer stack too), so DDTree rounds of 40 nodes (past the kernel attention's 32-token
+    prompt chunks) give plain decoding's tokens; with --no-quant-kernels the products are F.linear's."""
+    from flashtree.kernels.cpu.quant_linear import Float32Rows
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=64, block_size=9, drafter_layers=1, tokenizer=False)
+    prompts = [list(range(3, 45)), [5, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4]]  # 42 tokens: a chunk past 32
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = {"device": "cpu", "adaptive_spec": False, "max_running": 4, "max_context": 128}
+    plain = LLM(str(pair.target), **engine)
+    model = plain.engine.model
+    assert isinstance(model.lm_head_quant, Float32Rows) and model.layer_stack is not None
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    tree = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=40, **engine)
+    assert [o.token_ids for o in tree.generate(prompts, params)] == expected
+    assert LLM(str(pair.target), quant_kernels=False, **engine).engine.model.lm_head_quant is None

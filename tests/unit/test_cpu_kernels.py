@@ -9,7 +9,14 @@ import torch
 
 from flashtree.kernels.cpu import fused as cpu_kernels
 from flashtree.kernels.cpu import library as cpu_library
-from tests.support.kernel_checks import _check, compare, compare_attention, compare_drafter
+from flashtree.kernels.cpu.quant_linear import Float32Rows
+from tests.helpers import ours_from_hf, root_of_tree_and_plain_step, tiny_hf_model
+from tests.support.kernel_checks import (
+    _check,
+    compare,
+    compare_attention,
+    compare_drafter,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernel library does not build here")
 
@@ -47,6 +54,23 @@ def test_tree_attention_node_equals_its_plain_decode_step():
         step = cpu_kernels.tree_attention(q[:, :, i:i + 1].contiguous(), plain_k, plain_v, table, torch.tensor([1]),
                                           torch.tensor([length]), torch.ones(1, 1, 1, dtype=torch.bool))
         assert torch.equal(step[:, :, 0], tree[:, :, i]), f"node {i}"
+
+
+def test_a_dense_model_computes_a_tree_root_as_its_plain_step():
+    """A dense float32 model with its products held by the block kernel over the float32 weights (F.linear's
+    rows change bits with the row count): the root of a verification forward of 8 and of 40 nodes gets the
+    plain decode step's logits bit for bit; released, the holders go."""
+    model = ours_from_hf(tiny_hf_model("qwen2_bias"), device="cpu", dtype=torch.float32)
+    assert model.use_cpu_kernels() and model.hold_float32_products()
+    held = [model.lm_head_quant] + [h for layer in model.model.layers for h in (
+        layer.self_attn.qkv_quant, layer.self_attn.o_quant, layer.mlp.gate_up_quant, layer.mlp.down_quant)]
+    assert all(isinstance(h, Float32Rows) for h in held)
+    gen = torch.Generator().manual_seed(0)
+    for nodes in (8, 40):  # (a prompt of 41 tokens: a chunk past the kernel attention's 32)
+        root, step = root_of_tree_and_plain_step(model, nodes, 41, 97, gen)
+        assert torch.equal(root, step), nodes
+    assert not model.hold_float32_products(False)
+    assert model.lm_head_quant is None and model.model.layers[0].mlp.down_quant is None
 
 
 @pytest.mark.skipif("avx2" not in cpu_library.cpu_flags(), reason="needs an AVX2 CPU")

@@ -102,9 +102,13 @@ inline float half_to_float(const uint8_t* p) {
 // 6: Q6_K {u8 ql[128], qh[64]; i8 scales[16]; fp16 d}: sub-block j = 4 h + t has q = 4 bits of
 //    ql[64 h + 32 (t % 2) ...] (low nibbles for t < 2) and 2 bits of qh[32 h ...] (bits 2t, 2t + 1); weights
 //    16 i .. 16 i + 15 of the super-block use scales[i]; w = (d sc) * (q - 32) (d sc exact, one rounding)
+// Not a GGUF block: 7: F32 {float w[32]}, a float32 weight row read 32 values at a time (no int8 activations):
+//    a dense float32 model's products, row-invariant like the block types' (MKL's are not).
+constexpr int F32_ROWS = 7;
 constexpr bool is_super_block(int type) { return type == 5 || type == 6; }
 constexpr int64_t block_bytes(int type) {  // a 32-weight block's, or a 256-weight super-block's
-  return type == 0 ? 18 : type == 1 ? 20 : type == 2 ? 34 : type == 3 ? 22 : type == 4 ? 24 : type == 5 ? 144 : 210;
+  return type == 0 ? 18 : type == 1 ? 20 : type == 2 ? 34 : type == 3 ? 22 : type == 4 ? 24 : type == 5 ? 144
+       : type == 6 ? 210 : 128;
 }
 constexpr int64_t row_bytes_of(int type, int64_t blocks) {  // blocks: 32-weight blocks a row
   return is_super_block(type) ? blocks / 8 * block_bytes(type) : blocks * block_bytes(type);
@@ -165,7 +169,10 @@ template <int TYPE>
 inline void decode(const uint8_t* row, int64_t b, V16& w0, V16& w1) {
   const uint8_t* block = row + block_offset(TYPE, b);
   const __m128i low4 = _mm_set1_epi8(0x0F);
-  if constexpr (TYPE == 5) {
+  if constexpr (TYPE == F32_ROWS) {
+    w0 = v_load((const float*)block);
+    w1 = v_load((const float*)block + 16);
+  } else if constexpr (TYPE == 5) {
     const int j = (int)(b % 8);
     int sc, m;
     scale_min_k4(block + 4, j, sc, m);
@@ -661,6 +668,7 @@ int block_gemm(int code, const float* x, const uint8_t* w, const float* bias, fl
     FLASHTREE_GEMM_CASES(0) FLASHTREE_GEMM_CASES(1) FLASHTREE_GEMM_CASES(2) FLASHTREE_GEMM_CASES(3)
     FLASHTREE_GEMM_CASES(4) FLASHTREE_GEMM_CASES(5) FLASHTREE_GEMM_CASES(6)
 #undef FLASHTREE_GEMM_CASES
+    case F32_ROWS: return gemm_rows<F32_ROWS, false>(x, w, bias, y, M, N, K, ldy, threads);
   }
   return 1;
 }
@@ -1054,6 +1062,7 @@ int flashtree_block_dequantize(int type, const uint8_t* w, float* out, int64_t N
     case 4: dequantize<4>(w, out, N, K, threads); return 0;
     case 5: dequantize<5>(w, out, N, K, threads); return 0;
     case 6: dequantize<6>(w, out, N, K, threads); return 0;
+    case F32_ROWS: dequantize<F32_ROWS>(w, out, N, K, threads); return 0;
   }
   return 1;
 }

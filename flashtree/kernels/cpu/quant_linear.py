@@ -42,7 +42,9 @@ decode step reads the weights at about twice the float path's speed, which is co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -56,6 +58,7 @@ class BlockType(NamedTuple):
     weights: int  # per block: 32, or 256 for the k-quant super-blocks (read as 8 blocks of 32)
     block_bytes: int
     code: int  # the kernel's type code (kernels.cpp)
+    int8: bool = True  # the kernel can take x as int8 blocks (int8 activations) with this type
 
     def row_bytes(self, in_features: int) -> int:
         return in_features // self.weights * self.block_bytes
@@ -64,6 +67,11 @@ class BlockType(NamedTuple):
 BLOCK_TYPES = {"Q4_0": BlockType(32, 18, 0), "Q4_1": BlockType(32, 20, 1), "Q8_0": BlockType(32, 34, 2),
                "Q5_0": BlockType(32, 22, 3), "Q5_1": BlockType(32, 24, 4),
                "Q4_K": BlockType(256, 144, 5), "Q6_K": BlockType(256, 210, 6)}
+# Not a GGUF type: a float32 weight row read 32 values at a time, so that a dense float32 model's products have
+# the block types' row-invariant arithmetic (F.linear's rows change bits with the row count: MKL picks its
+# kernels by shape); see float32_rows. No int8 activations.
+F32_ROWS = BlockType(32, 128, 7, int8=False)
+KERNEL_TYPES = {**BLOCK_TYPES, "F32": F32_ROWS}
 INT8_ACTIVATIONS = 16  # or-ed into the type code: the kernel quantizes x to int8 blocks first (kernels.cpp)
 MIXED_PARTS = 32  # the code of a product whose parts have different types (MixedQuantizedLinear; kernels.cpp)
 
@@ -81,10 +89,10 @@ class QuantizedLinear:
     :attr:`kernel_code` when it is built."""
 
     def __init__(self, type_name: str, blocks: torch.Tensor, in_features: int, int8_activations: bool = False):
-        if type_name not in BLOCK_TYPES:
-            raise ValueError(f"unsupported block type {type_name!r}; allowed: {', '.join(BLOCK_TYPES)}")
-        block_type = BLOCK_TYPES[type_name]
-        self.type_code = block_type.code
+        if type_name not in KERNEL_TYPES:
+            raise ValueError(f"unsupported block type {type_name!r}; allowed: {', '.join(KERNEL_TYPES)}")
+        block_type = KERNEL_TYPES[type_name]
+        self.type_code, self.takes_int8 = block_type.code, block_type.int8
         if in_features % block_type.weights or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
                 or blocks.shape[1] != block_type.row_bytes(in_features):
             raise ValueError(f"{type_name} blocks of shape {list(blocks.shape)} do not hold rows of {in_features} "
@@ -105,8 +113,9 @@ class QuantizedLinear:
 
     @property
     def kernel_code(self) -> int:
-        """The product's code for the kernel: the block type, with :data:`INT8_ACTIVATIONS` where set."""
-        return self.type_code | (INT8_ACTIVATIONS if self.int8_activations else 0)
+        """The product's code for the kernel: the block type, with :data:`INT8_ACTIVATIONS` where set (and the
+        type takes them)."""
+        return self.type_code | (INT8_ACTIVATIONS if self.int8_activations and self.takes_int8 else 0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
@@ -152,7 +161,7 @@ class MixedQuantizedLinear(QuantizedLinear):
             self.parts.append(QuantizedLinear(part.type_name, view, part.in_features))
             offset += part.blocks.numel()
         self.type_name = "+".join(p.type_name for p in parts)
-        self.type_code = MIXED_PARTS
+        self.type_code, self.takes_int8 = MIXED_PARTS, all(p.takes_int8 for p in self.parts)
         self.int8_activations = int8_activations
         self.blocks = flat
         self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
@@ -189,6 +198,45 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantizedLinear:
     quants = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)  # [N, B, 32]
     packed = torch.cat([scale.view(torch.uint8).reshape(rows, k // 32, 2), quants.view(torch.uint8)], dim=-1)
     return QuantizedLinear("Q8_0", packed.reshape(rows, -1), k)
+
+
+_PROMPT_CHUNK = contextvars.ContextVar("flashtree_prompt_chunk", default=False)
+
+
+@contextlib.contextmanager
+def prompt_chunk(active: bool) -> Iterator[None]:
+    """Inside, a :class:`Float32Rows` product of the per-op path is F.linear's: a prompt chunk runs alike in every
+    decoding mode, and MKL's blocked products are 2-3x faster than the block kernel's over float32 weights at
+    hundreds of rows (bits then depend on the chunk's shape, as before; decode and verification forwards,
+    which must agree row by row, never run inside)."""
+    token = _PROMPT_CHUNK.set(active)
+    try:
+        yield
+    finally:
+        _PROMPT_CHUNK.reset(token)
+
+
+class Float32Rows(QuantizedLinear):
+    """The block kernel over a float32 CPU weight ``[N, K]`` as it is (type ``F32``: reads the weight's own
+    memory, no copy; keep the weight unchanged while the holder lives). Outside :func:`prompt_chunk`."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__("F32", weight.view(torch.uint8), weight.shape[1])
+        self.weight = weight  # [N, K]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if _PROMPT_CHUNK.get():
+            return torch.nn.functional.linear(x, self.weight, bias)
+        return super().__call__(x, bias)
+
+
+def float32_rows(weight: torch.Tensor | None) -> Float32Rows | None:
+    """A :class:`Float32Rows` over ``weight``; None where the kernel cannot take it (K not a multiple of 32,
+    not a contiguous float32 CPU matrix)."""
+    if weight is None or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
+            or weight.shape[1] % 32 or not weight.is_contiguous():
+        return None
+    return Float32Rows(weight.detach())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
