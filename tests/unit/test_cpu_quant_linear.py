@@ -20,7 +20,7 @@ from flashtree.config import EngineConfig
 from flashtree.kernels.cpu import library as cpu_library
 from flashtree.kernels.cpu import quant_linear
 from flashtree.kernels.cpu.library import kernels_available
-from flashtree.kernels.cpu.quant_linear import QuantizedLinear
+from flashtree.kernels.cpu.quant_linear import Float32Rows, QuantizedLinear
 from flashtree.models import gguf_blocks as gguf_block_store
 from flashtree.models.loader import load_checkpoint, resolve_model_dir
 from flashtree.models.quantized_weights import detach_quantized
@@ -206,7 +206,7 @@ def test_switch_off_and_fallback_log(tmp_path, monkeypatch, caplog):
 @needs_kernel
 def test_blocks_that_differ_from_the_fp32_weights_are_refused(tmp_path, caplog):
     """A blocks file whose matrix does not rebuild the converted weight (here: one scale changed) is
-    not used: one log line, and the model runs on its fp32 weights."""
+    not used: one log line, and the model runs on its fp32 weights (through the kernel's float32 type)."""
     path = str(tiny_gguf(tmp_path / "tiny.gguf"))
     blocks_file = resolve_model_dir(path) / gguf_block_store.BLOCKS_FILE
     offset = SafetensorsFile(blocks_file).file_offset("blk.1.ffn_down.weight")
@@ -215,7 +215,7 @@ def test_blocks_that_differ_from_the_fp32_weights_are_refused(tmp_path, caplog):
     blocks_file.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING, logger="flashtree"):
         llm = LLM(path, device="cpu", max_running=1, max_context=64)
-    assert all(h is None for h in holders(llm.engine.model)) and llm.engine.model.embed_quant is None
+    assert all(isinstance(h, Float32Rows) for h in holders(llm.engine.model)) and llm.engine.model.embed_quant is None
     assert any("the GGUF blocks of blk.1.ffn_down.weight differ from the loaded fp32 weights" in r.getMessage()
                for r in caplog.records)
     assert llm.engine.model.lm_head.weight.shape == (96, 64)
