@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree import LLM, SamplingParams
 from flashtree.bench.datasets import load_prompts
 from flashtree.models.loader import load_checkpoint
+from flashtree.speculative.defaults import shipped_drafter
 
 
 def dense_copy(workdir: Path) -> Path:
@@ -70,7 +71,7 @@ def main() -> None:
         rows[name]["prompt_512_s"] = statistics.median(times)
     for name, kw in variants.items():
         for budget in (16, 64):
-            tree = LLM(model, spec="ddtree", budget=budget, **engine, **kw)
+            tree = LLM(model, spec="ddtree", draft=str(shipped_drafter("smollm2")), budget=budget, **engine, **kw)
             tokens = [o.token_ids for o in tree.chat(prompts, params)]
             rows[name][f"ddtree_{budget}_prompts_differing_from_plain"] = sum(
                 a != b for a, b in zip(tokens, rows[name]["tokens"]))
