@@ -375,8 +375,8 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         row's result then never depends on how many rows share the forward (F.linear's does: MKL picks its
         kernels by shape), so a tree node gets plain decoding's bits in every CPU model. Off, those holders go
         (GGUF ones stay). Returns whether any product is held so; call :meth:`use_layer_stack` after."""
-        weight = self.lm_head.weight
-        if on and (weight.device.type != "cpu" or weight.dtype != torch.float32 or self.kernels not in (None, cpu_fused)):
+        head = self.lm_head.weight
+        if on and (head.device.type != "cpu" or head.dtype != torch.float32 or self.kernels not in (None, cpu_fused)):
             on = False  # (the Triton backends, also run by the interpreter on CPU tensors, take no blocks)
         if on:
             try:

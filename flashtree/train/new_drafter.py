@@ -175,13 +175,13 @@ def start_dflash2_as_dflash(drafter: DFlash2Drafter, seed: int) -> None:
 def dflash2_from_dflash(raw: dict[str, Any], weights: dict[str, torch.Tensor], target: CausalLM, tokenizer,
                         seed: int = 0, source: str = "--init config.json"
                         ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config dict, float32 weights) of a DFlash2 drafter that starts as the first-generation drafter
-    (``raw``, ``weights``): its weights, with the DFlash2 additions as a new drafter's no-ops
+    """(config dict, weights) of a DFlash2 drafter that starts as the first-generation drafter (``raw``,
+    ``weights``): its weights as they are, with the DFlash2 additions (float32) as a new drafter's no-ops
     (:func:`start_dflash2_as_dflash`), so it drafts as that drafter did until training moves them."""
     upgraded = as_dflash2_config(raw, target.config)
     fresh = trainable_drafter(upgraded, target, tokenizer, torch.device("cpu"), seed=seed, source=source)
     added = {name: p.detach() for name, p in fresh.named_parameters() if name not in weights}
-    return upgraded, {name: t.float() for name, t in weights.items()} | added
+    return upgraded, weights | added
 
 
 def unfuse(drafter: DFlashDrafter) -> None:

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from flashtree.kernels.gpu import interpreting
-from flashtree.kernels.gpu.gemm import SPLIT_PROGRAMS, Tile, k_chunk, sum_chunks
+from flashtree.kernels.gpu.gemm import Tile, chunk_launch, k_chunk, sum_chunks
 
 SCALE_BLOCK = 128  # K columns per scale block, and the kernel's K step
 SCALE_ROWS = (1, SCALE_BLOCK)  # weight rows per scale row: one's own, or 128-row blocks
@@ -36,7 +36,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # the 16- and 32-row tiles (mma), which broke FP8 speculative == plain tokens; 32 x 64 gave the 16-row tile's bits
 # at 68 / 272 / 1,040 rows and was the fastest 32-row tile there (1.1-1.5x the 64 x 128 tile's time at 272-1,040
 # rows). tests/gpu/test_fp8_gemm.py checks the table on the device. Decode rows (M <= 64) are what matters: a
-# one-row product streams the weight, and with no split-K its parallelism is N / block_n programs.
+# one-row product streams the weight, in N / block_n programs times its K chunks (gemm.chunk_launch).
 TILES: tuple[tuple[int, Tile], ...] = ((16, Tile(16, 32, SCALE_BLOCK, warps=4, stages=6)),
                                        (32, Tile(32, 32, SCALE_BLOCK, warps=4, stages=5)),
                                        (1 << 62, Tile(32, 64, SCALE_BLOCK, warps=4, stages=4)))
@@ -77,16 +77,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
         raise ValueError(f"fp8_linear: chunk {chunk} is not a multiple of the scale block {SCALE_BLOCK}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
-        tiles, chunks = -(-m // tile.block_m) * -(-n // tile.block_n), max(1, -(-k // chunk))
-        split = chunks > 1 and tiles < SPLIT_PROGRAMS if split is None else split
-        part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device) if split else y
-        _kernels()._fp8_linear_kernel[(tiles, chunks if split else 1)](
-            rows, weight, scale, bias if bias is not None else rows, y, part, m, n, k, chunk,
+        grid, part = chunk_launch(m, n, k, tile, chunk, split, x.device)
+        _kernels()._fp8_linear_kernel[grid](
+            rows, weight, scale, bias if bias is not None else rows, y, y if part is None else part, m, n, k, chunk,
             rows.stride(0), weight.stride(0), y.stride(0), scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0,
-            SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=tile.block_m,
+            SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None, SPLIT=part is not None, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, IEEE=x.dtype == torch.float32,
             num_warps=tile.warps, num_stages=tile.stages)
-        if split:
+        if part is not None:
             sum_chunks(part, bias, y)
     return y.reshape(*lead, n)
 

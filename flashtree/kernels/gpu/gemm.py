@@ -60,6 +60,17 @@ def k_chunk(n: int, k: int, align: int = CHUNK_ALIGN, block_n: int | None = None
     return -(-k // (chunks * align)) * align
 
 
+def chunk_launch(m: int, n: int, k: int, tile: Tile, chunk: int, split: bool | None, device: torch.device
+                 ) -> tuple[tuple[int, int], torch.Tensor | None]:
+    """(grid, partials) of a K-chunked product of ``m`` rows (this module's and fp8_gemm's): the float32
+    partials ``[chunks, m, n]`` when the chunks run in programs of their own (``split``; None: where the
+    product has fewer than ``SPLIT_PROGRAMS`` output tiles), then finished by :func:`sum_chunks`; else None."""
+    tiles, chunks = -(-m // tile.block_m) * -(-n // tile.block_n), max(1, -(-k // chunk))
+    if not (chunks > 1 and tiles < SPLIT_PROGRAMS if split is None else split):
+        return (tiles, 1), None
+    return (tiles, chunks), torch.empty(chunks, m, n, dtype=torch.float32, device=device)
+
+
 def tile_for(rows: int) -> Tile:
     """The table's tile for ``rows``; in Triton's interpreter always the first (it evaluates a tl.dot as one
     numpy product, whose rounding depends on the tile's shape; on the device the tiles round alike)."""
@@ -95,15 +106,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         chunk = chunk or k_chunk(n, k)
         if chunk % tile.block_k:
             raise ValueError(f"invariant_linear: chunk {chunk} is not a multiple of the tile's block_k {tile.block_k}")
-        tiles, chunks = -(-m // tile.block_m) * -(-n // tile.block_n), max(1, -(-k // chunk))
-        split = chunks > 1 and tiles < SPLIT_PROGRAMS if split is None else split
-        part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device) if split else y
-        _kernels()._invariant_linear_kernel[(tiles, chunks if split else 1)](
-            rows, weight, bias if bias is not None else rows, y, part, m, n, k, chunk, rows.stride(0),
-            weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, IEEE=x.dtype == torch.float32,
-            num_warps=tile.warps, num_stages=tile.stages)
-        if split:
+        grid, part = chunk_launch(m, n, k, tile, chunk, split, x.device)
+        _kernels()._invariant_linear_kernel[grid](
+            rows, weight, bias if bias is not None else rows, y, y if part is None else part, m, n, k, chunk,
+            rows.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLIT=part is not None,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            IEEE=x.dtype == torch.float32, num_warps=tile.warps, num_stages=tile.stages)
+        if part is not None:
             sum_chunks(part, bias, y)
     return y.reshape(*lead, n)
 
