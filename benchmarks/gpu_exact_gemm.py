@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flashtree.kernels.gpu.gemm import CHUNK_ALIGN, Tile, invariant_linear, k_chunk  # noqa: E402
+from flashtree.kernels.gpu.gemm import CHUNK_ALIGN, Tile, invariant_linear, k_chunk, tile_for  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}  # name: (N, K)
@@ -81,8 +81,11 @@ def sweep(name: str, n: int, k: int, reps: int, row_counts: tuple[int, ...] = RO
         best = min(ok, key=lambda t: t["us"]) if ok else None
         row["best"] = best
         rows.append(row)
+        table = next((t for t in row["tiles"] if t["tile"] == tile_for(m)._asdict() and "us" in t), None)
+        row["table_us"] = table and table["us"]
         if best:
-            print(f"{name:>8} M={m:>5}: cuBLAS {row['cublas_us']:8.1f} us  best {best['us']:8.1f} us "
+            print(f"{name:>8} M={m:>5}: cuBLAS {row['cublas_us']:8.1f} us  table's tile {row['table_us'] or 0:8.1f} us  "
+                  f"best {best['us']:8.1f} us "
                   f"({best['us'] / row['cublas_us']:.2f}x) {tuple(best['tile'].values())}  "
                   f"all tiles equal: {all(t.get('equals_reference') for t in row['tiles'] if 'us' in t)}", flush=True)
     return rows

@@ -3,10 +3,10 @@
 # repository root: CALL=1|2 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last run found, and why these calls: benchmarks/journal/session-28-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
-#   tile sweep of the chunked exact product at the verify's 544 rows (and 1,088), the kernels of that round in
-#   both modes (torch.profiler tables), then the fp32 FP8 tests the last run did not reach.
-# CALL=2 (~9 min): the tree-kernel part of test_fused_kernels alone (200 random cases compile many Triton
-#   shapes: no verdict in 200 s), then the rest of the fused-kernel parts.
+#   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
+#   exact product at the verify's 544 rows (and 1,088), the kernels of that round in both modes (torch.profiler).
+# CALL=2 (~9 min): the exact mode's GPU tests (the attention's tile agreement among them), the fp32 FP8 tests
+#   the last runs did not reach, and the tree-kernel part of test_fused_kernels (many Triton shapes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1|2 gpu_next_checks.sh OUT_DIR}
@@ -15,20 +15,26 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name --format=csv,noheader
 case "${CALL:-1}" in
   1)
-    timeout 240 python benchmarks/gpu_exact_gemm.py --rows 544,1088 --products o,qkv,gate_up,down \
+    timeout 150 python benchmarks/gpu_exact_attention.py --out "$OUT/gpu_exact_attention.json" \
+        > "$OUT/gpu_exact_attention.txt" 2>&1
+    echo "attention rc=$?"; grep -E "^b=" "$OUT/gpu_exact_attention.txt" | cut -c1-150
+    timeout 190 python benchmarks/gpu_exact_gemm.py --rows 544,1088 --products o,qkv,gate_up,down \
         --out "$OUT/gpu_exact_gemm_544.json" > "$OUT/gpu_exact_gemm_544.txt" 2>&1
     echo "sweep rc=$?"; grep -E "M=" "$OUT/gpu_exact_gemm_544.txt" | cut -c1-200
     for mode in fast exact; do
-      timeout 100 python benchmarks/gpu_rounds.py --methods ddtree:16 --batches 32 --no-profile --tree-budgets "" \
+      timeout 105 python benchmarks/gpu_rounds.py --methods ddtree:16 --batches 32 --no-profile --tree-budgets "" \
           --kernel-table 15 $([ $mode = exact ] && echo --exact) --out "$OUT/gpu_rounds_kernels_$mode.json" \
           > "$OUT/gpu_rounds_kernels_$mode.txt" 2>&1
       echo "rounds $mode rc=$?"; grep -E '^\{' "$OUT/gpu_rounds_kernels_$mode.txt" | cut -c1-300
-    done
+    done ;;
+  2)
+    timeout 200 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
+        tests/gpu/test_invariant_gemm.py > "$OUT/tests_exact.txt" 2>&1
+    echo "exact tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact.txt" | tail -12
     timeout 150 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_fp8_gemm.py -k float32 \
         > "$OUT/tests_fp8_float32.txt" 2>&1
-    echo "fp8 fp32 rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_fp8_float32.txt" | tail -6 ;;
-  2)
-    timeout 560 python -m pytest -v -rfE -p no:cacheprovider --tb=short --timeout 540 --durations=3 \
+    echo "fp8 fp32 rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_fp8_float32.txt" | tail -6
+    timeout 220 python -m pytest -v -rfE -p no:cacheprovider --tb=short --timeout 210 --durations=3 \
         tests/gpu/test_fused_kernels.py -k tree_kernels > "$OUT/test_fused_kernels_tree.txt" 2>&1
     echo "tree rc=$?"; grep -E "PASSED|FAILED|ERROR|Timeout|s call" "$OUT/test_fused_kernels_tree.txt" | tail -6 ;;
 esac

@@ -27,6 +27,10 @@ from flashtree.kernels.gpu.attention import _kernels, _multiprocessors, check_he
 
 BLOCK_N = 64  # logical keys per block
 SPLIT_KEYS = 512  # logical keys per split: split s of every query holds its logical keys 512 s .. 512 s + 511
+# new tokens per program by the forward's new tokens per row: (largest N it serves, tokens). A program reads
+# its row's committed keys once for all its tokens, and attends a tree's own keys once per token; which
+# program computes a token changes none of its arithmetic (tests/gpu/test_exact_mode.py checks every entry).
+TOKENS_PER_TILE: tuple[tuple[int, int], ...] = ((1 << 62, 4),)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -49,10 +53,19 @@ def ancestor_order(new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order[..., :n].contiguous(), depth
 
 
+def tokens_per_tile(new_tokens: int, group_pad: int) -> int:
+    """New tokens per program for a forward of ``new_tokens`` per row: the table's entry, and at least enough
+    for the 16 query rows a tile holds (``group_pad`` query heads per token); 1 under the interpreter."""
+    if interpreting():
+        return max(1, 16 // group_pad)
+    tokens = next(t for limit, t in TOKENS_PER_TILE if new_tokens <= limit)
+    return max(tokens, 16 // group_pad)
+
+
 def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     slots: torch.Tensor, lengths: torch.Tensor,
                     key_order: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    parallel: bool | None = None) -> torch.Tensor:
+                    parallel: bool | None = None, tokens: int | None = None) -> torch.Tensor:
     """Attention of N new tokens per row over the paged KV cache, each query over its logical keys; returns
     ``[B, H, N, D]``.
 
@@ -61,15 +74,20 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the N new tokens' entries. ``key_order``: :func:`ancestor_order` of the rows' new-token mask, or None for
     causal chains (new token t sees new tokens 0 .. t). ``parallel``: splits in programs of their own, merged
     by a second kernel (what few query groups need to fill the device), or all in one program (None: chosen by
-    the launch's size; the same values either way).
+    the launch's size; the same values either way). ``tokens``: new tokens per program (a power of two;
+    None: :func:`tokens_per_tile`), which changes no value either.
     """
     b, heads, n, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     check_head_layout("exact_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
     group_pad = _next_power_of_2(group)
-    block_m = max(16, group_pad)
-    tiles = _ceil_div(n, block_m // group_pad)  # token tiles per row
+    tokens = tokens or tokens_per_tile(n, group_pad)
+    block_m = group_pad * tokens
+    if tokens & (tokens - 1) or block_m < 16:
+        raise ValueError(f"exact_attention: tokens per tile must be a power of two giving >= 16 query rows, "
+                         f"got {tokens} for {group_pad} heads per kv head")
+    tiles = _ceil_div(n, tokens)  # token tiles per row
     if parallel is None:
         parallel = b * kv_heads * tiles < 2 * _multiprocessors(q.device)
     max_splits = _ceil_div(block_table.shape[1] * page_size, SPLIT_KEYS) if parallel else 1
@@ -79,7 +97,7 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lse = torch.empty(b, heads, n, max_splits, dtype=torch.float32, device=q.device) if parallel else out
     order, depth = key_order if key_order is not None else (lengths, lengths)  # (not read when causal)
     kernels = _kernels()
-    kernels._exact_attention_kernel[(b * kv_heads, tiles, max_splits)](
+    kernels._exact_attention_kernel[(tiles, b * kv_heads, max_splits)](
         q, k_cache, v_cache, block_table.contiguous(), slots.contiguous(), lengths.contiguous(), order, depth,
         out, part, lse, n, heads, kv_heads, head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
         SPLIT_KEYS, max_splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -236,10 +236,10 @@ def _exact_attention_kernel(
     order and merges them itself, with the same formula (:func:`_merge_split`). Either way a query row's
     arithmetic depends only on its logical keys: a row's tile neighbours only add exact zeros to its state."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # the tiles of one (row, kv head) run side by side: its keys stay in L2
     b = pid_bh // kv_heads
     kv_head = pid_bh % kv_heads
-    token0 = tl.program_id(1) * TOKENS
+    token0 = tl.program_id(0) * TOKENS
     r = tl.arange(0, BLOCK_M)  # [M] query rows: token t_local, head g of this kv head's group
     t_local = r // GROUP_PAD
     g = r % GROUP_PAD
