@@ -14,7 +14,6 @@ default candidate's output bit for bit. Prints one line per forward: microsecond
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,23 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree.kernels.gpu.attention import tree_attention  # noqa: E402
 from flashtree.kernels.gpu.exact_attention import ancestor_order, exact_attention, tokens_per_tile  # noqa: E402
+from gpu_exact_gemm import timed_us  # noqa: E402  (benchmarks/ is the script's directory)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 CANDIDATES = (4, 8, 16, 32)  # new tokens per program (x 4 query heads = 16 .. 128 query rows)
-
-
-def timed_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000)
-    return statistics.median(times)
 
 
 def random_tree_mask(nodes: int, gen: torch.Generator) -> torch.Tensor:
