@@ -25,7 +25,6 @@ from flashtree.kernels.gpu.exact_attention import ancestor_order, exact_attentio
 from gpu_exact_gemm import timed_us  # noqa: E402  (benchmarks/ is the script's directory)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-CANDIDATES = (4, 8, 16, 32)  # new tokens per program (x 4 query heads = 16 .. 128 query rows)
 
 
 def random_tree_mask(nodes: int, gen: torch.Generator) -> torch.Tensor:
@@ -54,7 +53,8 @@ def forward_inputs(batch: int, new: int, context: int, causal: bool, gen: torch.
     return q, k_cache, v_cache, table, slots, lengths, mask.cuda().contiguous()
 
 
-def measure(batch: int, name: str, new: int, causal: bool, context: int, layers: int, reps: int) -> dict:
+def measure(batch: int, name: str, new: int, causal: bool, context: int, layers: int, reps: int,
+            candidates: list[tuple[int, bool | None]]) -> dict:
     gen = torch.Generator().manual_seed(batch * 1000 + new)
     q, k_cache, v_cache, table, slots, lengths, mask = forward_inputs(batch, new, context, causal, gen)
     order = None if causal or new == 1 else ancestor_order(mask)
@@ -62,38 +62,42 @@ def measure(batch: int, name: str, new: int, causal: bool, context: int, layers:
     reference = exact_attention(q, k_cache, v_cache, table, slots, lengths, order)
     row = {"batch": batch, "forward": name, "new_tokens": new, "fast_us": fast_us,
            "default_tokens": tokens_per_tile(new, 4), "candidates": []}
-    for tokens in CANDIDATES:
-        for parallel in (None, True, False):
-            out = exact_attention(q, k_cache, v_cache, table, slots, lengths, order, parallel=parallel, tokens=tokens)
-            us = timed_us(lambda: exact_attention(q, k_cache, v_cache, table, slots, lengths, order,
-                                                  parallel=parallel, tokens=tokens), reps)
-            row["candidates"].append({"tokens": tokens, "parallel": parallel, "us": us,
-                                      "equals_default": torch.equal(out, reference)})
+    for tokens, parallel in candidates:
+        out = exact_attention(q, k_cache, v_cache, table, slots, lengths, order, parallel=parallel, tokens=tokens)
+        us = timed_us(lambda: exact_attention(q, k_cache, v_cache, table, slots, lengths, order,  # noqa: B023
+                                              parallel=parallel, tokens=tokens), reps)
+        row["candidates"].append({"tokens": tokens, "parallel": parallel, "us": us,
+                                  "equals_default": torch.equal(out, reference)})
     best = min((c for c in row["candidates"] if c["equals_default"]), key=lambda c: c["us"], default=None)
-    default = next(c for c in row["candidates"] if c["tokens"] == row["default_tokens"] and c["parallel"] is None)
     row["best"] = best
-    print(f"b={batch:3d} {name:10s} fast {fast_us:8.1f} us ({fast_us * layers / 1000:6.2f} ms/{layers} layers)  "
-          f"exact default {default['us']:8.1f}  best {best['us'] if best else float('nan'):8.1f} "
-          f"(tokens {best and best['tokens']}, parallel {best and best['parallel']})  all equal "
-          f"{all(c['equals_default'] for c in row['candidates'])}  "
-          + " ".join(f"{c['tokens']}/{str(c['parallel'])[0]}:{c['us']:.0f}" for c in row["candidates"]), flush=True)
+    print(f"b={batch:3d} {name:9s} fast {fast_us:7.1f} us ({fast_us * layers / 1000:5.2f} ms/{layers} layers)  "
+          f"exact (tokens/placement: us, same bits as the default) "
+          + " ".join(f"{c['tokens']}/{str(c['parallel'])[0]}:{c['us']:.0f},{'=' if c['equals_default'] else 'DIFF'}"
+                     for c in row["candidates"]), flush=True)
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--forwards", default="plain,dflash16,ddtree16,ddtree64")
+    parser.add_argument("--tokens", default="4,8,16,32", help="new tokens per program to try")
+    parser.add_argument("--parallel", default="auto,split,one", help="split placements to try (auto: the default)")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    forwards = (("plain", 1, True), ("dflash16", 16, True), ("ddtree16", 17, False), ("ddtree64", 65, False))
-    rows = [measure(batch, name, new, causal, args.context, args.layers, args.reps)
-            for batch in map(int, args.batches.split(",")) for name, new, causal in forwards]
+    forwards = {"plain": (1, True), "dflash16": (16, True), "ddtree16": (17, False), "ddtree64": (65, False)}
+    candidates = [(int(t), {"auto": None, "split": True, "one": False}[p])
+                  for t in args.tokens.split(",") for p in args.parallel.split(",")]
+    rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "context": args.context,
-                                    "rows": rows}, indent=1))
+    for batch in map(int, args.batches.split(",")):
+        for name in args.forwards.split(","):
+            rows.append(measure(batch, name, *forwards[name], args.context, args.layers, args.reps, candidates))
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "context": args.context,
+                                            "rows": rows}, indent=1))  # after each row: a cut-off run keeps its rows
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from flashtree import SamplingParams  # noqa: E402
 from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.engine.graphs import GraphCache  # noqa: E402
+from flashtree.kernels.gpu import gemm  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
 from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
@@ -158,9 +159,15 @@ def main():
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time each method with profile_stages (eager, synchronized) for the stage split")
     parser.add_argument("--exact", action="store_true", help="the exact mode (kernels/gpu/exact.py)")
+    parser.add_argument("--exact-tile", default=None, metavar="BM,BN,BK,WARPS,STAGES",
+                        help="the exact product's tile for rows past the table's second entry (a tile sweep: every "
+                             "tile gives the same bits, gemm.TILES)")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="also the N kernels of most device time per round (torch.profiler, 5 rounds)")
     args = parser.parse_args()
+    if args.exact_tile:
+        bm, bn, bk, warps, stages = map(int, args.exact_tile.split(","))
+        gemm.TILES = (*gemm.TILES[:-1], (gemm.TILES[-1][0], gemm.Tile(bm, bn, bk, warps=warps, stages=stages)))
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
     rows, batches = [], [int(b) for b in args.batches.split(",")]
@@ -197,7 +204,7 @@ def main():
                               "graphed_ms": graphed, "static_graph_ms": static, "eager_ms": eager})
             print(json.dumps(tree_rows[-1]), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
-           "exact": args.exact,
+           "exact": args.exact, "exact_tiles": [[limit, tile._asdict()] for limit, tile in gemm.TILES],
            "rounds": rows, "tree_build_accept_commit": tree_rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
