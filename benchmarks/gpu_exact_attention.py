@@ -61,7 +61,7 @@ def measure(batch: int, name: str, new: int, causal: bool, context: int, layers:
     fast_us = timed_us(lambda: tree_attention(q, k_cache, v_cache, table, slots, lengths, mask), reps)
     reference = exact_attention(q, k_cache, v_cache, table, slots, lengths, order)
     row = {"batch": batch, "forward": name, "new_tokens": new, "fast_us": fast_us,
-           "default_tokens": tokens_per_tile(new, 4), "candidates": []}
+           "default_tokens": tokens_per_tile(new, 4, causal), "candidates": []}
     for tokens, parallel in candidates:
         out = exact_attention(q, k_cache, v_cache, table, slots, lengths, order, parallel=parallel, tokens=tokens)
         us = timed_us(lambda: exact_attention(q, k_cache, v_cache, table, slots, lengths, order,  # noqa: B023

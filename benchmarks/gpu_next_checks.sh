@@ -8,8 +8,9 @@
 # CALL=2 (~9 min): tuning after CALL=1 (the exact products at 544 rows were 2-3x cuBLAS, most of the round's
 #   gap; splits by K chunks no longer taken there): the tile sweep at 544 rows, the exact DDTree-16 round at
 #   batch 32 with several large-row tiles, the exact attention's tile sizes (bits and time), the exact-mode tests.
-# CALL=3 (~9 min): the exact against the fast mode's plain step and DDTree-16 round at batch 1 and 32 with the
-#   table chosen (gpu_rounds.py, profiled).
+# CALL=3 (~9 min): with the tiles chosen from CALL=2: TMA and unmasked-K variants of the exact product at verify
+#   widths (a prototype), the exact tests, the exact against the fast mode's plain step and DDTree-16 round at
+#   batch 1 and 32, then the fp32 FP8 tests as far as the call's time goes.
 # CALL=4 (~9 min): the fp32 FP8 tests the last runs did not reach, and the tree-kernel part of
 #   test_fused_kernels (200 random cases, many Triton shapes: no verdict in 200 s before).
 set -uo pipefail
@@ -51,11 +52,19 @@ case "${CALL:-1}" in
         tests/gpu/test_invariant_gemm.py > "$OUT/tests_exact.txt" 2>&1
     echo "exact tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact.txt" | tail -12 ;;
   3)
+    timeout 90 python benchmarks/gpu_exact_gemm_tma.py --out "$OUT/gpu_exact_gemm_tma.json" > /tmp/tma.txt 2>&1
+    echo "tma rc=$?"; grep -E "M=|error" /tmp/tma.txt | cut -c1-400
+    timeout 150 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_invariant_gemm.py \
+        tests/gpu/test_exact_mode.py -k "invariant or logical_keys or speculative" > "$OUT/tests_exact.txt" 2>&1
+    echo "exact tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact.txt" | tail -8
     for mode in fast exact; do
-      timeout 150 python benchmarks/gpu_rounds.py --methods none,ddtree:16 --batches 1,32 --tree-budgets "" \
-          $([ $mode = exact ] && echo --exact) --out "$OUT/gpu_rounds_$mode.json" > "$OUT/gpu_rounds_$mode.txt" 2>&1
-      echo "rounds $mode rc=$?"; grep -E '^\{' "$OUT/gpu_rounds_$mode.txt" | cut -c1-300
-    done ;;
+      timeout 110 python benchmarks/gpu_rounds.py --methods none,ddtree:16 --batches 1,32 --no-profile --tree-budgets "" \
+          $([ $mode = exact ] && echo --exact) --out "$OUT/gpu_rounds_$mode.json" > /tmp/rounds_$mode.txt 2>&1
+      echo "rounds $mode rc=$?"; grep -E '^\{' /tmp/rounds_$mode.txt | cut -c1-110
+    done
+    timeout 100 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_fp8_gemm.py -k float32 \
+        > "$OUT/tests_fp8_float32.txt" 2>&1
+    echo "fp8 fp32 rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_fp8_float32.txt" | tail -6 ;;
   4)
     timeout 200 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_fp8_gemm.py -k float32 \
         > "$OUT/tests_fp8_float32.txt" 2>&1

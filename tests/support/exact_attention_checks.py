@@ -22,7 +22,7 @@ import torch
 from flashtree.kernels.gpu.exact_attention import ancestor_order, exact_attention
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, PAGES_PER_SLOT = 6, 2, 16, 16, 80  # 1,280 entries per slot: two key splits
-TOKENS_PER_PROGRAM = (4, 8, 16, 32)  # the tile sizes compared on CUDA
+TOKENS_PER_PROGRAM = (4, 8)  # the tile sizes compared on CUDA (16 and 32 rows: exact_attention.MAX_TILE_ROWS)
 # a draft tree of 7 nodes: parents before children (node 0 is the root)
 PARENTS = (-1, 0, 0, 1, 1, 2, 3)
 

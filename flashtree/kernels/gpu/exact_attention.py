@@ -27,10 +27,16 @@ from flashtree.kernels.gpu.attention import _kernels, _multiprocessors, check_he
 
 BLOCK_N = 64  # logical keys per block
 SPLIT_KEYS = 512  # logical keys per split: split s of every query holds its logical keys 512 s .. 512 s + 511
-# new tokens per program by the forward's new tokens per row: (largest N it serves, tokens). A program reads
-# its row's committed keys once for all its tokens, and attends a tree's own keys once per token; which
-# program computes a token changes none of its arithmetic (tests/gpu/test_exact_mode.py checks every entry).
-TOKENS_PER_TILE: tuple[tuple[int, int], ...] = ((1 << 62, 4),)
+# new tokens per program by the forward's new tokens per row, for causal chains and for trees: (largest N it
+# serves, tokens). A program reads its row's committed keys once for all its tokens, and attends a tree's own
+# keys once per token (so trees gain from wider tiles only when they are large). Which program computes a token
+# changes none of its arithmetic as long as every tile has at most MAX_TILE_ROWS query rows: on Hopper (H100,
+# 2026-12-06) 64-row tiles (wgmma) gave other bits than 16- and 32-row tiles (mma), as the FP8 product's did.
+# benchmarks/gpu_exact_attention.py (H100, Qwen3-8B heads, 1k context, us per layer at batch 1 / 32 with 4
+# against 8 tokens): DFlash-16 80 / 277 against 76 / 185; DDTree-16 75 / 504 against 122 / 537; DDTree-64
+# 107 / 1,421 against 88 / 1,221. tests/gpu/test_exact_mode.py checks that 4 and 8 agree.
+TOKENS_PER_TILE = {"chain": ((4, 4), (1 << 62, 8)), "tree": ((32, 4), (1 << 62, 8))}
+MAX_TILE_ROWS = 32
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -53,13 +59,15 @@ def ancestor_order(new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order[..., :n].contiguous(), depth
 
 
-def tokens_per_tile(new_tokens: int, group_pad: int) -> int:
-    """New tokens per program for a forward of ``new_tokens`` per row: the table's entry, and at least enough
-    for the 16 query rows a tile holds (``group_pad`` query heads per token); 1 under the interpreter."""
+def tokens_per_tile(new_tokens: int, group_pad: int, causal: bool = True) -> int:
+    """New tokens per program for a forward of ``new_tokens`` per row (``causal``: a chain, else a tree): the
+    table's entry, within the 16 .. MAX_TILE_ROWS query rows of a tile (``group_pad`` rows per token; a
+    group wider than that gets one token a tile, the same at every width); 16 rows under the interpreter."""
     if interpreting():
         return max(1, 16 // group_pad)
-    tokens = next(t for limit, t in TOKENS_PER_TILE if new_tokens <= limit)
-    return max(tokens, 16 // group_pad)
+    table = TOKENS_PER_TILE["chain" if causal else "tree"]
+    tokens = next(t for limit, t in table if new_tokens <= limit)
+    return max(1, min(tokens, MAX_TILE_ROWS // group_pad), 16 // group_pad)
 
 
 def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -82,7 +90,7 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     check_head_layout("exact_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
     group_pad = _next_power_of_2(group)
-    tokens = tokens or tokens_per_tile(n, group_pad)
+    tokens = tokens or tokens_per_tile(n, group_pad, causal=key_order is None)
     block_m = group_pad * tokens
     if tokens & (tokens - 1) or block_m < 16:
         raise ValueError(f"exact_attention: tokens per tile must be a power of two giving >= 16 query rows, "

@@ -77,7 +77,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
         raise ValueError(f"fp8_linear: chunk {chunk} is not a multiple of the scale block {SCALE_BLOCK}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
-        grid, part = chunk_launch(m, n, k, tile, chunk, split, x.device, weight.element_size())
+        grid, part = chunk_launch(m, n, k, tile, chunk, split, x.device)
         _kernels()._fp8_linear_kernel[grid](
             rows, weight, scale, bias if bias is not None else rows, y, y if part is None else part, m, n, k, chunk,
             rows.stride(0), weight.stride(0), y.stride(0), scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0,

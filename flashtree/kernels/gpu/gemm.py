@@ -38,13 +38,15 @@ class Tile(NamedTuple):
 # the tile by row count: (largest M it serves, tile). Every entry must compute each chunk's sum with the
 # same sequence of 16-wide K slices into a float32 accumulator (block_k must divide CHUNK_ALIGN), so that which
 # entry serves a product changes no bit; tests/gpu/test_invariant_gemm.py checks it across the table on the device.
-# Chosen from benchmarks/gpu_exact_gemm.py (H200, Qwen3-8B products; every tile gave the same bits).
+# Chosen from benchmarks/gpu_exact_gemm.py (H200, Qwen3-8B products; every tile gave the same bits); the last
+# entry from the sweep at 544 and 1,088 rows (H100, 2026-12-06: the four layer products 729 / 1,211 us against
+# 771 / 1,262 with 128 x 128 tiles; cuBLAS 358 / 637).
 TILES: tuple[tuple[int, Tile], ...] = ((16, Tile(16, 32, 256, stages=3)), (128, Tile(64, 64, 64, stages=4)),
-                                       (1 << 62, Tile(128, 128, 64, warps=8, stages=3)))
+                                       (1 << 62, Tile(128, 256, 64, warps=8, stages=3)))
 
 
 CHUNK_ALIGN = 256  # chunks are a multiple of every table tile's block_k
-SPLIT_PROGRAMS = 512  # a product with fewer output tiles than this may be split by K chunks (about 4 programs per SM)
+SPLIT_PROGRAMS = 512  # a product with fewer output tiles than this is split by K chunks (about 4 programs per SM)
 MIN_CHUNK = 1024  # K columns a chunk keeps at least (the ordered sum reads chunks x M x N floats)
 
 
@@ -60,21 +62,13 @@ def k_chunk(n: int, k: int, align: int = CHUNK_ALIGN, block_n: int | None = None
     return -(-k // (chunks * align)) * align
 
 
-def splits_pay(m: int, k: int, tiles: int, chunks: int, weight_bytes: int) -> bool:
-    """Whether a product is better split by K chunks: it has too few output tiles to fill the device, and its
-    float32 partials (``chunks x M x N``, written then read: 8 bytes each) are at most half the weight's bytes
-    (``N x K x weight_bytes``), the traffic a split saves time on. Past that (verify forwards of hundreds of
-    rows) a split costs more than the idle programs it fills."""
-    return chunks > 1 and tiles < SPLIT_PROGRAMS and 16 * chunks * m <= k * weight_bytes
-
-
-def chunk_launch(m: int, n: int, k: int, tile: Tile, chunk: int, split: bool | None, device: torch.device,
-                 weight_bytes: int = 2) -> tuple[tuple[int, int], torch.Tensor | None]:
-    """(grid, partials) of a K-chunked product of ``m`` rows (this module's and fp8_gemm's, whose weight
-    elements take ``weight_bytes``): the float32 partials ``[chunks, m, n]`` when the chunks run in programs
-    of their own (``split``; None: where :func:`splits_pay`), then finished by :func:`sum_chunks`; else None."""
+def chunk_launch(m: int, n: int, k: int, tile: Tile, chunk: int, split: bool | None, device: torch.device
+                 ) -> tuple[tuple[int, int], torch.Tensor | None]:
+    """(grid, partials) of a K-chunked product of ``m`` rows (this module's and fp8_gemm's): the float32
+    partials ``[chunks, m, n]`` when the chunks run in programs of their own (``split``; None: where the
+    product has fewer than ``SPLIT_PROGRAMS`` output tiles), then finished by :func:`sum_chunks`; else None."""
     tiles, chunks = -(-m // tile.block_m) * -(-n // tile.block_n), max(1, -(-k // chunk))
-    if not (splits_pay(m, k, tiles, chunks, weight_bytes) if split is None else split):
+    if not (chunks > 1 and tiles < SPLIT_PROGRAMS if split is None else split):
         return (tiles, 1), None
     return (tiles, chunks), torch.empty(chunks, m, n, dtype=torch.float32, device=device)
 
@@ -114,7 +108,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         chunk = chunk or k_chunk(n, k)
         if chunk % tile.block_k:
             raise ValueError(f"invariant_linear: chunk {chunk} is not a multiple of the tile's block_k {tile.block_k}")
-        grid, part = chunk_launch(m, n, k, tile, chunk, split, x.device, weight.element_size())
+        grid, part = chunk_launch(m, n, k, tile, chunk, split, x.device)
         _kernels()._invariant_linear_kernel[grid](
             rows, weight, bias if bias is not None else rows, y, y if part is None else part, m, n, k, chunk,
             rows.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLIT=part is not None,
