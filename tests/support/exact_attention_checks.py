@@ -7,7 +7,7 @@
 - a row's result is the same alone and beside other rows of other lengths, and the first tokens of a causal
   chain get the same whatever the chain's length (prompt chunking, DFlash blocks),
 - the splits give the same whether each runs in a program of its own or one program runs them all,
-- (on CUDA) every number of new tokens per program gives the same,
+- (on CUDA, 16-bit dtypes) every number of new tokens per program gives the same,
 - the values are softmax attention's (float64 reference) up to rounding, with contexts across split
   boundaries (512 logical keys per split);
 
@@ -82,7 +82,8 @@ def _tree_checks(gen, device, dtype) -> tuple[bool, bool, bool, float]:
     q = torch.randn(1, HEADS, n, HEAD_DIM, generator=gen).to(device, dtype)
     tree = _attend(cache, q, [0], [committed], mask[None], parallel=False)  # [1, H, N, D]
     paths_agree = torch.equal(_attend(cache, q, [0], [committed], mask[None], parallel=True), tree)
-    tiles = TOKENS_PER_PROGRAM if device != "cpu" else ()  # the interpreter's tl.dot rounds by its shape
+    # the interpreter's tl.dot rounds by its shape, and so do float32 (non-tensor-core) products on the device
+    tiles = TOKENS_PER_PROGRAM if device != "cpu" and dtype != torch.float32 else ()
     tiles_agree = all(torch.equal(_attend(cache, q, [0], [committed], mask[None], parallel=parallel, tokens=tokens),
                                   tree) for tokens in tiles for parallel in (False, True))
     identical, worst = True, 0.0

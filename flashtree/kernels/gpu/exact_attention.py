@@ -34,7 +34,7 @@ SPLIT_KEYS = 512  # logical keys per split: split s of every query holds its log
 # 2026-12-06) 64-row tiles (wgmma) gave other bits than 16- and 32-row tiles (mma), as the FP8 product's did.
 # benchmarks/gpu_exact_attention.py (H100, Qwen3-8B heads, 1k context, us per layer at batch 1 / 32 with 4
 # against 8 tokens): DFlash-16 80 / 277 against 76 / 185; DDTree-16 75 / 504 against 122 / 537; DDTree-64
-# 107 / 1,421 against 88 / 1,221. tests/gpu/test_exact_mode.py checks that 4 and 8 agree.
+# 107 / 1,421 against 88 / 1,221. tests/gpu/test_exact_mode.py checks that 4 and 8 agree (16-bit dtypes).
 TOKENS_PER_TILE = {"chain": ((4, 4), (1 << 62, 8)), "tree": ((32, 4), (1 << 62, 8))}
 MAX_TILE_ROWS = 32
 
@@ -59,11 +59,13 @@ def ancestor_order(new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order[..., :n].contiguous(), depth
 
 
-def tokens_per_tile(new_tokens: int, group_pad: int, causal: bool = True) -> int:
+def tokens_per_tile(new_tokens: int, group_pad: int, causal: bool = True, ieee: bool = False) -> int:
     """New tokens per program for a forward of ``new_tokens`` per row (``causal``: a chain, else a tree): the
     table's entry, within the 16 .. MAX_TILE_ROWS query rows of a tile (``group_pad`` rows per token; a
-    group wider than that gets one token a tile, the same at every width); 16 rows under the interpreter."""
-    if interpreting():
+    group wider than that gets one token a tile, the same at every width). 16 rows at every width for float32
+    (``ieee``: its products are not tensor-core ones, and 16- and 32-row tiles rounded apart on the H100) and
+    under the interpreter."""
+    if ieee or interpreting():
         return max(1, 16 // group_pad)
     table = TOKENS_PER_TILE["chain" if causal else "tree"]
     tokens = next(t for limit, t in table if new_tokens <= limit)
@@ -90,7 +92,7 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     check_head_layout("exact_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
     group_pad = _next_power_of_2(group)
-    tokens = tokens or tokens_per_tile(n, group_pad, causal=key_order is None)
+    tokens = tokens or tokens_per_tile(n, group_pad, causal=key_order is None, ieee=q.dtype == torch.float32)
     block_m = group_pad * tokens
     if tokens & (tokens - 1) or block_m < 16:
         raise ValueError(f"exact_attention: tokens per tile must be a power of two giving >= 16 query rows, "
