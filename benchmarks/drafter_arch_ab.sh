@@ -8,7 +8,8 @@
 # The training data are SmolLM2's own greedy answers (flashtree regenerate, DDTree: the plain tokens) to
 # ShareGPT prompts of the train split. Environment (all optional): DEVICE (cpu), PY (python3), INIT,
 # PROMPTS (400 prompts to answer), NEW_TOKENS (128), STEPS (150), BATCH (4 sequences a step), SEQ (384 tokens),
-# LR (2e-4), BENCH_PROMPTS (12), BENCH_TOKENS (128), METHODS (dflash,ddtree:16,ddtree:64), TRAIN_FLAGS (extra).
+# LR (2e-4), BENCH_PROMPTS (12), BENCH_TOKENS (128), METHODS (dflash,ddtree:16,ddtree:64), TRAIN_FLAGS (extra),
+# SELECTOR_RANK (the DFlash2 selector's codebook width; default 256: a 71 MB drafter, over the 60 MB cap).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: drafter_arch_ab.sh OUT_DIR}
@@ -39,6 +40,7 @@ for arch in dflash dflash2; do
   $PY -m flashtree.cli train-drafter --model smollm2 --data "$OUT/regen.jsonl" --init "$INIT" --arch "$arch" \
     --output "$OUT/$arch" --steps "$STEPS" --batch-size "$BATCH" --max-seq-len "$SEQ" --lr "$LR" --warmup 10 \
     --device "$DEVICE" --dtype float32 --eval-every 0 --log-every 25 --seed 0 --no-progress $TRAIN_FLAGS \
+    $([[ $arch == dflash2 && -n "${SELECTOR_RANK:-}" ]] && echo --selector-rank "$SELECTOR_RANK") \
     | tail -1 > "$OUT/train_$arch.json"
   cat "$OUT/train_$arch.json"
 done

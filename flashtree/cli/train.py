@@ -59,6 +59,10 @@ def _register_train(subparsers) -> None:
                              "size: 4, 5, 7 for blocks 8, 10, 16); 0: no decay, every slot weighs 1")
     levers.add_argument("--selector-loss-weight", type=float, default=d.selector_loss_weight,
                         help="dflash2: weight of the candidate selector's loss beside the block loss")
+    levers.add_argument("--selector-rank", type=int, default=None,
+                        help="dflash2: width of a new selector's two vocabulary x rank codebooks (default 256, the "
+                             "published); they set the checkpoint's size: two 49,152 x 256 codebooks are 50 MB in "
+                             "bfloat16, SmolLM2's DFlash2 drafter 71 MB against the first generation's 23")
     levers.add_argument("--mask-token-id", type=int, default=None,
                         help="mask token id (default: <|MASK|> if the tokenizer has it, else an unused special)")
     p.add_argument("--output-norm-init", type=float, default=d.output_norm_init,
@@ -118,7 +122,7 @@ def train_config_from_args(args) -> TrainConfig:
         batch_size = TrainConfig.batch_size
     return TrainConfig(
         model=args.model, data=args.data, output=args.output, resume=args.resume, init=args.init, arch=args.arch,
-        selector_loss_weight=args.selector_loss_weight, layers=args.layers,
+        selector_loss_weight=args.selector_loss_weight, selector_rank=args.selector_rank, layers=args.layers,
         intermediate_size=args.intermediate_size, loss_gamma=args.loss_gamma, block_size=args.block_size, target_layer_ids=parse_layer_ids(args.target_layer_ids),
         mask_token_id=args.mask_token_id, output_norm_init=args.output_norm_init, max_seq_len=args.max_seq_len,
         batch_size=batch_size, batch_tokens=args.batch_tokens, anchors_per_seq=args.anchors_per_seq,

@@ -51,6 +51,7 @@ class TrainConfig:
     anchors_per_seq: int = 64
     loss_gamma: float | None = None  # slot k weighs exp(-(k-1)/gamma); None: by block size; 0: no decay
     selector_loss_weight: float = 1.0  # DFlash2: weight of the candidate selector's loss beside the block loss
+    selector_rank: int | None = None  # a new DFlash2 drafter's codebook width; None: the published 256
     heldout_percent: float = 2.0
     max_conversations: int | None = None  # cap on conversations read (quick runs)
     # optimization
@@ -119,6 +120,9 @@ class TrainConfig:
             raise ConfigError(f"--max-minutes must be > 0, got {self.max_minutes}")
         if self.loss_gamma is not None and not (self.loss_gamma >= 0 and math.isfinite(self.loss_gamma)):
             raise ConfigError(f"--loss-gamma must be a number >= 0 (0: no decay), got {self.loss_gamma}")
+        if self.selector_rank is not None and (self.selector_rank < 1 or self.arch != "dflash2"):
+            raise ConfigError(f"--selector-rank must be >= 1 and goes with --arch dflash2, got {self.selector_rank} "
+                              f"with --arch {self.arch}")
         if self.intermediate_size is not None and self.intermediate_size < 1:
             raise ConfigError(f"--intermediate-size must be >= 1, got {self.intermediate_size}")
         if self.resume is not None and self.init is not None:

@@ -91,10 +91,11 @@ def spread_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int
 
 def drafter_config_dict(target: ModelConfig, layers: int, block_size: int, mask: MaskToken,
                         target_layer_ids: tuple[int, ...] | None = None, dtype: str = "bfloat16",
-                        intermediate_size: int | None = None, arch: str = "dflash") -> dict[str, Any]:
+                        intermediate_size: int | None = None, arch: str = "dflash",
+                        selector_rank: int | None = None) -> dict[str, Any]:
     """The z-lab ``config.json`` of a new drafter for ``target`` (MLP width ``intermediate_size``,
     the target's when None; the hidden size is always the target's: the format requires it);
-    ``arch`` "dflash2": a DFlash2 drafter (:func:`dflash2_keys`)."""
+    ``arch`` "dflash2": a DFlash2 drafter (:func:`dflash2_keys`, with ``selector_rank``)."""
     ids = target_layer_ids or spread_layer_ids(target.num_hidden_layers, layers)
     raw: dict[str, Any] = {
         "architectures": [DRAFTER_ARCHITECTURE], "model_type": "qwen3",
@@ -113,24 +114,25 @@ def drafter_config_dict(target: ModelConfig, layers: int, block_size: int, mask:
         raw["rope_scaling"] = {"rope_type": scaling.rope_type, "factor": scaling.factor,
                                "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
                                "original_max_position_embeddings": scaling.original_max_position_embeddings}
-    return as_dflash2_config(raw, target) if arch == "dflash2" else raw
+    return as_dflash2_config(raw, target, selector_rank) if arch == "dflash2" else raw
 
 
-def as_dflash2_config(raw: dict[str, Any], target: ModelConfig) -> dict[str, Any]:
+def as_dflash2_config(raw: dict[str, Any], target: ModelConfig, selector_rank: int | None = None) -> dict[str, Any]:
     """A first-generation drafter's ``config.json`` dict made a DFlash2 drafter's: the same shape, mask token
     and target layers, the block size moved into ``dflash_config``, and :func:`dflash2_keys`. A new dict."""
     draft = dict(raw["dflash_config"])
     upgraded = {key: value for key, value in raw.items() if key != "block_size"}
-    draft.update(block_size=raw.get("block_size", draft.get("block_size")), **dflash2_keys(target))
+    draft.update(block_size=raw.get("block_size", draft.get("block_size")), **dflash2_keys(target, selector_rank))
     upgraded.update(architectures=[DFLASH2_ARCHITECTURE], is_causal=False, hidden_act="silu", dflash_config=draft)
     return upgraded
 
 
-def dflash2_keys(target: ModelConfig) -> dict[str, int]:
+def dflash2_keys(target: ModelConfig, selector_rank: int | None = None) -> dict[str, int]:
     """A new DFlash2 drafter's ``dflash_config`` keys (models/dflash2_config.py) for ``target``: the
-    published numbers, the group a divisor of the hidden size, at most a vocabulary of candidates."""
+    published numbers (``selector_rank`` where given), the group a divisor of the hidden size, at most a
+    vocabulary of candidates."""
     return {"conv_kernel_size": DFLASH2_TAPS, "conv_group_size": math.gcd(target.hidden_size, DFLASH2_GROUP),
-            "selector_rank": DFLASH2_RANK, "selector_top_k": min(DFLASH2_TOP_K, target.vocab_size)}
+            "selector_rank": selector_rank or DFLASH2_RANK, "selector_top_k": min(DFLASH2_TOP_K, target.vocab_size)}
 
 
 def trainable_drafter(raw: dict[str, Any], target: CausalLM, tokenizer, device: torch.device,
@@ -173,12 +175,12 @@ def start_dflash2_as_dflash(drafter: DFlash2Drafter, seed: int) -> None:
 
 
 def dflash2_from_dflash(raw: dict[str, Any], weights: dict[str, torch.Tensor], target: CausalLM, tokenizer,
-                        seed: int = 0, source: str = "--init config.json"
+                        seed: int = 0, source: str = "--init config.json", selector_rank: int | None = None
                         ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config dict, weights) of a DFlash2 drafter that starts as the first-generation drafter (``raw``,
     ``weights``): its weights as they are, with the DFlash2 additions (float32) as a new drafter's no-ops
     (:func:`start_dflash2_as_dflash`), so it drafts as that drafter did until training moves them."""
-    upgraded = as_dflash2_config(raw, target.config)
+    upgraded = as_dflash2_config(raw, target.config, selector_rank)
     fresh = trainable_drafter(upgraded, target, tokenizer, torch.device("cpu"), seed=seed, source=source)
     added = {name: p.detach() for name, p in fresh.named_parameters() if name not in weights}
     return upgraded, weights | added

@@ -92,8 +92,12 @@ def drafter_source(cfg: TrainConfig, target: CausalLM, tokenizer
     if source is None:
         mask = choose_mask_token(tokenizer, target.config.vocab_size, cfg.mask_token_id)
         return drafter_config_dict(target.config, cfg.layers, cfg.block_size, mask, cfg.target_layer_ids,
-                                   cfg.save_dtype, cfg.intermediate_size, cfg.arch), None, None
+                                   cfg.save_dtype, cfg.intermediate_size, cfg.arch, cfg.selector_rank), None, None
     raw, weights = checkpoint.read_drafter(source)
+    kept_rank = raw.get("dflash_config", {}).get("selector_rank") if is_dflash2(raw) else None
+    if cfg.selector_rank is not None and kept_rank is not None and kept_rank != cfg.selector_rank:
+        raise ConfigError(f"--selector-rank {cfg.selector_rank}: {source} is a DFlash2 drafter with selector_rank "
+                          f"{kept_rank}, which it keeps; leave --selector-rank out or give {kept_rank}")
     state = trainer_state.load(source) if cfg.resume is not None else None
     if cfg.resume is not None and state is None:
         print(f"note: {source} has no {trainer_state.STATE_DIR}/: a new run starts from its weights "
@@ -101,7 +105,8 @@ def drafter_source(cfg: TrainConfig, target: CausalLM, tokenizer
     if state is not None:
         weights = state.model
     elif cfg.arch == "dflash2" and not is_dflash2(raw):  # a new run: --arch dflash2 upgrades a first generation
-        raw, weights = dflash2_from_dflash(raw, weights, target, tokenizer, cfg.seed, f"{source}/config.json")
+        raw, weights = dflash2_from_dflash(raw, weights, target, tokenizer, cfg.seed, f"{source}/config.json",
+                                           cfg.selector_rank)
     return raw, {k: v.float() for k, v in weights.items()}, state
 
 

@@ -6,6 +6,7 @@ its candidates after the true previous token. Training runs: tests/integration/t
 import pytest
 import torch
 
+from flashtree.errors import ConfigError
 from flashtree.models.build import build_model
 from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.models.dflash2_config import parse_dflash2_config
@@ -176,3 +177,23 @@ def test_dflash2_started_from_a_first_generation_drafter_drafts_as_it(tmp_path):
     assert is_dflash2(raw_setup) and state is None and set(weights_setup) == set(upgraded)
     kept, _, _ = drafter_source(TrainConfig(init=str(pair.drafter)), target, ckpt.tokenizer)
     assert not is_dflash2(kept)
+
+
+def test_selector_rank_sets_a_new_or_upgraded_selectors_codebooks(tmp_path, pair, loaded):
+    target, tokenizer, _ = loaded
+    raw, _, _ = drafter_source(TrainConfig(arch="dflash2", selector_rank=8, layers=2, block_size=4), target, tokenizer)
+    drafter = trainable_drafter(raw, target, tokenizer, torch.device("cpu"))
+    assert raw["dflash_config"]["selector_rank"] == 8
+    assert drafter.candidate_selector.predecessor_codebook.shape == (32, 8)  # [vocabulary, rank]
+    first = tiny_pair(tmp_path, vocab=48, block_size=5, drafter_layers=2)
+    first_ckpt = load_checkpoint(str(first.target))
+    first_target = build_model(first_ckpt.config, first_ckpt.weights, torch.device("cpu"), torch.float32)
+    upgraded, weights, _ = drafter_source(TrainConfig(init=str(first.drafter), arch="dflash2", selector_rank=12),
+                                          first_target, first_ckpt.tokenizer)
+    assert upgraded["dflash_config"]["selector_rank"] == 12
+    assert weights["candidate_selector.successor_codebook"].shape == (48, 12)
+    # a DFlash2 checkpoint keeps its own rank: another one is refused, naming both
+    with pytest.raises(ConfigError, match="--selector-rank 4: .* selector_rank 8"):
+        drafter_source(TrainConfig(init=str(pair.drafter), arch="dflash2", selector_rank=4), target, tokenizer)
+    with pytest.raises(ConfigError, match="--selector-rank"):
+        TrainConfig(selector_rank=8)  # a first-generation drafter has no selector
