@@ -136,7 +136,8 @@ class DeviceRound:
         # 2. verify: every node at start + depth, seeing the committed context and its ancestors
         batch = ForwardBatch(
             input_ids=tokens, positions=rows.starts[:, None] + tree.depths, slots=rows.slots,
-            cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len)
+            cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len,
+            chain=self.proposer.chain and grammar is None)  # (a grammar's refined chain may branch)
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
         out_index = rows.generated[:, None] + tree.depths  # [B, N]
         logits = out.logits

@@ -22,6 +22,9 @@ class ForwardBatch(NamedTuple):
     kv_len: int  # keys attended per row; >= max(cache_lengths) + N
     one_off_shape: bool = False  # a prefill's shape, which seldom recurs: attention builds no plan for it
     prefill: bool = False  # prompt chunks (not a decode round or a drafter block)
+    # every row's real new tokens form a causal chain (token i sees tokens 0 .. i; padding after them): prompt
+    # chunks, DFlash verification; the exact attention then reads them in one pass without an ancestor table
+    chain: bool = False
     # the exact attention's ancestor order of new_mask (kernels/gpu/exact_attention.py), set by the target's
     # forward in exact mode; None otherwise (and for causal prompt chunks)
     key_order: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -457,7 +457,8 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         if self.uses_kernel_attention(batch.num_new, batch.prefill):
             mask = None
             if self.kernels.EXACT:
-                batch = batch._replace(key_order=self.kernels.key_order(batch.new_mask, causal=batch.prefill))
+                causal = batch.prefill or batch.chain
+                batch = batch._replace(key_order=self.kernels.key_order(batch.new_mask, causal=causal))
         else:
             mask = attention_bias(attention_mask(batch), x.dtype)  # [B, 1, N, kv_len]
         write_index = cache.write_index(batch.slots, batch.cache_lengths, batch.num_new)
