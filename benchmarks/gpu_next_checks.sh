@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1|2|3|4 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..5 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last run found, and why these calls: benchmarks/journal/session-28-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -13,9 +13,12 @@
 #   batch 1 and 32 (~6.5 min).
 # CALL=4 (~9 min): the fp32 FP8 tests the last runs did not reach, and the tree-kernel part of
 #   test_fused_kernels (200 random cases, many Triton shapes: no verdict in 200 s before).
+# CALL=5 (~7 min, not yet run): DFlash verification as a causal chain in the exact attention (ForwardBatch.chain,
+#   after session 29's runs): the exact-mode GPU tests, then the DFlash round fast against exact at batch 1
+#   and 32 (session 29, before it: 24.2 / 36.2 ms at batch 32).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: CALL=1|2|3|4 gpu_next_checks.sh OUT_DIR}
+OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -69,4 +72,13 @@ case "${CALL:-1}" in
     timeout 370 python -m pytest -v -rfE -p no:cacheprovider --tb=short --timeout 360 --durations=3 \
         tests/gpu/test_fused_kernels.py -k tree_kernels > "$OUT/test_fused_kernels_tree.txt" 2>&1
     echo "tree rc=$?"; grep -E "PASSED|FAILED|ERROR|Timeout|s call" "$OUT/test_fused_kernels_tree.txt" | tail -6 ;;
+  5)
+    timeout 240 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
+        > "$OUT/tests_exact.txt" 2>&1
+    echo "exact tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact.txt" | tail -10
+    for mode in fast exact; do
+      timeout 80 python benchmarks/gpu_rounds.py --methods dflash --batches 1,32 --no-profile --tree-budgets "" \
+          $([ $mode = exact ] && echo --exact) --out "$OUT/gpu_rounds_dflash_$mode.json" > /tmp/rounds_$mode.txt 2>&1
+      echo "rounds $mode rc=$?"; grep -E '^\{' /tmp/rounds_$mode.txt | cut -c1-110
+    done ;;
 esac
