@@ -22,10 +22,10 @@ TINY_FAMILIES = {
 }
 
 
-def tiny_hf_config(family: str, vocab_size: int = 97, layers: int = 3):
+def tiny_hf_config(family: str, vocab_size: int = 97, layers: int = 3, **overrides):
     import transformers
 
-    extra = dict(TINY_FAMILIES[family])
+    extra = dict(TINY_FAMILIES[family]) | overrides
     model_type = extra.pop("model_type")
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[model_type]
@@ -33,11 +33,11 @@ def tiny_hf_config(family: str, vocab_size: int = 97, layers: int = 3):
                max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, **extra)
 
 
-def tiny_hf_model(family: str, seed: int = 0, vocab_size: int = 97, layers: int = 3):
+def tiny_hf_model(family: str, seed: int = 0, vocab_size: int = 97, layers: int = 3, **overrides):
     import transformers
 
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(family, vocab_size, layers),
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(family, vocab_size, layers, **overrides),
                                                        dtype=torch.float32)
     with torch.no_grad():  # make the random model less flat so argmax decisions are meaningful
         for name, p in hf.named_parameters():

@@ -13,7 +13,8 @@ the engine replays MoE rounds as CUDA graphs. Otherwise (the CPU, or the Triton 
 reference path runs the experts one after another on the tokens routed to them, which reads the
 routing on the host (one sync per MoE layer, free on a CPU); the engine then runs rounds without
 graphs. On the CPU with the C++ kernels, the router is a C++ function whose every row's routing is
-independent of the batch, and where every expert computes from GGUF blocks the whole layer (router and
+independent of the batch, and where every expert computes from GGUF blocks (or, in a dense float32 model,
+the block kernel over its float32 weights: ``CausalLM.hold_float32_products``) the whole layer (router and
 routed experts) is one C++ call with the reference path's arithmetic (:meth:`SparseMoE.kernel_table`),
 which the layer stack also runs. Each expert is a :class:`~flashtree.models.transformer.MLP`;
 :meth:`SparseMoE.fuse` stacks the experts' weights once (``gate_up [E, 2I, H]``, ``down [E, H, I]``) and leaves every expert's
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtree.kernels.cpu import fused as cpu_fused
+from flashtree.kernels.cpu.quant_linear import Float32Rows, in_prompt_chunk
 from flashtree.kernels.gpu import fused as gpu_fused
 from flashtree.kernels.gpu.moe import fused_moe
 
@@ -101,15 +103,20 @@ class SparseMoE(nn.Module):
         if self.routes_on_device:
             return fused_moe(flat, self.gate.weight, self.gate_up, self.down, self.top_k, self.normalize).view(shape)
         table = self.kernel_table()
-        if table is not None and flat.dtype == torch.float32:
+        if table is not None and flat.dtype == torch.float32 and not self._float32_prompt_chunk():
             return cpu_fused.moe_layer(flat, table).view(shape)
         return self.reference(flat).view(shape)
 
+    def _float32_prompt_chunk(self) -> bool:
+        """The experts hold float32 weights (a dense model's, CausalLM.hold_float32_products) and a prompt chunk
+        runs: its products go to F.linear, through the reference path (as a dense layer's do)."""
+        return isinstance(self.experts[0].gate_up_quant, Float32Rows) and in_prompt_chunk()
+
     def kernel_table(self) -> torch.Tensor | None:
-        """With the CPU kernels and every expert's products from GGUF blocks: the layer's operands for the
-        one-call path (``cpu_fused.moe_layer``, also what the layer stack runs: the reference path's arithmetic,
-        bit for bit, without a Python step per expert), ``[6]`` int64: the router's weight, a ``[E, 4]`` table of
-        each expert's gate-up (code, operand) and down (code, operand), E, k, normalize, the experts' width;
+        """With the CPU kernels and every expert's products held by the block kernel (GGUF blocks, or float32
+        rows): the layer's operands for the one-call path (``cpu_fused.moe_layer``, also what the layer stack
+        runs: the reference path's arithmetic, bit for bit, without a Python step per expert), ``[6]`` int64: the
+        router's weight, a ``[E, 4]`` table of each expert's gate-up (code, operand) and down (code, operand), E, k, normalize, the experts' width;
         else None. Rebuilt when the products' codes change (int8 activations switched)."""
         first = self.experts[0]
         if self.kernels is not cpu_fused or first.gate_up_quant is None or first.down_quant is None:

@@ -88,3 +88,19 @@ def test_avx2_build_of_the_fused_ops(monkeypatch):
         test_tree_attention_node_equals_its_plain_decode_step()
     finally:
         quant.load_kernels.cache_clear()
+
+
+def test_a_dense_moe_model_computes_a_tree_root_as_its_plain_step():
+    """The same for a dense float32 Qwen3-MoE model: its experts' products held too (routed experts see as many
+    rows as tokens chose them, so F.linear's row variance reached the root before), the layer in one C++ call."""
+    model = ours_from_hf(tiny_hf_model("qwen3_moe", moe_intermediate_size=32), device="cpu", dtype=torch.float32)
+    assert model.use_cpu_kernels() and model.hold_float32_products()
+    moe = model.model.layers[0].mlp
+    assert all(isinstance(h, Float32Rows) for e in moe.experts for h in (e.gate_up_quant, e.down_quant))
+    assert moe.kernel_table() is not None
+    gen = torch.Generator().manual_seed(0)
+    for nodes in (8, 40, 100):
+        root, step = root_of_tree_and_plain_step(model, nodes, 41, 97, gen)
+        assert torch.equal(root, step), nodes
+    assert not model.hold_float32_products(False)
+    assert moe.experts[0].down_quant is None and moe.kernel_table() is None

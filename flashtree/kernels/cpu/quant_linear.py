@@ -216,6 +216,11 @@ def prompt_chunk(active: bool) -> Iterator[None]:
         _PROMPT_CHUNK.reset(token)
 
 
+def in_prompt_chunk() -> bool:
+    """Whether a :func:`prompt_chunk` is active (its products then go to F.linear)."""
+    return _PROMPT_CHUNK.get()
+
+
 class Float32Rows(QuantizedLinear):
     """The block kernel over a float32 CPU weight ``[N, K]`` as it is (type ``F32``: reads the weight's own
     memory, no copy; keep the weight unchanged while the holder lives). Outside :func:`prompt_chunk`."""
@@ -225,7 +230,7 @@ class Float32Rows(QuantizedLinear):
         self.weight = weight  # [N, K]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _PROMPT_CHUNK.get():
+        if in_prompt_chunk():
             return torch.nn.functional.linear(x, self.weight, bias)
         return super().__call__(x, bias)
 
