@@ -116,8 +116,9 @@ class SparseMoE(nn.Module):
         """With the CPU kernels and every expert's products held by the block kernel (GGUF blocks, or float32
         rows): the layer's operands for the one-call path (``cpu_fused.moe_layer``, also what the layer stack
         runs: the reference path's arithmetic, bit for bit, without a Python step per expert), ``[6]`` int64: the
-        router's weight, a ``[E, 4]`` table of each expert's gate-up (code, operand) and down (code, operand), E, k, normalize, the experts' width;
-        else None. Rebuilt when the products' codes change (int8 activations switched)."""
+        router's weight, a ``[E, 4]`` table of each expert's gate-up (code, operand) and down (code, operand), E,
+        k, normalize, the experts' width; else None. Rebuilt when the products' codes change (int8 activations
+        switched)."""
         first = self.experts[0]
         if self.kernels is not cpu_fused or first.gate_up_quant is None or first.down_quant is None:
             return None

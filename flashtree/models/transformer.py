@@ -24,6 +24,7 @@ from flashtree.kernels.cpu.quant_linear import (
     QuantizedLinear,
     embedding,
     float32_rows,
+    float32_rows_fit,
     linear,
     prompt_chunk,
 )
@@ -98,11 +99,6 @@ def fuse_attention_projections(attn: nn.Module) -> None:
         attn.qkv_bias = fuse_rows(*projections, attr="bias")
     if attn.q_norm is not None:
         attn.qk_norm_weight = torch.stack([attn.q_norm.weight.detach(), attn.k_norm.weight.detach()])
-
-
-def _rows_of_32(weight: torch.Tensor) -> bool:
-    """A float32 matrix whose rows the block kernel can hold (K a multiple of 32; GGUF-held weights are empty)."""
-    return weight.dim() == 2 and weight.shape[1] % 32 == 0
 
 
 class MLP(nn.Module):
@@ -379,8 +375,8 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         kernel over its float32 weight (``quant_linear.float32_rows``, no copy), as the blocks' products do: a
         row's result then never depends on how many rows share the forward (F.linear's does: MKL picks its
         kernels by shape), so a tree node gets plain decoding's bits in every CPU model (a MoE layer's experts
-        too, where their width is a multiple of 32: they then run in the layer's one C++ call). Off, those holders go
-        (GGUF ones stay). Returns whether any product is held so; call :meth:`use_layer_stack` after."""
+        too, where the kernel takes both their products: they then run in the layer's one C++ call). Off, those
+        holders go (GGUF ones stay). Returns whether any product is held so; call :meth:`use_layer_stack` after."""
         head = self.lm_head.weight
         if on and (head.device.type != "cpu" or head.dtype != torch.float32 or self.kernels not in (None, cpu_fused)):
             on = False  # (the Triton backends, also run by the interpreter on CPU tensors, take no blocks)
@@ -406,8 +402,8 @@ class CausalLM(FusedKernelSwitch, nn.Module):
             if not isinstance(mlp, SparseMoE):
                 yield mlp, "gate_up_quant", mlp.gate_up
                 yield mlp, "down_quant", mlp.down_proj.weight
-            elif _rows_of_32(mlp.experts[0].down_proj.weight):  # the experts: both products or neither (their
-                for expert in mlp.experts:  # one-call C++ path takes every expert's two holders)
+            elif all(map(float32_rows_fit, (mlp.experts[0].gate_up, mlp.experts[0].down_proj.weight))):
+                for expert in mlp.experts:  # both products or neither: the one-call C++ path takes both holders
                     yield expert, "gate_up_quant", expert.gate_up
                     yield expert, "down_quant", expert.down_proj.weight
         yield self, "lm_head_quant", self.lm_head.weight

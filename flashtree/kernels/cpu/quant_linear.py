@@ -235,13 +235,16 @@ class Float32Rows(QuantizedLinear):
         return super().__call__(x, bias)
 
 
+def float32_rows_fit(weight: torch.Tensor | None) -> bool:
+    """Whether the kernel can hold ``weight``'s rows: a contiguous float32 CPU matrix, K a multiple of 32 (a
+    GGUF-held product's weight is empty: no)."""
+    return weight is not None and weight.dim() == 2 and weight.dtype == torch.float32 \
+        and weight.device.type == "cpu" and weight.shape[1] % 32 == 0 and weight.is_contiguous()
+
+
 def float32_rows(weight: torch.Tensor | None) -> Float32Rows | None:
-    """A :class:`Float32Rows` over ``weight``; None where the kernel cannot take it (K not a multiple of 32,
-    not a contiguous float32 CPU matrix)."""
-    if weight is None or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
-            or weight.shape[1] % 32 or not weight.is_contiguous():
-        return None
-    return Float32Rows(weight.detach())
+    """A :class:`Float32Rows` over ``weight``; None where :func:`float32_rows_fit` says the kernel cannot."""
+    return Float32Rows(weight.detach()) if float32_rows_fit(weight) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
