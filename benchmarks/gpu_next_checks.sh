@@ -16,6 +16,9 @@
 # CALL=5 (~7 min, not yet run): DFlash verification as a causal chain in the exact attention (ForwardBatch.chain,
 #   after session 29's runs): the exact-mode GPU tests, then the DFlash round fast against exact at batch 1
 #   and 32 (session 29, before it: 24.2 / 36.2 ms at batch 32).
+# CALL=6 (~9 min): the fast rounds against their roofline (round_roofline.py) at batch 1 / 8 / 16 / 32 with the
+#   kernels of the timed rounds only (#39; the kernel tables before session 30 also held the requests' prefill),
+#   then the exact DFlash round (the chain flag) beside the fast one at batch 1 and 32.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -81,4 +84,11 @@ case "${CALL:-1}" in
           $([ $mode = exact ] && echo --exact) --out "$OUT/gpu_rounds_dflash_$mode.json" > /tmp/rounds_$mode.txt 2>&1
       echo "rounds $mode rc=$?"; grep -E '^\{' /tmp/rounds_$mode.txt | cut -c1-110
     done ;;
+  6)
+    timeout 330 python benchmarks/gpu_rounds.py --methods none,dflash,ddtree:4,ddtree:16 --batches 1,8,16,32 \
+        --no-profile --tree-budgets "" --kernel-table 30 --out "$OUT/gpu_rounds_roofline_fast.json" > /tmp/roofline.txt 2>&1
+    echo "rounds fast rc=$?"; tail -20 /tmp/roofline.txt | cut -c1-150
+    timeout 150 python benchmarks/gpu_rounds.py --methods none,dflash --batches 1,32 --no-profile --tree-budgets "" \
+        --exact --out "$OUT/gpu_rounds_dflash_exact.json" > /tmp/rounds_exact.txt 2>&1
+    echo "rounds exact rc=$?"; tail -6 /tmp/rounds_exact.txt | cut -c1-150 ;;
 esac

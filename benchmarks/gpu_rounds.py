@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
+from round_roofline import machine_of, round_floor_ms  # noqa: E402
 from tree_build_speed import graphed_ms  # noqa: E402
 
 from flashtree import SamplingParams  # noqa: E402
@@ -67,15 +68,19 @@ def time_steps(engine, batch, context, steps, warmup_steps=3, around=None):
 
 
 def kernel_table(engine, batch, context, top, steps=5):
-    """The ``top`` kernels by device time over ``steps`` steps (torch.profiler): name, ms per step, share."""
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        time_steps(engine, batch, context, steps, warmup_steps=1)
-    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    """Device time of ``steps`` timed steps (torch.profiler around those steps only: the requests'
+    prefill and the warm-up steps stay outside): the summed kernel time and kernel count per step,
+    and the ``top`` kernels by device time (name, ms per step, share)."""
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    wall_ms, _ = time_steps(engine, batch, context, steps, warmup_steps=3, around=profiler)
+    events = [e for e in profiler.key_averages() if getattr(e, "device_time_total", 0) > 0]
     total = sum(e.device_time_total for e in events) or 1.0
     events.sort(key=lambda e: e.device_time_total, reverse=True)
-    return [{"kernel": e.key[:120], "ms_per_step": e.device_time_total / 1000 / steps,
-             "share": e.device_time_total / total} for e in events[:top]]
+    return {"wall_ms_per_step_profiled": wall_ms, "device_ms_per_step": total / 1000 / steps,
+            "kernels_per_step": sum(e.count for e in events) / steps,
+            "top": [{"kernel": e.key[:120], "ms_per_step": e.device_time_total / 1000 / steps,
+                     "launches_per_step": e.count / steps, "share": e.device_time_total / total}
+                    for e in events[:top]]}
 
 
 def tree_work_ms(budget, batch, kernel, reps=50):
@@ -171,6 +176,7 @@ def main():
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
     rows, batches = [], [int(b) for b in args.batches.split(",")]
+    machine = machine_of(torch.cuda.get_device_name())
     for method in filter(None, args.methods.split(",")):
         name, _, budget = method.partition(":")
         spec = SpeculationConfig(method=name, draft=None if name == "none" else str(drafter),
@@ -184,6 +190,8 @@ def main():
             for batch in batches:
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
                 row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages}
+                row["roofline"] = round_floor_ms(method, batch, args.context, QWEN3_8B, QWEN3_8B_DFLASH, machine)
+                row["roofline_fraction"] = row["roofline"]["floor_ms"] / ms
                 if not profile:
                     row["host_syncs_per_round"] = count_syncs(engine, batch, args.context)
                     if args.kernel_table:
@@ -204,15 +212,16 @@ def main():
                               "graphed_ms": graphed, "static_graph_ms": static, "eager_ms": eager})
             print(json.dumps(tree_rows[-1]), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
-           "exact": args.exact, "exact_tiles": [[limit, tile._asdict()] for limit, tile in gemm.TILES],
+           "exact": args.exact, "roofline_machine": vars(machine), "exact_tiles": [[limit, tile._asdict()] for limit, tile in gemm.TILES],
            "rounds": rows, "tree_build_accept_commit": tree_rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"{'method':>12} {'batch':>5} {'prof':>5} {'ms/round':>9} {'x plain':>8}  stages")
+    print(f"{'method':>12} {'batch':>5} {'prof':>5} {'ms/round':>9} {'x plain':>8} {'floor':>6}  stages")
     for r in rows:
         x = f"{r['vs_plain_step']:.2f}" if r["vs_plain_step"] else "-"
         st = " ".join(f"{k}={v:.2f}" for k, v in r["stages_ms"].items())
-        print(f"{r['method']:>12} {r['batch']:>5} {r['profiled']!s:>5} {r['ms_per_round']:9.2f} {x:>8}  {st}")
+        print(f"{r['method']:>12} {r['batch']:>5} {r['profiled']!s:>5} {r['ms_per_round']:9.2f} {x:>8} "
+              f"{r['roofline_fraction']:6.0%}  {st}")
     for t in tree_rows:
         print(f"tree budget {t['budget']:>5} batch {t['batch']}: graphed {t['graphed_ms']:.3f} ms, "
               f"static graph {t['static_graph_ms']:.3f} ms, eager {t['eager_ms']:.2f} ms")
