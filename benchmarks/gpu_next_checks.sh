@@ -19,6 +19,8 @@
 # CALL=6 (~9 min): the fast rounds against their roofline (round_roofline.py) at batch 1 / 8 / 16 / 32 with the
 #   kernels of the timed rounds only (#39; the kernel tables before session 30 also held the requests' prefill),
 #   then the exact DFlash round (the chain flag) beside the fast one at batch 1 and 32.
+# CALL=7 (~9 min): the fast tree attention's launch tile per round shape against its K/V bytes
+#   (gpu_tree_attention.py: at batch 32 a DDTree-16 verify's attention was ~9x its bytes on an H100).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -91,4 +93,7 @@ case "${CALL:-1}" in
     timeout 150 python benchmarks/gpu_rounds.py --methods none,dflash --batches 1,32 --no-profile --tree-budgets "" \
         --exact --out "$OUT/gpu_rounds_dflash_exact.json" > /tmp/rounds_exact.txt 2>&1
     echo "rounds exact rc=$?"; tail -6 /tmp/rounds_exact.txt | cut -c1-150 ;;
+  7)
+    timeout 560 python benchmarks/gpu_tree_attention.py --out "$OUT/gpu_tree_attention.json" > /tmp/tree_att.txt 2>&1
+    echo "tree attention rc=$?"; grep -E "^b=|Error|error" /tmp/tree_att.txt | cut -c1-200 ;;
 esac

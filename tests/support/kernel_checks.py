@@ -132,6 +132,13 @@ def paginate(cache: torch.Tensor, page_size: int, order: torch.Tensor) -> tuple[
     return pages, (1 + order).view(slots, per_slot).to(cache.device)
 
 
+# (key splits, launch tile) of the GPU tree attention checked: the default tile at 1-4 splits, then tiles wider
+# and narrower than the query rows (one tile of 128 rows over 8 warps; 16-row tiles, 32 keys a step, no pipelining)
+ATTENTION_LAUNCHES = ((1, None), (2, None), (4, None),
+                      (2, attention_kernels.AttentionTile(128, 32, warps=8, stages=2)),
+                      (1, attention_kernels.AttentionTile(16, 32, stages=1)))
+
+
 def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu") -> dict[str, float]:
     """tree_attention against SDPA over the gathered cache with the engine's mask: rows of
     different committed lengths (one empty), a random tree mask, a sliding window, 1-4 key splits,
@@ -161,13 +168,13 @@ def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu") -> 
         for page_size in (capacity, 4, 20):
             order = torch.randperm(slots_n * capacity // page_size, generator=gen)
             (k_pages, table), (v_pages, _) = paginate(k_cache, page_size, order), paginate(v_cache, page_size, order)
-            for splits in ((1, 2, 4) if backend == "gpu" else (1,)):
+            for splits, tile in (ATTENTION_LAUNCHES if backend == "gpu" else ((1, None),)):
                 if backend == "gpu":
                     out = attention_kernels.tree_attention(q, k_pages, v_pages, table, slots, lengths, new_mask, window,
-                                                           splits=splits)
+                                                           splits=splits, tile=tile)
                 else:
                     out = cpu_kernels.tree_attention(q, k_pages, v_pages, table, slots, lengths, new_mask, window)
-                key = f"attention/window={window}/page_size={page_size}/splits={splits}"
+                key = f"attention/window={window}/page_size={page_size}/splits={splits}/tile={tile}"
                 diffs[key] = (out.float() - ref).abs().max().item()
     return diffs
 

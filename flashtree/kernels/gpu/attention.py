@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,22 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+class AttentionTile(NamedTuple):
+    """One launch configuration of the tree attention: query rows ((token, head) pairs of one kv head) per
+    program, keys per loop step, warps, pipeline stages, key splits (None: :func:`_key_splits`)."""
+
+    block_m: int
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 3
+    splits: int | None = None
+
+
+def default_tile(query_rows: int) -> AttentionTile:
+    """The tile for ``query_rows`` (new tokens x query heads per kv head) of every (row, kv head)."""
+    return AttentionTile(block_m=min(64, max(16, _next_power_of_2(query_rows))))
+
+
 def _key_splits(programs: int, capacity: int, device: torch.device) -> int:
     """Key splits per (row, kv head, query tile): enough programs for about two waves on the
     device, at most one split per 256 cache entries, a power of two up to 16."""
@@ -38,7 +55,7 @@ def check_head_layout(kernel: str, head_dim: int, heads: int, kv_heads: int) -> 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
-                   splits: int | None = None) -> torch.Tensor:
+                   splits: int | None = None, tile: AttentionTile | None = None) -> torch.Tensor:
     """Attention of N new tokens per row over the paged KV cache; returns ``[B, H, N, D]``.
 
     q: ``[B, H, N, D]``; k_cache/v_cache: one layer's ``[pages, KVH, page_size, D]`` views;
@@ -46,15 +63,16 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     on the page its block-table entry names) hold the committed entries ``0 .. lengths[b]-1``
     followed by the N new tokens' entries. Query i of row b sees every committed entry (only the
     last ``window`` ones with a sliding window) and new token t where ``new_mask[b, i, t]``.
-    ``splits`` overrides the number of key splits (tests).
+    ``splits`` overrides the number of key splits (tests); ``tile`` the launch configuration (a sweep,
+    benchmarks/gpu_tree_attention.py; default :func:`default_tile`).
     """
     b, heads, n, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     check_head_layout("tree_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
-    block_m = min(64, max(16, _next_power_of_2(n * group)))
-    m_tiles = -(-n * group // block_m)
-    splits = splits or _key_splits(b * kv_heads * m_tiles, block_table.shape[1] * page_size, q.device)
+    tile = tile or default_tile(n * group)
+    m_tiles = -(-n * group // tile.block_m)
+    splits = splits or tile.splits or _key_splits(b * kv_heads * m_tiles, block_table.shape[1] * page_size, q.device)
     q = q.contiguous()
     block_table = block_table.contiguous()
     out = torch.empty_like(q)
@@ -65,8 +83,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         new_mask.contiguous().view(torch.uint8), part, lse, n, heads, kv_heads, window or 0,
         head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=64, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, INTERPRET=interpreting())
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), num_warps=tile.warps, num_stages=tile.stages)
     if splits > 1:
         _kernels()._combine_splits_kernel[(b * heads * n,)](part, lse, out, SPLITS=splits, HEAD_DIM=head_dim)
     return out
