@@ -21,6 +21,8 @@
 #   then the exact DFlash round (the chain flag) beside the fast one at batch 1 and 32.
 # CALL=7 (~9 min): the fast tree attention's launch tile per round shape against its K/V bytes
 #   (gpu_tree_attention.py: at batch 32 a DDTree-16 verify's attention was ~9x its bytes on an H100).
+# CALL=8 (~9 min): CALL=7's sweep at batch 16 and 32 only, the fast rounds against their roofline (CALL=6's first
+#   part at batch 16 and 32), and the DDTree-16 and DFlash rounds with the swept tiles (gpu_rounds --attention-tiles).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -96,4 +98,14 @@ case "${CALL:-1}" in
   7)
     timeout 560 python benchmarks/gpu_tree_attention.py --out "$OUT/gpu_tree_attention.json" > /tmp/tree_att.txt 2>&1
     echo "tree attention rc=$?"; grep -E "^b=|Error|error" /tmp/tree_att.txt | cut -c1-200 ;;
+  8)
+    timeout 230 python benchmarks/gpu_tree_attention.py --batches 16,32 --forwards plain,ddtree4,dflash16,ddtree16,drafter16 \
+        --out "$OUT/gpu_tree_attention.json" > /tmp/tree_att.txt 2>&1
+    echo "tree attention rc=$?"; grep -E "^b=|Error|error" /tmp/tree_att.txt | cut -c1-200
+    timeout 200 python benchmarks/gpu_rounds.py --methods none,ddtree:4,ddtree:16,dflash --batches 16,32 --no-profile \
+        --tree-budgets "" --kernel-table 25 --out "$OUT/gpu_rounds_roofline_fast.json" > /tmp/roofline.txt 2>&1
+    echo "rounds fast rc=$?"; tail -9 /tmp/roofline.txt | cut -c1-150
+    timeout 130 python benchmarks/gpu_rounds.py --methods ddtree:16,dflash --batches 16,32 --no-profile --tree-budgets "" \
+        --attention-tiles "$OUT/gpu_tree_attention.json" --out "$OUT/gpu_rounds_swept_tiles.json" > /tmp/swept.txt 2>&1
+    echo "rounds swept tiles rc=$?"; tail -5 /tmp/swept.txt | cut -c1-150 ;;
 esac

@@ -30,7 +30,9 @@ from flashtree import SamplingParams  # noqa: E402
 from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.engine.graphs import GraphCache  # noqa: E402
+from flashtree.kernels.gpu import fused as gpu_fused  # noqa: E402
 from flashtree.kernels.gpu import gemm  # noqa: E402
+from flashtree.kernels.gpu.attention import AttentionTile  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
 from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
@@ -129,6 +131,22 @@ def tree_work_ms(budget, batch, kernel, reps=50):
     return graphed, static, eager
 
 
+def use_swept_attention_tiles(path: Path) -> None:
+    """Launch the tree attention with the best tile ``gpu_tree_attention.py`` found for each (batch, new tokens)
+    it measured (the first forward of that size where two share it), the default tile elsewhere."""
+    best = {}
+    for row in json.loads(path.read_text())["rows"]:
+        best.setdefault((row["batch"], row["new_tokens"]), AttentionTile(**row["best"]["tile"]))
+    default = gpu_fused.tree_attention  # (the models call the backend module's name)
+
+    def tree_attention(q, *args, **kwargs):
+        kwargs.setdefault("tile", best.get((q.shape[0], q.shape[2])))
+        return default(q, *args, **kwargs)
+
+    gpu_fused.tree_attention = tree_attention
+    print(f"tree attention tiles from {path}: {len(best)} shapes", flush=True)
+
+
 def count_syncs(engine, batch, context, steps=5):
     """Synchronizing CUDA calls during graph-replayed steps (expected: one per step, the tolist)."""
     reqs = start_requests(engine, batch, context)
@@ -167,12 +185,17 @@ def main():
     parser.add_argument("--exact-tile", default=None, metavar="BM,BN,BK,WARPS,STAGES",
                         help="the exact product's tile for rows past the table's second entry (a tile sweep: every "
                              "tile gives the same bits, gemm.TILES)")
+    parser.add_argument("--attention-tiles", type=Path, default=None, metavar="JSON",
+                        help="the fast tree attention's launch tile by (batch, new tokens) from a "
+                             "gpu_tree_attention.py result (its best tiles; the default tile elsewhere)")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="also the N kernels of most device time per round (torch.profiler, 5 rounds)")
     args = parser.parse_args()
     if args.exact_tile:
         bm, bn, bk, warps, stages = map(int, args.exact_tile.split(","))
         gemm.TILES = (*gemm.TILES[:-1], (gemm.TILES[-1][0], gemm.Tile(bm, bn, bk, warps=warps, stages=stages)))
+    if args.attention_tiles:
+        use_swept_attention_tiles(args.attention_tiles)
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
     rows, batches = [], [int(b) for b in args.batches.split(",")]
