@@ -33,9 +33,14 @@ FORWARDS = {"plain": (1, "causal"), "ddtree4": (5, "tree"), "dflash16": (16, "ca
             "ddtree64": (65, "tree"), "drafter16": (16, "all")}
 
 
-def forward_inputs(batch: int, new: int, kind: str, context: int, layers: int, gen: torch.Generator) -> dict:
+def forward_inputs(batch: int, new: int, kind: str, context: int, layers: int, gen: torch.Generator,
+                   max_context: int = 2048) -> dict:
+    """One forward's tensors; the block table is ``max_context`` entries wide like the engine's (its width sets
+    the default key splits), its first pages real and shuffled."""
     pages_per_slot = -(-(context + 64 + new) // PAGE)
     pages = batch * pages_per_slot
+    table = torch.zeros(batch, max(pages_per_slot, -(-max_context // PAGE)), dtype=torch.long)
+    table[:, :pages_per_slot] = torch.randperm(pages, generator=gen).view(batch, pages_per_slot)
     k = torch.randn(layers, pages, KV_HEADS, PAGE, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     lengths = (context + torch.randint(0, 64, (batch,), generator=gen)).cuda()
     if kind == "tree":
@@ -46,7 +51,7 @@ def forward_inputs(batch: int, new: int, kind: str, context: int, layers: int, g
         mask = torch.ones(batch, new, new, dtype=torch.bool)
     return {"q": torch.randn(batch, HEADS, new, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
             "k": k, "v": torch.randn_like(k), "lengths": lengths, "mask": mask.cuda().contiguous(),
-            "table": torch.randperm(pages, generator=gen).view(batch, pages_per_slot).cuda(),
+            "table": table.cuda(),
             "slots": torch.arange(batch, device="cuda")}
 
 
