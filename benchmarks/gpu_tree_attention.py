@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree.kernels.gpu.attention import AttentionTile, default_tile, tree_attention  # noqa: E402
@@ -85,7 +86,7 @@ def graphed_us_per_layer(inputs: dict, tile: AttentionTile, layers: int, reps: i
 
 def floor_us(inputs: dict, bandwidth: float) -> float:
     q = inputs["q"]
-    b, heads, n, d = q.shape
+    b, _, n, d = q.shape
     keys = int(inputs["lengths"].sum()) + b * n
     kv_bytes = keys * KV_HEADS * d * 2 * 2
     return (kv_bytes + 2 * q.numel() * 2) / bandwidth * 1e6
@@ -113,7 +114,7 @@ def search(inputs: dict, layers: int, reps: int) -> dict:
                 diff = (attend(inputs, 0, tile).float() - reference.float()).abs().max().item()
                 us = graphed_us_per_layer(inputs, tile, layers, reps) if diff <= 2e-2 else float("inf")
                 timed[tile] = {"tile": tile._asdict(), "us": us, "max_abs_diff": diff}
-            except Exception as error:  # a tile too large for the card's shared memory or registers
+            except (OutOfResources, RuntimeError) as error:  # a tile too large for shared memory or registers
                 timed[tile] = {"tile": tile._asdict(), "us": float("inf"), "error": str(error)[:200]}
         return timed[tile]["us"]
 
