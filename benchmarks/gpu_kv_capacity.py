@@ -25,21 +25,21 @@ from flashtree.engine.engine import LLMEngine  # noqa: E402
 
 
 def measure(spec: SpeculationConfig, args) -> dict:
-    target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
-    engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device="cuda",
+    target = write_config("/tmp/flashtree-qwen3-8b", {**QWEN3_8B, **json.loads(args.shape_override)})
+    engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device=args.device,
                                        max_running=args.max_running, max_context=args.max_context,
                                        gpu_memory_utilization=args.gpu_memory_utilization, adaptive_spec=False,
                                        max_waiting=4 * args.max_running, prefill_chunk=args.prompt_tokens,
                                        max_prefill_tokens=16 * args.prompt_tokens))
+    cfg = engine.model.config
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for _ in range(args.max_running):
-        engine.add_request(torch.randint(0, 150000, (args.prompt_tokens,), generator=gen).tolist(), params)
+        engine.add_request(torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist(), params)
     for _ in range(args.steps):
         engine.step()
     running = [r for r in engine.scheduler.active if not r.finished]
     pool, budget = engine.pages.pool, engine.scheduler.pages
-    cfg = engine.model.config
     entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     held = sum(r.committed_length if r.output_ids else r.prefilled for r in running)
     page_bytes = (entry + engine.proposer.context_entry_bytes()) * engine.pages.page_size
@@ -51,7 +51,8 @@ def measure(spec: SpeculationConfig, args) -> dict:
            "one_page_per_request_bytes": len(running) * page_bytes}
     print(json.dumps(row), flush=True)
     del engine
-    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
@@ -64,11 +65,15 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape-override", default="{}",
+                        help='JSON keys over both configs (a CPU dry run: \'{"hidden_size": 64, ...}\')')
     args = parser.parse_args()
-    drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
+    drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", {**QWEN3_8B_DFLASH, **json.loads(args.shape_override)})
     rows = [measure(SpeculationConfig(method="none"), args),
             measure(SpeculationConfig(method="ddtree", draft=str(drafter), budget=16), args)]
-    out = {"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    out = {"device": device, "args": vars(args), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 

@@ -23,6 +23,8 @@
 #   (gpu_tree_attention.py: at batch 32 a DDTree-16 verify's attention was ~9x its bytes on an H100).
 # CALL=8 (~9 min): CALL=7's sweep at batch 16 and 32 only, the fast rounds against their roofline (CALL=6's first
 #   part at batch 16 and 32), and the DDTree-16 and DFlash rounds with the swept tiles (gpu_rounds --attention-tiles).
+# CALL=9 (~9 min): the page pool's admitted 1k-token requests at 32k max context (gpu_kv_capacity.py, never run
+#   before) and the exact-mode GPU tests (CALL=5's first part).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -108,4 +110,10 @@ case "${CALL:-1}" in
     timeout 130 python benchmarks/gpu_rounds.py --methods ddtree:16,dflash --batches 16,32 --no-profile --tree-budgets "" \
         --attention-tiles "$OUT/gpu_tree_attention.json" --out "$OUT/gpu_rounds_swept_tiles.json" > /tmp/swept.txt 2>&1
     echo "rounds swept tiles rc=$?"; tail -5 /tmp/swept.txt | cut -c1-150 ;;
+  9)
+    timeout 240 python benchmarks/gpu_kv_capacity.py --out "$OUT/gpu_kv_capacity.json" > /tmp/kv_capacity.txt 2>&1
+    echo "kv capacity rc=$?"; grep -E '^\{|Error' /tmp/kv_capacity.txt | cut -c1-400
+    timeout 300 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
+        > "$OUT/tests_exact.txt" 2>&1
+    echo "exact tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact.txt" | tail -10 ;;
 esac
