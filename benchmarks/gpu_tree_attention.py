@@ -104,7 +104,7 @@ def candidates(stage: str, best: AttentionTile) -> list[AttentionTile]:
 
 def search(inputs: dict, layers: int, reps: int) -> dict:
     n = inputs["q"].shape[2]
-    default = default_tile(n * HEADS // KV_HEADS)
+    default = default_tile(n * HEADS // KV_HEADS, inputs["q"].dtype)
     reference = attend(inputs, 0, default)
     timed: dict[AttentionTile, dict] = {}
 

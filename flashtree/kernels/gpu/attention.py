@@ -34,15 +34,22 @@ class AttentionTile(NamedTuple):
     splits: int | None = None
 
 
-def default_tile(query_rows: int) -> AttentionTile:
-    """The tile for ``query_rows`` (new tokens x query heads per kv head) of every (row, kv head)."""
-    return AttentionTile(block_m=min(64, max(16, _next_power_of_2(query_rows))))
+def default_tile(query_rows: int, dtype: torch.dtype) -> AttentionTile:
+    """The tile for ``query_rows`` (new tokens x query heads per kv head) of every (row, kv head). In 16-bit
+    types: 16 or 32 query rows a program (wider tiles repeat the row's key reads for few extra queries and
+    leave fewer programs), 128 keys a step, two pipeline stages (benchmarks/gpu_tree_attention.py, H100,
+    Qwen3-8B heads at 1k context: 1.3-2.9x the earlier 64 x 64 tiles at batch 1 to 32, every forward from a
+    plain step to DDTree-64). float32 keeps 64-key steps (128 x 128 float32 K and V tiles in two stages
+    overflow shared memory)."""
+    if dtype == torch.float32:
+        return AttentionTile(block_m=min(64, max(16, _next_power_of_2(query_rows))))
+    return AttentionTile(block_m=16 if query_rows <= 16 else 32, block_n=128, warps=4, stages=2)
 
 
 def _key_splits(programs: int, capacity: int, device: torch.device) -> int:
     """Key splits per (row, kv head, query tile): enough programs for about two waves on the
-    device, at most one split per 256 cache entries, a power of two up to 16."""
-    want = max(1, min(2 * _multiprocessors(device) // max(programs, 1), capacity // 256, 16))
+    device, at most one split per 128 cache entries, a power of two up to 16."""
+    want = max(1, min(2 * _multiprocessors(device) // max(programs, 1), capacity // 128, 16))
     return 1 << (want.bit_length() - 1)
 
 
@@ -70,7 +77,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     check_head_layout("tree_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
-    tile = tile or default_tile(n * group)
+    tile = tile or default_tile(n * group, q.dtype)
     m_tiles = -(-n * group // tile.block_m)
     splits = splits or tile.splits or _key_splits(b * kv_heads * m_tiles, block_table.shape[1] * page_size, q.device)
     q = q.contiguous()
