@@ -23,6 +23,9 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, which holds the (row, kv head) pairs
+
+
 class AttentionTile(NamedTuple):
     """One launch configuration of the tree attention: query rows ((token, head) pairs of one kv head) per
     program, keys per loop step, warps, pipeline stages, key splits (None: :func:`_key_splits`)."""
@@ -77,6 +80,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     check_head_layout("tree_attention", head_dim, heads, kv_heads)
     group = heads // kv_heads
+    if b * kv_heads > MAX_GRID_Y:
+        raise ValueError(f"tree_attention takes at most {MAX_GRID_Y} (row, kv head) pairs per launch, got "
+                         f"{b} rows x {kv_heads} kv heads")
     tile = tile or default_tile(n * group, q.dtype)
     m_tiles = -(-n * group // tile.block_m)
     splits = splits or tile.splits or _key_splits(b * kv_heads * m_tiles, block_table.shape[1] * page_size, q.device)
@@ -85,7 +91,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty_like(q)
     part = out if splits == 1 else torch.empty(b, heads, n, splits, head_dim, dtype=torch.float32, device=q.device)
     lse = out if splits == 1 else torch.empty(b, heads, n, splits, dtype=torch.float32, device=q.device)
-    _kernels()._tree_attention_kernel[(b * kv_heads, m_tiles, splits)](
+    _kernels()._tree_attention_kernel[(m_tiles, b * kv_heads, splits)](
         q, k_cache, v_cache, block_table, slots.contiguous(), lengths.contiguous(),
         new_mask.contiguous().view(torch.uint8), part, lse, n, heads, kv_heads, window or 0,
         head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,

@@ -63,13 +63,14 @@ def _tree_attention_kernel(
         cache_page_stride, cache_head_stride, cache_pos_stride,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One (row, kv head, tile of query (token, head) pairs, key split): online softmax over the
-    split's keys. Queries of the GROUP heads sharing a kv head are packed as r = token * GROUP + g."""
-    pid_bh = tl.program_id(0)
+    """One (tile of query (token, head) pairs, row and kv head, key split): online softmax over the
+    split's keys. Queries of the GROUP heads sharing a kv head are packed as r = token * GROUP + g. The
+    query tiles of one (row, kv head) are neighbours in the grid, so they read its keys while L2 holds them."""
+    pid_bh = tl.program_id(1)
     b = pid_bh // kv_heads
     kv_head = pid_bh % kv_heads
     split = tl.program_id(2)
-    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
     token = r // GROUP
     head = kv_head * GROUP + r % GROUP
     valid_q = token < new_tokens
