@@ -205,9 +205,16 @@ def logprob_records(values: TokenLogprobs, tokens: list[list[int]], ks: list[int
     return records
 
 
+# vocabulary-wide values the sampler holds per array at once: it samples a forward's rows in groups of at most this
+# many (rows x positions x vocabulary) elements, so that a wide verify forward (thousands of positions over a
+# 152k vocabulary) does not hold several int64 and float32 arrays of its whole [B, M, V] shape (tens of GB)
+SAMPLE_CHUNK_ELEMENTS = 1 << 26
+
+
 def choose_tokens(logits: torch.Tensor, sampling: SamplingTensors, out_index: torch.Tensor) -> torch.Tensor:
     """The target's choice at every position: argmax for greedy rows, a keyed Gumbel-max sample
-    from the temperature / top-k / top-p processed distribution otherwise.
+    from the temperature / top-k / top-p processed distribution otherwise (rows in groups of
+    :data:`SAMPLE_CHUNK_ELEMENTS`; each row's sample depends on its own logits, settings and key only).
 
     logits ``[B, M, V]`` float32; out_index ``[B, M]`` the generated-token index each choice fills.
     Returns ``[B, M]`` int64.
@@ -215,11 +222,24 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingTensors, out_index: to
     greedy = logits.argmax(-1)  # [B, M]
     if not sampling.any_sampled:
         return greedy
+    rows, positions, vocab = logits.shape
+    group = max(1, SAMPLE_CHUNK_ELEMENTS // (positions * vocab))
+    sampled = torch.cat([_sample(logits[start:start + group], _rows_of(sampling, start, start + group),
+                                 out_index[start:start + group]) for start in range(0, rows, group)])  # [B, M]
+    return torch.where(sampling.temperature[:, None] > 0, sampled, greedy)
+
+
+def _rows_of(sampling: SamplingTensors, start: int, stop: int) -> SamplingTensors:
+    return sampling._replace(temperature=sampling.temperature[start:stop], top_p=sampling.top_p[start:stop],
+                             top_k=sampling.top_k[start:stop], seed=sampling.seed[start:stop])
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingTensors, out_index: torch.Tensor) -> torch.Tensor:
+    """Keyed Gumbel-max samples ``[b, M]`` of logits ``[b, M, V]`` after temperature and top-k / top-p."""
     temp = sampling.temperature.clamp(min=1e-5)[:, None, None]
     scaled = logits / temp
     if sampling.any_filtered:
         scaled = filter_logits(scaled, sampling.top_k, sampling.top_p)
     uniform = keyed_uniform(sampling.seed, out_index, logits.shape[-1])
     gumbel = -torch.log(-torch.log(uniform))
-    sampled = (scaled + gumbel).argmax(-1)
-    return torch.where(sampling.temperature[:, None] > 0, sampled, greedy)
+    return (scaled + gumbel).argmax(-1)

@@ -27,3 +27,23 @@ def test_keyed_noise_is_finite_and_a_masked_token_is_never_sampled():
     logits[..., 7] = 0.0  # only token 7 allowed
     tensors = SamplingTensors(torch.ones(64), torch.ones(64), torch.zeros(64, dtype=torch.long), seeds, True, False)
     assert bool((choose_tokens(logits, tensors, torch.arange(16).expand(64, -1)) == 7).all())
+
+
+def test_rows_sampled_in_groups_choose_what_one_group_chooses(monkeypatch):
+    """A wide forward is sampled a few rows at a time (bounded memory): every row's choice is the one
+    it gets when all rows are sampled together, with temperatures, top-k and top-p per row and greedy rows."""
+    import flashtree.sampling as sampling_module
+
+    gen = torch.Generator().manual_seed(3)
+    rows, positions, vocab = 7, 5, 301
+    logits = torch.randn(rows, positions, vocab, generator=gen) * 3
+    tensors = SamplingTensors(torch.tensor([0.7, 1.0, 0.0, 1.3, 0.5, 1.0, 2.0]),
+                              torch.tensor([1.0, 0.9, 1.0, 0.5, 0.95, 1.0, 0.8]),
+                              torch.tensor([0, 0, 0, 40, 5, 17, 0]), torch.arange(rows) * 7919, True, True)
+    out_index = torch.arange(positions).expand(rows, -1) + torch.arange(rows)[:, None]
+    together = choose_tokens(logits, tensors, out_index)
+    for group in (1, 2, 3):
+        monkeypatch.setattr(sampling_module, "SAMPLE_CHUNK_ELEMENTS", group * positions * vocab)
+        assert torch.equal(choose_tokens(logits, tensors, out_index), together)
+    assert torch.equal(together[2], logits[2].argmax(-1))  # the greedy row
+    assert len(set(together[[0, 1, 3, 4, 5, 6]].flatten().tolist())) > 6  # the others sampled
