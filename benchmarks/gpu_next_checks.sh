@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..5 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
-# What the last run found, and why these calls: benchmarks/journal/session-28-2026-12-06.md.
+# repository root: CALL=1..9 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
 #   exact product at the verify's 544 rows (and 1,088), the kernels of that round in both modes (torch.profiler).
@@ -23,8 +23,8 @@
 #   (gpu_tree_attention.py: at batch 32 a DDTree-16 verify's attention was ~9x its bytes on an H100).
 # CALL=8 (~9 min): CALL=7's sweep at batch 16 and 32 only, the fast rounds against their roofline (CALL=6's first
 #   part at batch 16 and 32), and the DDTree-16 and DFlash rounds with the swept tiles (gpu_rounds --attention-tiles).
-# CALL=9 (~9 min): the page pool's admitted 1k-token requests at 32k max context (gpu_kv_capacity.py, never run
-#   before) and the exact-mode GPU tests (CALL=5's first part).
+# CALL=9 (~9 min): the page pool's admitted 1k-token requests at 32k max context (gpu_kv_capacity.py; with the DDTree
+#   drafter its start-up ran out of memory before the sampler took rows in groups) and the exact-mode GPU tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
