@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree.kernels.gpu.attention import tree_attention  # noqa: E402
+from flashtree.kernels.gpu import exact_attention as exact_module  # noqa: E402
 from flashtree.kernels.gpu.exact_attention import ancestor_order, exact_attention, tokens_per_tile  # noqa: E402
 from gpu_exact_gemm import timed_us  # noqa: E402  (benchmarks/ is the script's directory)
 
@@ -86,8 +87,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--block-n", type=int, default=None,
+                        help="logical keys per block (exact_attention.BLOCK_N: other bits than the default's; every "
+                             "candidate is then checked against this block size's default tile)")
+    parser.add_argument("--stages", type=int, default=None, help="pipeline stages (exact_attention.STAGES)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.block_n:
+        exact_module.BLOCK_N = args.block_n
+    if args.stages:
+        exact_module.STAGES = args.stages
     forwards = {"plain": (1, True), "dflash16": (16, True), "ddtree16": (17, False), "ddtree64": (65, False)}
     candidates = [(int(t), {"auto": None, "split": True, "one": False}[p])
                   for t in args.tokens.split(",") for p in args.parallel.split(",")]
@@ -97,6 +106,7 @@ def main() -> None:
         for name in args.forwards.split(","):
             rows.append(measure(batch, name, *forwards[name], args.context, args.layers, args.reps, candidates))
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "context": args.context,
+                                            "block_n": exact_module.BLOCK_N, "stages": exact_module.STAGES,
                                             "rows": rows}, indent=1))  # after each row: a cut-off run keeps its rows
 
 

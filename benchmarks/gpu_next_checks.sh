@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..9 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..10 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -25,6 +25,8 @@
 #   part at batch 16 and 32), and the DDTree-16 and DFlash rounds with the swept tiles (gpu_rounds --attention-tiles).
 # CALL=9 (~9 min): the page pool's admitted 1k-token requests at 32k max context (gpu_kv_capacity.py; with the DDTree
 #   drafter its start-up ran out of memory before the sampler took rows in groups) and the exact-mode GPU tests.
+# CALL=10 (~7 min): the exact attention with the fast kernel's lessons (session 30: 128 keys a step, 2 stages gave
+#   the fast kernel 1.3-2.9x): time and bits across tiles at BLOCK_N 128 / 64 and 2 stages against today's launch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -116,4 +118,11 @@ case "${CALL:-1}" in
     timeout 300 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
         > "$OUT/tests_exact.txt" 2>&1
     echo "exact tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact.txt" | tail -10 ;;
+  10)
+    for launch in "" "--block-n 128 --stages 2" "--block-n 64 --stages 2"; do
+      name=$(echo "block${launch}" | tr -d ' -')
+      timeout 150 python benchmarks/gpu_exact_attention.py --forwards plain,dflash16,ddtree16,ddtree64 --tokens 4,8 \
+          --parallel auto $launch --out "$OUT/gpu_exact_attention_$name.json" > /tmp/exact_$name.txt 2>&1
+      echo "exact attention $launch rc=$?"; grep -E "^b=" /tmp/exact_$name.txt | cut -c1-200
+    done ;;
 esac

@@ -39,11 +39,10 @@ class AttentionTile(NamedTuple):
 
 def default_tile(query_rows: int, dtype: torch.dtype) -> AttentionTile:
     """The tile for ``query_rows`` (new tokens x query heads per kv head) of every (row, kv head). In 16-bit
-    types: 16 or 32 query rows a program (wider tiles repeat the row's key reads for few extra queries and
-    leave fewer programs), 128 keys a step, two pipeline stages (benchmarks/gpu_tree_attention.py, H100,
-    Qwen3-8B heads at 1k context: 1.3-2.9x the earlier 64 x 64 tiles at batch 1 to 32, every forward from a
-    plain step to DDTree-64). float32 keeps 64-key steps (128 x 128 float32 K and V tiles in two stages
-    overflow shared memory)."""
+    types: 16 or 32 query rows a program (wider tiles hold more registers and leave fewer programs), 128 keys
+    a step, two pipeline stages: the best launch benchmarks/gpu_tree_attention.py found on an H100 (Qwen3-8B
+    heads, 1k context, batch 1 to 32, every forward from a plain step to DDTree-64). float32 takes 64-key
+    steps (128 x 128 float32 K and V tiles in two stages overflow shared memory)."""
     if dtype == torch.float32:
         return AttentionTile(block_m=min(64, max(16, _next_power_of_2(query_rows))))
     return AttentionTile(block_m=16 if query_rows <= 16 else 32, block_n=128, warps=4, stages=2)

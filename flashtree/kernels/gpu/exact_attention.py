@@ -25,7 +25,8 @@ from flashtree.kernels.gpu import interpreting
 from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 from flashtree.kernels.gpu.attention import _kernels, _multiprocessors, check_head_layout
 
-BLOCK_N = 64  # logical keys per block
+BLOCK_N = 64  # logical keys per block (a divisor of SPLIT_KEYS; it sets the online softmax's steps, so the bits)
+STAGES = 3  # pipeline stages of the key loop (no arithmetic depends on it)
 SPLIT_KEYS = 512  # logical keys per split: split s of every query holds its logical keys 512 s .. 512 s + 511
 # new tokens per program by the forward's new tokens per row, for causal chains and for trees: (largest N it
 # serves, tokens). A program reads its row's committed keys once for all its tokens, and attends a tree's own
@@ -112,7 +113,8 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out, part, lse, n, heads, kv_heads, head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
         SPLIT_KEYS, max_splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, PARALLEL=parallel,
-        CAUSAL=key_order is None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), **_launch_options())
+        CAUSAL=key_order is None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), num_stages=STAGES,
+        **_launch_options())
     if parallel:
         kernels._merge_splits_kernel[(b * heads * n,)](part, lse, out, max_splits, HEAD_DIM=head_dim,
                                                        **_launch_options())
