@@ -24,7 +24,8 @@
 # CALL=8 (~9 min): CALL=7's sweep at batch 16 and 32 only, the fast rounds against their roofline (CALL=6's first
 #   part at batch 16 and 32), and the DDTree-16 and DFlash rounds with the swept tiles (gpu_rounds --attention-tiles).
 # CALL=9 (~9 min): the page pool's admitted 1k-token requests at 32k max context (gpu_kv_capacity.py; with the DDTree
-#   drafter its start-up ran out of memory before the sampler took rows in groups) and the exact-mode GPU tests.
+#   drafter its start-up ran out of memory before the sampler took rows in groups), the tree attention's tests at
+#   Qwen3-8B heads (session 30's launch) and the exact-mode GPU tests.
 # CALL=10 (~7 min): the exact attention with the fast kernel's lessons (session 30: 128 keys a step, 2 stages gave
 #   the fast kernel 1.3-2.9x): time and bits across tiles at BLOCK_N 128 / 64 and 2 stages against today's launch.
 set -uo pipefail
@@ -113,6 +114,9 @@ case "${CALL:-1}" in
         --attention-tiles "$OUT/gpu_tree_attention.json" --out "$OUT/gpu_rounds_swept_tiles.json" > /tmp/swept.txt 2>&1
     echo "rounds swept tiles rc=$?"; tail -5 /tmp/swept.txt | cut -c1-150 ;;
   9)
+    timeout 150 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py -k attention \
+        > "$OUT/tests_attention.txt" 2>&1
+    echo "attention tests rc=$?"; tail -3 "$OUT/tests_attention.txt"
     timeout 240 python benchmarks/gpu_kv_capacity.py --out "$OUT/gpu_kv_capacity.json" > /tmp/kv_capacity.txt 2>&1
     echo "kv capacity rc=$?"; grep -E '^\{|Error' /tmp/kv_capacity.txt | cut -c1-400
     timeout 300 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \

@@ -35,6 +35,12 @@ def test_triton_attention_matches_torch_ops(dtype, tolerance):
     _check(compare_attention("cuda", dtype), tolerance)
 
 
+@pytest.mark.parametrize("new", [1, 5, 16, 17, 65])
+def test_triton_attention_matches_torch_ops_at_qwen3_heads(new):
+    """The default launch (its tile by the query rows: 4 to 260 here) at Qwen3-8B's head layout in bf16."""
+    _check(compare_attention("cuda", torch.bfloat16, heads=32, kv_heads=8, head_dim=128, new=new), 0.15)
+
+
 def test_engine_with_every_kernel_on_is_lossless(tmp_path):
     _check(compare_engine("cuda", str(tmp_path)), 0.0)
 

@@ -139,15 +139,17 @@ ATTENTION_LAUNCHES = ((1, None), (2, None), (4, None),
                       (1, attention_kernels.AttentionTile(16, 32, stages=1)))
 
 
-def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu") -> dict[str, float]:
+def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu", heads: int = 8, kv_heads: int = 2,
+                      head_dim: int = 16, new: int = 5) -> dict[str, float]:
     """tree_attention against SDPA over the gathered cache with the engine's mask: rows of
     different committed lengths (one empty), a random tree mask, a sliding window, 1-4 key splits,
-    read through a block table of shuffled pages (one page per slot, and pages of 4 and 16)."""
+    read through a block table of shuffled pages (one page per slot, and pages of 4 and 16); ``new``
+    tokens a row, ``heads`` query heads over ``kv_heads`` of ``head_dim``."""
     from flashtree.kernels.cpu import fused as cpu_kernels
     from flashtree.models.batch import attention_mask
 
     gen = torch.Generator().manual_seed(0)
-    slots_n, kv_heads, capacity, head_dim, heads, rows, new = 4, 2, 300, 16, 8, 3, 5
+    slots_n, capacity, rows = 4, 300, 3
     k_cache, v_cache = (torch.randn(slots_n, kv_heads, capacity, head_dim, generator=gen).to(device, dtype)
                         for _ in range(2))
     slots, lengths = torch.tensor([2, 0, 3], device=device), torch.tensor([7, 130, 0], device=device)
