@@ -27,6 +27,7 @@ from triton.runtime.errors import OutOfResources
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree.kernels.gpu.attention import AttentionTile, default_tile, tree_attention  # noqa: E402
 from gpu_exact_attention import random_tree_mask  # noqa: E402  (benchmarks/ is the script's directory)
+from gpu_fp8 import time_calls_us  # noqa: E402
 from round_roofline import machine_of  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -62,26 +63,7 @@ def attend(inputs: dict, layer: int, tile: AttentionTile) -> torch.Tensor:
 
 
 def graphed_us_per_layer(inputs: dict, tile: AttentionTile, layers: int, reps: int) -> float:
-    attend(inputs, 0, tile)  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):
-            attend(inputs, layer, tile)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            attend(inputs, layer, tile)
-    for _ in range(3):
-        graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) * 1000 / reps / layers
+    return time_calls_us([lambda layer=layer: attend(inputs, layer, tile) for layer in range(layers)], "cuda", reps)
 
 
 def floor_us(inputs: dict, bandwidth: float) -> float:
