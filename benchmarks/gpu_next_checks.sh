@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..10 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..11 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -28,6 +28,7 @@
 #   Qwen3-8B heads (session 30's launch) and the exact-mode GPU tests.
 # CALL=10 (~7 min): the exact attention with the fast kernel's lessons (session 30: 128 keys a step, 2 stages gave
 #   the fast kernel 1.3-2.9x): time and bits across tiles at BLOCK_N 128 / 64 and 2 stages against today's launch.
+# CALL=11 (~4 min): DDTree rounds with the drafter's 16-bit logits (radix top-k) against float32 ones.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -115,13 +116,19 @@ case "${CALL:-1}" in
     echo "rounds swept tiles rc=$?"; tail -5 /tmp/swept.txt | cut -c1-150 ;;
   9)
     timeout 150 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py -k attention \
-        > "$OUT/tests_attention.txt" 2>&1
+        tests/gpu/test_draft_head.py > "$OUT/tests_attention.txt" 2>&1
     echo "attention tests rc=$?"; tail -3 "$OUT/tests_attention.txt"
     timeout 240 python benchmarks/gpu_kv_capacity.py --out "$OUT/gpu_kv_capacity.json" > /tmp/kv_capacity.txt 2>&1
     echo "kv capacity rc=$?"; grep -E '^\{|Error' /tmp/kv_capacity.txt | cut -c1-400
     timeout 300 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
         > "$OUT/tests_exact.txt" 2>&1
     echo "exact tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact.txt" | tail -10 ;;
+  11)  # the drafter's 16-bit logits (the radix top-k) against float32 ones (torch.topk), one machine
+    for flag in "" --float-draft-logits; do
+      timeout 100 python benchmarks/gpu_rounds.py --methods ddtree:16,ddtree:64 --batches 1,16,32 --no-profile \
+          --tree-budgets "" $flag --out "$OUT/gpu_rounds_draft_logits${flag}.json" > /tmp/dl.txt 2>&1
+      echo "rounds $flag rc=$?"; tail -7 /tmp/dl.txt | cut -c1-110
+    done ;;
   10)
     for launch in "" "--block-n 128 --stages 2" "--block-n 64 --stages 2"; do
       name=$(echo "block${launch}" | tr -d ' -')

@@ -32,6 +32,7 @@ from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.engine.graphs import GraphCache  # noqa: E402
 from flashtree.kernels.gpu import fused as gpu_fused  # noqa: E402
 from flashtree.kernels.gpu import gemm  # noqa: E402
+from flashtree.models.transformer import CausalLM  # noqa: E402
 from flashtree.kernels.gpu.attention import AttentionTile  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
 from flashtree.speculative.tree import build_tree  # noqa: E402
@@ -188,6 +189,8 @@ def main():
     parser.add_argument("--attention-tiles", type=Path, default=None, metavar="JSON",
                         help="the fast tree attention's launch tile by (batch, new tokens) from a "
                              "gpu_tree_attention.py result (its best tiles; the default tile elsewhere)")
+    parser.add_argument("--float-draft-logits", action="store_true",
+                        help="the drafter's logits in float32 (before session 30: torch.topk instead of the radix top-k)")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="also the N kernels of most device time per round (torch.profiler, 5 rounds)")
     args = parser.parse_args()
@@ -196,6 +199,8 @@ def main():
         gemm.TILES = (*gemm.TILES[:-1], (gemm.TILES[-1][0], gemm.Tile(bm, bn, bk, warps=warps, stages=stages)))
     if args.attention_tiles:
         use_swept_attention_tiles(args.attention_tiles)
+    if args.float_draft_logits:
+        CausalLM.draft_head = CausalLM.head
     target = write_config("/tmp/flashtree-qwen3-8b", QWEN3_8B)
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
     rows, batches = [], [int(b) for b in args.batches.split(",")]
@@ -235,7 +240,7 @@ def main():
                               "graphed_ms": graphed, "static_graph_ms": static, "eager_ms": eager})
             print(json.dumps(tree_rows[-1]), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
-           "exact": args.exact, "roofline_machine": vars(machine), "exact_tiles": [[limit, tile._asdict()] for limit, tile in gemm.TILES],
+           "exact": args.exact, "roofline_machine": vars(machine), "float_draft_logits": args.float_draft_logits, "exact_tiles": [[limit, tile._asdict()] for limit, tile in gemm.TILES],
            "rounds": rows, "tree_build_accept_commit": tree_rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

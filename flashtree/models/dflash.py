@@ -58,6 +58,7 @@ class TargetParts(NamedTuple):
 
     embed: Callable[[torch.Tensor], torch.Tensor]  # token ids [B, N] -> [B, N, hidden]
     head: Callable[[torch.Tensor], torch.Tensor]  # normed hidden [B, N, hidden] -> float logits [B, N, V]
+    draft_head: Callable[[torch.Tensor], torch.Tensor]  # the same logits for proposals (16-bit on a CUDA 16-bit target)
 
 
 class DrafterAttention(nn.Module):
@@ -160,7 +161,7 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.target = TargetParts(embed=target.embed, head=target.head)
+        self.target = TargetParts(embed=target.embed, head=target.head, draft_head=target.draft_head)
         self.rope: RotaryTable | None = None
         self.fc_quant = None  # CPU: Q8_0 blocks of fc (quantize_blocks)
 
@@ -250,16 +251,16 @@ class DFlashDrafter(FusedKernelSwitch, nn.Module):
     def draft_logits(self, cache: KVCache, slots: torch.Tensor, bonus: torch.Tensor, starts: torch.Tensor,
                      kv_len: int, depth: int | None = None
                      ) -> torch.Tensor:
-        """Draft logits ``[B, depth, V]`` (float32) for the blocks ``[bonus, MASK x (b-1)]``: the
-        first ``depth`` draft positions (default all b-1). The whole block runs through the
-        layers (attention inside a block is non-causal); only the lm_head, the largest piece
-        on a CPU, is cut to the positions a round can use.
+        """Draft logits ``[B, depth, V]`` (in ``TargetParts.draft_head``'s dtype) for the blocks
+        ``[bonus, MASK x (b-1)]``: the first ``depth`` draft positions (default all b-1). The whole
+        block runs through the layers (attention inside a block is non-causal); only the lm_head,
+        the largest piece on a CPU, is cut to the positions a round can use.
 
         slots, bonus, starts: [B] (starts = each slot's context length); kv_len >= max(starts) + b.
         """
         depth = self.draft_depth(depth)
         x = self.block_hidden(cache, slots, bonus, starts, kv_len)  # [B, b, hidden]
-        return self.target.head(self.norm(x[:, 1:1 + depth]))  # [B, depth, V]
+        return self.target.draft_head(self.norm(x[:, 1:1 + depth]))  # [B, depth, V]
 
     def draft_depth(self, depth: int | None) -> int:
         """``depth`` checked against the draft horizon b-1 (None: all of it)."""

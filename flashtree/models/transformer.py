@@ -529,8 +529,15 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         return embedding(token_ids, self.model.embed_tokens.weight, self.embed_quant)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head on already-normed hidden states (the drafter uses the target's head)."""
+        """lm_head on already-normed hidden states, float32 logits (the drafter's training uses the target's head)."""
         return product(self.kernels)(hidden, self.lm_head.weight, None, self.lm_head_quant).float()
+
+    def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head as a drafter's proposals take it: on CUDA the logits in the product's dtype (16-bit for a
+        bf16 / fp16 model: the tree build's exact radix top-k reads them as they are, with no float32 copy of
+        every logit; the values are those of :meth:`head`), float32 elsewhere."""
+        logits = product(self.kernels)(hidden, self.lm_head.weight, None, self.lm_head_quant)
+        return logits if logits.is_cuda else logits.float()
 
     # the forward's own embedding and head; a tensor-parallel shard's look up and score its slice of the
     # vocabulary (models/parallel.py), while embed and head stay the whole vocabulary's (the drafter's)

@@ -133,7 +133,7 @@ class DrafterRunner:
     def restrict_vocab(self, head, token_ids: torch.Tensor) -> None:
         """Draft from ``token_ids`` only (a draft vocabulary, ``draft_vocab.py``): ``head`` gives
         the drafter's logits over their draft indices."""
-        self.drafter.target = self.drafter.target._replace(head=head)
+        self.drafter.target = self.drafter.target._replace(head=head, draft_head=head)
         self.vocab_ids = token_ids.to(self.lagging.device)
 
     def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
