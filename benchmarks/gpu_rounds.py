@@ -32,9 +32,9 @@ from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.engine.graphs import GraphCache  # noqa: E402
 from flashtree.kernels.gpu import fused as gpu_fused  # noqa: E402
 from flashtree.kernels.gpu import gemm  # noqa: E402
-from flashtree.models.transformer import CausalLM  # noqa: E402
 from flashtree.kernels.gpu.attention import AttentionTile  # noqa: E402
 from flashtree.kv.cache import KVCache, KVCacheSpec  # noqa: E402
+from flashtree.models.transformer import CausalLM  # noqa: E402
 from flashtree.speculative.tree import build_tree  # noqa: E402
 from flashtree.speculative.verify import accept_walk  # noqa: E402
 

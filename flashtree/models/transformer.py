@@ -530,14 +530,17 @@ class CausalLM(FusedKernelSwitch, nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on already-normed hidden states, float32 logits (the drafter's training uses the target's head)."""
-        return product(self.kernels)(hidden, self.lm_head.weight, None, self.lm_head_quant).float()
+        return self._head_product(hidden).float()
 
     def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head as a drafter's proposals take it: on CUDA the logits in the product's dtype (16-bit for a
         bf16 / fp16 model: the tree build's exact radix top-k reads them as they are, with no float32 copy of
         every logit; the values are those of :meth:`head`), float32 elsewhere."""
-        logits = product(self.kernels)(hidden, self.lm_head.weight, None, self.lm_head_quant)
+        logits = self._head_product(hidden)
         return logits if logits.is_cuda else logits.float()
+
+    def _head_product(self, hidden: torch.Tensor) -> torch.Tensor:
+        return product(self.kernels)(hidden, self.lm_head.weight, None, self.lm_head_quant)  # [..., V]
 
     # the forward's own embedding and head; a tensor-parallel shard's look up and score its slice of the
     # vocabulary (models/parallel.py), while embed and head stay the whole vocabulary's (the drafter's)
