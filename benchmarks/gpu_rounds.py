@@ -216,8 +216,11 @@ def main():
                                                exact=args.exact,
                                                triton_tree=args.triton_tree, triton_attention={"auto": None, "triton": True, "sdpa": False}[args.attention]))
             for batch in batches:
+                before = engine.graph_counts
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
-                row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages}
+                after = engine.graph_counts  # (graphs captured, rounds run eagerly for want of one) since start-up
+                row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages,
+                       "graph_captures_and_eager_rounds_while_measured": [a - b for a, b in zip(after, before)]}
                 row["roofline"] = round_floor_ms(method, batch, args.context, QWEN3_8B, QWEN3_8B_DFLASH, machine)
                 row["roofline_fraction"] = row["roofline"]["floor_ms"] / ms
                 if not profile:
