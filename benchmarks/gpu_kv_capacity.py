@@ -48,12 +48,23 @@ def measure(spec: SpeculationConfig, args) -> dict:
            "fits_by_arithmetic": budget.capacity // budget.need(running[0], args.max_context),
            "running": len(running), "waiting": len(engine.scheduler.waiting),
            "kv_bytes_in_use": pool.used_pages * page_bytes, "token_bytes_held": held * (entry + engine.proposer.context_entry_bytes()),
-           "one_page_per_request_bytes": len(running) * page_bytes}
+           "one_page_per_request_bytes": len(running) * page_bytes, **_device_memory(args)}
     print(json.dumps(row), flush=True)
     del engine
     if args.device == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     return row
+
+
+def _device_memory(args) -> dict:
+    """The device's memory in use after the steps (any process), against the fraction the pool was sized for,
+    and the allocator's peak reservation: start-up's graph captures and the steps' activations included."""
+    if args.device != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"device_used_fraction": round((total - free) / total, 4),
+            "allocator_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
 def main() -> None:

@@ -116,7 +116,8 @@ case "${CALL:-1}" in
     echo "rounds swept tiles rc=$?"; tail -5 /tmp/swept.txt | cut -c1-150 ;;
   9)
     timeout 150 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py -k attention \
-        tests/gpu/test_draft_head.py > "$OUT/tests_attention.txt" 2>&1
+        tests/gpu/test_draft_head.py tests/gpu/test_paged_kv.py::test_pool_leaves_room_for_the_widest_rounds \
+        tests/gpu/test_paged_kv.py::test_gpu_memory_utilization_sizes_the_pool > "$OUT/tests_attention.txt" 2>&1
     echo "attention tests rc=$?"; tail -3 "$OUT/tests_attention.txt"
     timeout 240 python benchmarks/gpu_kv_capacity.py --out "$OUT/gpu_kv_capacity.json" > /tmp/kv_capacity.txt 2>&1
     echo "kv capacity rc=$?"; grep -E '^\{|Error' /tmp/kv_capacity.txt | cut -c1-400

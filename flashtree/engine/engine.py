@@ -25,14 +25,15 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm
 
-from flashtree.config import EngineConfig
+from flashtree.config import EngineConfig, prefill_tokens_for
 from flashtree.device_copy import to_device
 from flashtree.engine.constraint import advance_grammar
+from flashtree.engine.memory_profile import ActivationReserve, peak_bytes
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.overlap import QueuedRounds
 from flashtree.engine.prefill import FirstToken, Prefill
@@ -84,8 +85,9 @@ class LLMEngine:
                                       else self.executor.target)
         self.proposer = make_proposer(config, self.model, self.tokenizer)
         self.lag = self.proposer.lag
+        self.activation_reserve = ActivationReserve(0, 0, 0)  # measured when the pool's size depends on it
         self.pages = self._make_pages()
-        self.cache = self._make_cache()
+        self.cache = self._make_cache(self.pages)
         self.proposer.attach_pages(self.pages)
         self.prefix_cache = PrefixCache(self.pages.pool, config.cache.page_size) if config.cache.prefix_caching else None
         self.token_state: SlotTokenState | None = None  # made when a request first adjusts its logits
@@ -165,15 +167,17 @@ class LLMEngine:
         log.info("flashtree: captured %d CUDA graphs in %.1f s", len(keys), seconds)
         return seconds
 
-    def _make_pages(self) -> PageTable:
+    def _make_pages(self, requests: int | None = None) -> PageTable:
         """The block tables of the target's and the drafter's caches: a slot per running request
-        and the pad slot (mapped now: it holds a round's scratch), and a pool of ``kv_pages`` pages
-        (default: every running request can reach max_context), the pad slot's and the null page."""
+        and the pad slot (mapped now: it holds a round's scratch), and a pool of ``requests`` pages
+        for the requests (default: ``kv_pages``, or what ``gpu_memory_utilization`` leaves, or every
+        running request can reach max_context), the pad slot's and the null page."""
         proposer, cache, scheduling = self.proposer, self.config.cache, self.config.scheduler
         span = round_span(proposer)
         widest = max(scheduling.prefill_chunk, proposer.max_nodes + 1, proposer.max_depth + 1, proposer.lag.capacity)
         per_request = pages_for(cache.max_context + span, cache.page_size)
-        requests = cache.kv_pages or self._pages_in_memory() or scheduling.max_running * per_request
+        if requests is None:
+            requests = cache.kv_pages or self._pages_in_memory() or scheduling.max_running * per_request
         pool = PagePool(1 + pages_for(span, cache.page_size) + requests)
         table = PageTable if self.executor is None else self.executor.page_table  # (its writes reach the workers)
         pages = table(pool, scheduling.max_running + 1, cache.max_context + widest, cache.page_size, self.device)
@@ -188,23 +192,56 @@ class LLMEngine:
             return None
         cfg, page_size = self.model.config, self.config.cache.page_size
         entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * self.model.lm_head.weight.element_size()
+        if self.executor is None:  # (tensor-parallel rounds run on the workers too: not profiled)
+            self.activation_reserve = self.measure_activation_reserve(peak_bytes)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        spare = utilization * total - (total - free)
+        spare = utilization * total - (total - free) - self.activation_reserve.bytes
         pages = int(spare // ((entry + self.proposer.context_entry_bytes()) * page_size))
+        log.info("flashtree: %d KV pages; reserved %.2f GiB for activations %s", pages,
+                 self.activation_reserve.bytes / 2**30, self.activation_reserve)
         if pages < 1:
             raise ConfigError(f"--gpu-memory-utilization {utilization} leaves no room for KV pages: "
-                              f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use already")
+                              f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are in use already and the "
+                              f"widest rounds and prefill steps need {self.activation_reserve.bytes / 2**30:.1f} GiB more")
         return pages
 
-    def _make_cache(self) -> KVCache:
+    def measure_activation_reserve(self, peak: Callable[[torch.device, Callable[[], object]], int]
+                                   ) -> ActivationReserve:
+        """The activations of the engine's widest work (``engine/memory_profile.py``), each run once on
+        pad rows of a provisional cache that holds only the pad slot and ``peak(device, run)`` measured;
+        the proposer's context cache is left on the provisional pages (attach it to the real ones)."""
+        config, kernels = self.config, self.config.kernels
+        scheduling = config.scheduler
+        chunk = min(scheduling.prefill_chunk, prefill_tokens_for(scheduling, self.device.type))
+        pages = self._make_pages(requests=pages_for(chunk, config.cache.page_size))
+        cache = self._make_cache(pages)
+        self.proposer.attach_pages(pages)
+        self.model.setup_rope(cache.spec.capacity + 1)
+        timer = StageTimer(self.device, kernels.profile_stages)
+        runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=scheduling.max_running)
+        graph_tokens = kernels.cuda_graph_max_tokens if runner.graphs is not None else None
+        ladder = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
+                             graph_tokens).ladder
+        graphed, widest = runner.widest_rounds(ladder, scheduling.max_running, graph_tokens)
+        rows = max(1, prefill_tokens_for(scheduling, self.device.type) // chunk)
+        prompts = [Request(prompt_ids=[0] * chunk, params=SamplingParams(max_tokens=1), stop_token_ids=frozenset(),
+                           slot=scheduling.max_running) for _ in range(rows)]  # all on the pad slot
+        prefill = Prefill(self.model, cache, self.proposer, timer, planless=kernels.planless_prefill)
+        return ActivationReserve(
+            graphed_round=max((peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in graphed), default=0),
+            widest_round=max(peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in widest),
+            prefill=peak(self.device, lambda: prefill(prompts, chunk)))
+
+    def _make_cache(self, pages: PageTable) -> KVCache:
         """The target's KV cache: a slot per running request and the pad slot, each with room for the
-        context and the widest forward (a tree or a prefill chunk), on the engine's pages."""
+        context and the widest forward (a tree or a prefill chunk), on ``pages``."""
         cfg, config = self.model.config, self.config
         scratch = max(self.proposer.max_nodes + 1, config.scheduler.prefill_chunk)
         spec = KVCacheSpec(cfg.num_hidden_layers, config.scheduler.max_running + 1, config.cache.max_context,
                            scratch, cfg.num_key_value_heads, cfg.head_dim, config.cache.page_size)
         if self.executor is None:
-            cache = KVCache(spec, self.dtype, self.device, self.pages)
+            cache = KVCache(spec, self.dtype, self.device, pages)
         else:  # each rank's cache holds its KV heads (the shard's config); commits run on every rank
             cache = self.executor.make_cache(spec, self.dtype)
         cache.commit_kernel = (config.kernels.gpu_kernels and config.kernels.triton_tree

@@ -254,6 +254,26 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.graphs.freeze()
 
+    def widest_rounds(self, node_options: Sequence[int], max_rows: int, max_tokens: int | None
+                      ) -> tuple[list[tuple], list[tuple]]:
+        """The rounds whose activations bound the engine's memory (``engine/memory_profile.py``), as
+        (padded rows, RoundShape) keys: the graph keys (of :meth:`graph_keys`) that verify the most
+        tokens, and the rounds of the most node options at the most rows (any sampling variant, with
+        log-probabilities too, which no graph holds)."""
+        graphed = [key for key in self.graph_keys(node_options, max_rows, max_tokens or 0) if key[0] != "catch_up"]
+        most = max((width * (shape.nodes + 1) for width, shape in graphed), default=0)
+        width = rows_width(max_rows) if self.graphs is not None and self.pad_slot is not None else max_rows
+        capacity, nodes = self.cache.spec.capacity, max(node_options)
+        widest = [(width, RoundShape(capacity, sampled, filtered, nodes, logprobs))
+                  for sampled, filtered, logprobs in ((False, False, None), (True, True, None), (True, True, MAX_LOGPROBS))]
+        return [key for key in graphed if key[0] * (key[1].nodes + 1) == most], widest
+
+    def run_on_pad_rows(self, key: tuple) -> None:
+        """Run the round of ``key`` (from :meth:`widest_rounds`) once, eagerly, on pad rows only."""
+        width, shape = key
+        ints, floats = self._round_inputs([], 0, pads=width)
+        self.round_program(shape, *RoundInputs.of(ints, floats))
+
     # ------------------------------------------------------------------ the drafter's catch-up
     def catch_up_drafter(self, rows: Sequence[Request]) -> bool:
         """The proposer projects the context features it deferred for ``rows`` (their lag each,

@@ -41,3 +41,23 @@ def test_gpu_memory_utilization_sizes_the_pool(tmp_path):
     assert llm.engine.pages.pool.num_pages > 1000 and abs(used - target) < 0.01
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
+
+
+def test_pool_leaves_room_for_the_widest_rounds(tmp_path):
+    """A DDTree engine sized by gpu_memory_utilization stays within that fraction through start-up's
+    captures and wide sampled rounds with log-probabilities (the activation reserve,
+    engine/memory_profile.py)."""
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=32000, block_size=16)
+    free, total = torch.cuda.mem_get_info()
+    target = (total - free) / total + 0.03
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=32, adaptive_spec=False, device="cuda",
+              dtype="bfloat16", gpu_memory_utilization=target, max_context=512, max_running=64)
+    reserve = llm.engine.activation_reserve
+    assert reserve.widest_round > 64 * 33 * 32000 * 4 and reserve.graphed_round > 0
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_p=0.9, logprobs=2, seed=1)
+    outs = llm.generate([[1 + i % 30, 2, 3] for i in range(64)], params)
+    assert all(len(o.token_ids) == 32 for o in outs)
+    free_after, _ = torch.cuda.mem_get_info()
+    assert (total - free_after) / total <= target + 0.002

@@ -1,0 +1,40 @@
+"""The activation reserve's profile run (engine/memory_profile.py) on a CPU: it runs the engine's widest
+rounds and prefill step on pad rows of a provisional cache, and leaves the engine's tokens as they were."""
+
+from flashtree import LLM, SamplingParams
+from flashtree.engine.memory_profile import ActivationReserve
+from flashtree.engine.runner import ModelRunner
+from flashtree.sampling import MAX_LOGPROBS
+
+
+def test_profile_runs_the_widest_work_and_leaves_the_tokens_alone(tmp_path, monkeypatch):
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=32, block_size=6)
+    prompts = [list(range(2, 20)), [5, 6, 7], list(range(3, 30))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    common = dict(device="cpu", dtype="float32", max_running=3, max_context=128, prefill_chunk=16,
+                  max_prefill_tokens=40)
+    plain = [o.token_ids for o in LLM(str(pair.target), **common).generate(prompts, params)]
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, adaptive_spec=False, **common)
+    keys, peaks = [], []
+    run_on_pad_rows = ModelRunner.run_on_pad_rows
+    monkeypatch.setattr(ModelRunner, "run_on_pad_rows", lambda self, key: keys.append(key) or run_on_pad_rows(self, key))
+
+    def counting_peak(device, run):
+        run()
+        peaks.append(len(peaks) + 1)
+        return 100 * peaks[-1]
+
+    reserve = llm.engine.measure_activation_reserve(counting_peak)
+    llm.engine.proposer.attach_pages(llm.engine.pages)  # (the profile left it on its provisional pages)
+    # no graphs on a CPU: three widest rounds (greedy, sampled with top-p, with log-probabilities), then the prefill
+    assert [(width, shape.nodes, shape.any_sampled, shape.logprobs) for width, shape in keys] == [
+        (3, 8, False, None), (3, 8, True, None), (3, 8, True, MAX_LOGPROBS)]
+    assert reserve == ActivationReserve(graphed_round=0, widest_round=300, prefill=400) and reserve.bytes == 400
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+
+
+def test_reserve_adds_the_graphs_pool_to_the_larger_eager_peak():
+    assert ActivationReserve(graphed_round=5, widest_round=7, prefill=3).bytes == 12
+    assert ActivationReserve(graphed_round=0, widest_round=2, prefill=9).bytes == 9
