@@ -24,19 +24,40 @@ def _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q
 
 
 @triton.jit
+def _attend_context(q, m_i, l_i, acc, key0, oldest, table, head_base, d, k_cache_ptr, v_cache_ptr, scale_log2,
+                    page_stride, page_size, cache_pos_stride, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax update with the committed keys ``key0 .. key0 + BLOCK_N - 1`` (all in range, no tree mask:
+    every query sees them, except those a sliding window hides: before ``oldest``)."""
+    j = key0 + tl.arange(0, BLOCK_N)  # [N]
+    s, v = _paged_scores(q, j, j >= 0, table, head_base, d, k_cache_ptr, v_cache_ptr, page_stride, page_size,
+                         cache_pos_stride, IEEE, MASKED=False)
+    s = tl.where(j[None, :] >= oldest, s * scale_log2, float("-inf"))  # [M, N], base-2 logits
+    return _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
+
+
+@triton.jit
 def _paged_scores(q, position, in_range, table, head_base, d, k_cache_ptr, v_cache_ptr, page_stride, page_size,
-                  cache_pos_stride, IEEE: tl.constexpr):
-    """The entries at slot positions ``position`` [N] (those ``in_range``), read through the slot's block table
-    (``table``): (q . k logits [M, N], values [N, D])."""
-    page = tl.load(table + position // page_size, mask=in_range, other=0).to(tl.int64)  # [N]
+                  cache_pos_stride, IEEE: tl.constexpr, MASKED: tl.constexpr = True):
+    """The entries at slot positions ``position`` [N] (those ``in_range``; all when not MASKED), read through the
+    slot's block table (``table``): (q . k logits [M, N], values [N, D])."""
+    if MASKED:
+        page = tl.load(table + position // page_size, mask=in_range, other=0).to(tl.int64)  # [N]
+    else:
+        page = tl.load(table + position // page_size).to(tl.int64)
     entry = page * page_stride + (position % page_size).to(tl.int64) * cache_pos_stride + head_base  # [N]
     kv_off = entry[:, None] + d[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_off)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_off)
     return s, v
 
 
@@ -90,15 +111,26 @@ def _tree_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # whole blocks of committed context first (no tree mask, no range checks), then the rest with both
+    context_end = start + tl.maximum(tl.minimum(stop, committed) - start, 0) // BLOCK_N * BLOCK_N
     if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
         key0 = start
+        while key0 < context_end:
+            m_i, l_i, acc = _attend_context(q, m_i, l_i, acc, key0, oldest, table, head_base, d, k_cache_ptr,
+                                            v_cache_ptr, scale_log2, cache_page_stride, page_size, cache_pos_stride,
+                                            BLOCK_N, IEEE)
+            key0 += BLOCK_N
         while key0 < stop:
             m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b,
                                          new_tokens, table, head_base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr,
                                          scale_log2, cache_page_stride, page_size, cache_pos_stride, BLOCK_N, IEEE)
             key0 += BLOCK_N
     else:
-        for key0 in range(start, stop, BLOCK_N):
+        for key0 in range(start, context_end, BLOCK_N):
+            m_i, l_i, acc = _attend_context(q, m_i, l_i, acc, key0, oldest, table, head_base, d, k_cache_ptr,
+                                            v_cache_ptr, scale_log2, cache_page_stride, page_size, cache_pos_stride,
+                                            BLOCK_N, IEEE)
+        for key0 in range(context_end, stop, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, key0, stop, committed, oldest, token, valid_q, b,
                                          new_tokens, table, head_base, d, k_cache_ptr, v_cache_ptr, new_mask_ptr,
                                          scale_log2, cache_page_stride, page_size, cache_pos_stride, BLOCK_N, IEEE)
