@@ -29,6 +29,9 @@
 # CALL=10 (~7 min): the exact attention with the fast kernel's lessons (session 30: 128 keys a step, 2 stages gave
 #   the fast kernel 1.3-2.9x): time and bits across tiles at BLOCK_N 128 / 64 and 2 stages against today's launch.
 # CALL=11 (~4 min): DDTree rounds with the drafter's 16-bit logits (radix top-k) against float32 ones.
+# CALL=12 (~9 min): the tree attention with whole committed blocks unmasked (session 31) against the kernel before
+#   it (carry .old/triton_attention_before.py = git show 1db760d~1:flashtree/kernels/gpu/triton_attention.py):
+#   the GPU attention tests, then the default tile per forward and the rounds, after and before, on one machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -130,6 +133,21 @@ case "${CALL:-1}" in
           --tree-budgets "" $flag --out "$OUT/gpu_rounds_draft_logits${flag}.json" > /tmp/dl.txt 2>&1
       echo "rounds $flag rc=$?"; tail -7 /tmp/dl.txt | cut -c1-110
     done ;;
+  12)
+    cp flashtree/kernels/gpu/triton_attention.py /tmp/triton_attention_after.py
+    for side in after before; do
+      [ $side = before ] && cp .old/triton_attention_before.py flashtree/kernels/gpu/triton_attention.py
+      timeout 60 python benchmarks/gpu_tree_attention.py --batches 1,16,32 --forwards plain,ddtree4,dflash16,ddtree16,ddtree64 \
+          --default-only --reps 5 --out "$OUT/gpu_tree_attention_$side.json" > /tmp/tree_att.txt 2>&1
+      echo "tree attention $side rc=$?"; grep -E "^b=|Error" /tmp/tree_att.txt | cut -c1-80
+      timeout 190 python benchmarks/gpu_rounds.py --methods none,dflash,ddtree:16,ddtree:64 --batches 1,16,32 --no-profile \
+          --tree-budgets "" --out "$OUT/gpu_rounds_$side.json" > /tmp/rounds.txt 2>&1
+      echo "rounds $side rc=$?"; tail -14 /tmp/rounds.txt | cut -c1-150
+    done
+    cp /tmp/triton_attention_after.py flashtree/kernels/gpu/triton_attention.py
+    timeout 90 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py -k attention \
+        > "$OUT/tests_attention.txt" 2>&1
+    echo "attention tests rc=$?"; tail -3 "$OUT/tests_attention.txt" ;;
   10)
     for launch in "" "--block-n 128 --stages 2" "--block-n 64 --stages 2"; do
       name=$(echo "block${launch}" | tr -d ' -')

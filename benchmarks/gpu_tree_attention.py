@@ -35,6 +35,9 @@ FORWARDS = {"plain": (1, "causal"), "ddtree4": (5, "tree"), "dflash16": (16, "ca
             "ddtree64": (65, "tree"), "drafter16": (16, "all")}
 
 
+SEARCH_STAGES = ("block_m x warps", "splits", "block_n", "stages")
+
+
 def forward_inputs(batch: int, new: int, kind: str, context: int, layers: int, gen: torch.Generator,
                    max_context: int = 2048) -> dict:
     """One forward's tensors; the block table is ``max_context`` entries wide like the engine's (its width sets
@@ -84,7 +87,7 @@ def candidates(stage: str, best: AttentionTile) -> list[AttentionTile]:
     return [best._replace(stages=s) for s in (1, 2, 3, 4)]
 
 
-def search(inputs: dict, layers: int, reps: int) -> dict:
+def search(inputs: dict, layers: int, reps: int, stages: tuple[str, ...] = SEARCH_STAGES) -> dict:
     n = inputs["q"].shape[2]
     default = default_tile(n * HEADS // KV_HEADS, inputs["q"].dtype)
     reference = attend(inputs, 0, default)
@@ -102,7 +105,7 @@ def search(inputs: dict, layers: int, reps: int) -> dict:
 
     best = default
     measure(default)
-    for stage in ("block_m x warps", "splits", "block_n", "stages"):
+    for stage in stages:
         best = min(candidates(stage, best), key=measure)
     return {"default": timed[default], "best": timed[best], "tried": list(timed.values())}
 
@@ -115,6 +118,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--default-only", action="store_true", help="time the default tile only (a kernel A/B)")
     args = parser.parse_args()
     machine = machine_of(torch.cuda.get_device_name())
     rows, started = [], time.perf_counter()
@@ -125,7 +129,7 @@ def main() -> None:
             gen = torch.Generator().manual_seed(batch * 1000 + new)
             inputs = forward_inputs(batch, new, kind, args.context, args.layers, gen)
             row = {"batch": batch, "forward": name, "new_tokens": new, "floor_us": floor_us(inputs, machine.bandwidth),
-                   **search(inputs, args.layers, args.reps)}
+                   **search(inputs, args.layers, args.reps, () if args.default_only else SEARCH_STAGES)}
             rows.append(row)
             print(f"b={batch:3d} {name:9s} floor {row['floor_us']:7.1f} us  default {row['default']['us']:7.1f}  "
                   f"best {row['best']['us']:7.1f} {row['best']['tile']}  ({time.perf_counter() - started:.0f} s)",
