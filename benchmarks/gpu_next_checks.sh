@@ -141,8 +141,8 @@ case "${CALL:-1}" in
           --default-only --reps 5 --out "$OUT/gpu_tree_attention_$side.json" > /tmp/tree_att.txt 2>&1
       echo "tree attention $side rc=$?"; grep -E "^b=|Error" /tmp/tree_att.txt | cut -c1-80
       timeout 190 python benchmarks/gpu_rounds.py --methods none,dflash,ddtree:16,ddtree:64 --batches 1,16,32 --no-profile \
-          --tree-budgets "" --out "$OUT/gpu_rounds_$side.json" > /tmp/rounds.txt 2>&1
-      echo "rounds $side rc=$?"; tail -14 /tmp/rounds.txt | cut -c1-150
+          --tree-budgets "" --out "$OUT/gpu_rounds_$side.json" > "$OUT/gpu_rounds_$side.txt" 2>&1
+      echo "rounds $side rc=$?"; grep -E "^\{" "$OUT/gpu_rounds_$side.txt" | cut -c1-150
     done
     cp /tmp/triton_attention_after.py flashtree/kernels/gpu/triton_attention.py
     timeout 90 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py -k attention \
