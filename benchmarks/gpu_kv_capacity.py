@@ -48,7 +48,9 @@ def measure(spec: SpeculationConfig, args) -> dict:
            "fits_by_arithmetic": budget.capacity // budget.need(running[0], args.max_context),
            "running": len(running), "waiting": len(engine.scheduler.waiting),
            "kv_bytes_in_use": pool.used_pages * page_bytes, "token_bytes_held": held * (entry + engine.proposer.context_entry_bytes()),
-           "one_page_per_request_bytes": len(running) * page_bytes, **_device_memory(args)}
+           "one_page_per_request_bytes": len(running) * page_bytes,
+           "activation_reserve_gib": {k: round(v / 2**30, 2) for k, v in engine.activation_reserve._asdict().items()},
+           **_device_memory(args)}
     print(json.dumps(row), flush=True)
     del engine
     if args.device == "cuda":
@@ -71,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-context", type=int, default=32768)
     parser.add_argument("--max-running", type=int, default=1024)
+    parser.add_argument("--methods", default="none,ddtree", help="none and/or ddtree (DDTree-16, fixed)")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -81,8 +84,9 @@ def main() -> None:
                         help='JSON keys over both configs (a CPU dry run: \'{"hidden_size": 64, ...}\')')
     args = parser.parse_args()
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", {**QWEN3_8B_DFLASH, **json.loads(args.shape_override)})
-    rows = [measure(SpeculationConfig(method="none"), args),
-            measure(SpeculationConfig(method="ddtree", draft=str(drafter), budget=16), args)]
+    specs = {"none": SpeculationConfig(method="none"),
+             "ddtree": SpeculationConfig(method="ddtree", draft=str(drafter), budget=16)}
+    rows = [measure(specs[method], args) for method in args.methods.split(",")]
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     out = {"device": device, "args": vars(args), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,8 @@ class GraphCache:
         self.max_graphs = max_graphs
         self.graphs: dict[Hashable, _Captured] = {}  # least recently used first
         self.pool = None
+        self.warm_up_stream = None  # one side stream for every capture's warm-up run (the allocator caches
+        # blocks per stream: a stream per capture would keep every warm-up's activations cached on its own)
         self.captures = 0  # graphs captured so far (a capturing call is much slower than a replay)
         self.frozen = False  # no more captures: a missing key runs eagerly (see freeze)
         self.eager_runs = 0  # calls that ran eagerly because the cache was frozen without their key
@@ -70,7 +72,9 @@ class GraphCache:
 
     def _capture(self, fn: Callable, inputs: Sequence[torch.Tensor]) -> _Captured:
         static = tuple(t.clone() for t in inputs)
-        stream = torch.cuda.Stream()
+        if self.warm_up_stream is None:
+            self.warm_up_stream = torch.cuda.Stream()
+        stream = self.warm_up_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn(*static)  # warm up kernels and the allocator outside the capture

@@ -252,20 +252,24 @@ class ModelRunner:
             self.graphs.run(key, lambda *t, shape=shape: self.round_program(shape, *t), RoundInputs.of(ints, floats))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the warm-up runs' cached blocks: the pool's size left room for the graphs only
         self.graphs.freeze()
 
     def widest_rounds(self, node_options: Sequence[int], max_rows: int, max_tokens: int | None
                       ) -> tuple[list[tuple], list[tuple]]:
         """The rounds whose activations bound the engine's memory (``engine/memory_profile.py``), as
-        (padded rows, RoundShape) keys: the graph keys (of :meth:`graph_keys`) that verify the most
-        tokens, and the rounds of the most node options at the most rows (any sampling variant, with
-        log-probabilities too, which no graph holds)."""
-        graphed = [key for key in self.graph_keys(node_options, max_rows, max_tokens or 0) if key[0] != "catch_up"]
-        most = max((width * (shape.nodes + 1) for width, shape in graphed), default=0)
+        (padded rows, RoundShape) keys: the graph keys (of :meth:`graph_keys`, up to ``max_tokens``
+        verified tokens; None: graphs captured lazily, so any round but one with log-probabilities) that
+        verify the most tokens, and the rounds of the most node options at the most rows (any sampling
+        variant, with log-probabilities too, which no graph holds)."""
         width = rows_width(max_rows) if self.graphs is not None and self.pad_slot is not None else max_rows
         capacity, nodes = self.cache.spec.capacity, max(node_options)
         widest = [(width, RoundShape(capacity, sampled, filtered, nodes, logprobs))
                   for sampled, filtered, logprobs in ((False, False, None), (True, True, None), (True, True, MAX_LOGPROBS))]
+        if max_tokens is None:
+            return ([key for key in widest if key[1].logprobs is None] if self.graphs is not None else []), widest
+        graphed = [key for key in self.graph_keys(node_options, max_rows, max_tokens) if key[0] != "catch_up"]
+        most = max((width * (shape.nodes + 1) for width, shape in graphed), default=0)
         return [key for key in graphed if key[0] * (key[1].nodes + 1) == most], widest
 
     def run_on_pad_rows(self, key: tuple) -> None:
