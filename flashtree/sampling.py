@@ -175,11 +175,23 @@ class TokenLogprobs(NamedTuple):
     top_ids: torch.Tensor  # [B, M, k] int64
 
 
-def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> TokenLogprobs:
-    """logits ``[B, M, V]``, chosen ``[B, M]`` -> their :class:`TokenLogprobs` with the top ``k``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, M, V]
-    top_values, top_ids = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [B, M, k] (k may be 0)
-    return TokenLogprobs(logp.gather(-1, chosen[..., None].long())[..., 0], top_values, top_ids)
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int, positions: torch.Tensor | None = None
+                   ) -> TokenLogprobs:
+    """logits ``[B, M, V]`` (or ``[B, N, V]`` read at ``positions`` ``[B, M]``), chosen ``[B, M]`` -> their
+    :class:`TokenLogprobs` with the top ``k``; rows in groups of at most :data:`SAMPLE_CHUNK_ELEMENTS` values
+    (each row's values depend on its own logits only)."""
+    rows, width = chosen.shape
+    vocab = logits.shape[-1]
+    group = max(1, SAMPLE_CHUNK_ELEMENTS // (width * vocab))
+    parts = []
+    for start in range(0, rows, group):
+        part = logits[start:start + group]
+        if positions is not None:
+            part = part.gather(1, positions[start:start + group, :, None].expand(-1, -1, vocab))  # [b, M, V]
+        logp = torch.log_softmax(part.float(), dim=-1)  # [b, M, V]
+        top_values, top_ids = logp.topk(min(k, vocab), dim=-1)  # [b, M, k] (k may be 0)
+        parts.append((logp.gather(-1, chosen[start:start + group, :, None].long())[..., 0], top_values, top_ids))
+    return TokenLogprobs(*(torch.cat(values) for values in zip(*parts)))
 
 
 class TokenLogprob(NamedTuple):

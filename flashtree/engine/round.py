@@ -172,8 +172,7 @@ class DeviceRound:
         trace = (tokens, tree.parents, tree.valid, walk.path) if self.tracing else None
         logprobs = None
         if shape.logprobs is not None:  # emitted token j is the target's choice at path node j
-            path_logits = out.logits.gather(1, path[:, :, None].expand(-1, -1, out.logits.shape[-1]))  # [B, P, V]
-            logprobs = token_logprobs(path_logits, choice.gather(1, path), shape.logprobs)
+            logprobs = token_logprobs(out.logits, choice.gather(1, path), shape.logprobs, positions=path)  # [B, P(, k)]
         return RoundOutput(packed, trace, logprobs)
 
     def _plain(self, shape: RoundShape, rows: RoundInputs, timer: StageTimer | None,

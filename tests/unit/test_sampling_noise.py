@@ -47,3 +47,24 @@ def test_rows_sampled_in_groups_choose_what_one_group_chooses(monkeypatch):
         assert torch.equal(choose_tokens(logits, tensors, out_index), together)
     assert torch.equal(together[2], logits[2].argmax(-1))  # the greedy row
     assert len(set(together[[0, 1, 3, 4, 5, 6]].flatten().tolist())) > 6  # the others sampled
+
+
+def test_log_probabilities_in_row_groups_equal_one_group(monkeypatch):
+    """token_logprobs takes rows a few at a time (bounded memory), reading each row's positions itself: the
+    values equal those of the whole forward at once, gathered first."""
+    import flashtree.sampling as sampling_module
+    from flashtree.sampling import token_logprobs
+
+    gen = torch.Generator().manual_seed(5)
+    rows, nodes, path, vocab = 6, 9, 4, 211
+    logits = torch.randn(rows, nodes, vocab, generator=gen) * 4
+    positions = torch.randint(0, nodes, (rows, path), generator=gen)
+    chosen = torch.randint(0, vocab, (rows, path), generator=gen)
+    gathered = logits.gather(1, positions[:, :, None].expand(-1, -1, vocab))  # [B, P, V]
+    logp = torch.log_softmax(gathered, dim=-1)
+    whole = token_logprobs(gathered, chosen, 5)
+    assert torch.equal(whole.chosen, logp.gather(-1, chosen[..., None])[..., 0])
+    for group in (1, 2, 4, rows):
+        monkeypatch.setattr(sampling_module, "SAMPLE_CHUNK_ELEMENTS", group * path * vocab)
+        for got in (token_logprobs(logits, chosen, 5, positions=positions), token_logprobs(gathered, chosen, 5)):
+            assert all(torch.equal(a, b) for a, b in zip(got, whole))
