@@ -12,6 +12,7 @@ fits, and the KV bytes in use against the bytes of the tokens held (target entri
 import argparse
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -66,7 +67,20 @@ def _device_memory(args) -> dict:
         return {}
     free, total = torch.cuda.mem_get_info()
     return {"device_used_fraction": round((total - free) / total, 4),
-            "allocator_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
+            "allocator_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+            "allocator_gib_by_pool": _segments_by_pool()}
+
+
+def _segments_by_pool() -> dict:
+    """The allocator's reserved and allocated GiB by pool: each CUDA graphs' private pool, and the streams'."""
+    reserved, allocated = defaultdict(int), defaultdict(int)
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        name = f"graphs {pool}" if pool != (0, 0) else f"stream {segment['stream']}"
+        reserved[name] += segment["total_size"]
+        allocated[name] += sum(b["size"] for b in segment["blocks"] if b["state"] == "active_allocated")
+    return {name: {"reserved": round(reserved[name] / 2**30, 2), "allocated": round(allocated[name] / 2**30, 2)}
+            for name in reserved}
 
 
 def main() -> None:

@@ -32,6 +32,9 @@
 # CALL=12 (~9 min): the tree attention with whole committed blocks unmasked (session 31) against the kernel before
 #   it (carry .old/triton_attention_before.py = git show 1db760d~1:flashtree/kernels/gpu/triton_attention.py):
 #   the GPU attention tests, then the default tile per forward and the rounds, after and before, on one machine.
+# CALL=13 (~4 min): the page pool at 0.9 with the activation reserve (session 31: plain 0.929 of the device in use
+#   after the steps, ~9 GiB beyond weights + pool + reserve): the allocator's memory by pool (graphs, streams), and
+#   DDTree-16 at 256 and 1,024 rows after the grouped log-probabilities.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -132,6 +135,12 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_rounds.py --methods ddtree:16,ddtree:64 --batches 1,16,32 --no-profile \
           --tree-budgets "" $flag --out "$OUT/gpu_rounds_draft_logits${flag}.json" > /tmp/dl.txt 2>&1
       echo "rounds $flag rc=$?"; tail -7 /tmp/dl.txt | cut -c1-110
+    done ;;
+  13)
+    for rows in 1024 256; do
+      timeout 120 python benchmarks/gpu_kv_capacity.py --max-running $rows --methods $([ $rows = 1024 ] && echo none,ddtree || echo ddtree) \
+          --out "$OUT/gpu_kv_capacity_090_$rows.json" > /tmp/kv_$rows.txt 2>&1
+      echo "kv capacity $rows rc=$?"; grep -E '^\{|Error' /tmp/kv_$rows.txt | cut -c1-900
     done ;;
   12)
     cp flashtree/kernels/gpu/triton_attention.py /tmp/triton_attention_after.py
