@@ -128,7 +128,8 @@ class CacheConfig:
     kv_pages: int | None = None  # pages in the pool (None: every running request can reach max_context)
     prefix_caching: bool = False  # reuse the KV pages of prompt prefixes seen before (kv/prefix_cache.py)
     gpu_memory_utilization: float | None = None  # CUDA: size the page pool so the device's memory in use
-    # reaches this fraction of its total (when kv_pages is None; None: every running request can reach max_context)
+    # reaches this fraction of its total with the widest work's activations (engine/memory_profile.py) left free
+    # (when kv_pages is None; None: every running request can reach max_context)
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, "max_context", "page_size")

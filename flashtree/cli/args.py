@@ -86,7 +86,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "can reach are free (None: enough for --max-running requests of --max-context tokens)")
     cache.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
                        metavar="FRACTION", help="CUDA: a page pool that fills the device's memory up to this "
-                                                "fraction of its total (used when --kv-pages is not given)")
+                                                "fraction of its total, less the activations of the widest rounds and "
+                                                "prefill step, measured at start-up (used when --kv-pages is not given)")
     _on_off(cache, "prefix_caching", CacheConfig.prefix_caching,
             "reuse the KV pages of prompt prefixes seen before (a shared system prompt is prefilled once; on in serve)")
 
