@@ -32,7 +32,7 @@
 # CALL=12 (~9 min): the tree attention with whole committed blocks unmasked (session 31) against the kernel before
 #   it (carry .old/triton_attention_before.py = git show 1db760d~1:flashtree/kernels/gpu/triton_attention.py):
 #   the GPU attention tests, then the default tile per forward and the rounds, after and before, on one machine.
-# CALL=13 (~4 min): the page pool at 0.9 with the activation reserve (session 31: plain 0.929 of the device in use
+# CALL=13 (~6 min): the draft-head and page-pool GPU tests, the page pool at 0.9 with the activation reserve (session 31: plain 0.929 of the device in use
 #   after the steps, ~9 GiB beyond weights + pool + reserve): the allocator's memory by pool (graphs, streams), and
 #   DDTree-16 at 256 and 1,024 rows after the grouped log-probabilities.
 set -uo pipefail
@@ -122,8 +122,7 @@ case "${CALL:-1}" in
     echo "rounds swept tiles rc=$?"; tail -5 /tmp/swept.txt | cut -c1-150 ;;
   9)
     timeout 150 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py -k attention \
-        tests/gpu/test_draft_head.py tests/gpu/test_paged_kv.py::test_pool_leaves_room_for_the_widest_rounds \
-        tests/gpu/test_paged_kv.py::test_gpu_memory_utilization_sizes_the_pool > "$OUT/tests_attention.txt" 2>&1
+        > "$OUT/tests_attention.txt" 2>&1
     echo "attention tests rc=$?"; tail -3 "$OUT/tests_attention.txt"
     timeout 240 python benchmarks/gpu_kv_capacity.py --out "$OUT/gpu_kv_capacity.json" > /tmp/kv_capacity.txt 2>&1
     echo "kv capacity rc=$?"; grep -E '^\{|Error' /tmp/kv_capacity.txt | cut -c1-400
@@ -136,7 +135,10 @@ case "${CALL:-1}" in
           --tree-budgets "" $flag --out "$OUT/gpu_rounds_draft_logits${flag}.json" > /tmp/dl.txt 2>&1
       echo "rounds $flag rc=$?"; tail -7 /tmp/dl.txt | cut -c1-110
     done ;;
-  13)
+  13)  # (session 31's CALL=9 ran these two files under -k attention, which deselected them)
+    timeout 150 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_draft_head.py \
+        tests/gpu/test_paged_kv.py -k "draft_logits or utilization or widest" > "$OUT/tests_pool_draft_head.txt" 2>&1
+    echo "pool and draft-head tests rc=$?"; tail -3 "$OUT/tests_pool_draft_head.txt"
     for rows in 1024 256; do
       timeout 120 python benchmarks/gpu_kv_capacity.py --max-running $rows --methods $([ $rows = 1024 ] && echo none,ddtree || echo ddtree) \
           --out "$OUT/gpu_kv_capacity_090_$rows.json" > /tmp/kv_$rows.txt 2>&1
