@@ -163,11 +163,14 @@ def _register_regenerate(subparsers) -> None:
     p.add_argument("--turns", default=d.turns, choices=["first", "all"],
                    help="for chats: answer the first user turn, or every user turn after its history")
     p.add_argument("--output", default=d.output,
-                   help="a .jsonl file, or a directory of shards part-NNNNN.jsonl: each run adds new shards and "
+                   help="a .jsonl file, or a directory of shards part-NNNNN.jsonl.gz: each run adds new shards and "
                         "skips the ids already answered there (resumable over many runs)")
     p.add_argument("--append", action="store_true",
                    help="a .jsonl --output: add to it, skipping the ids it already holds")
-    p.add_argument("--shard-mb", type=float, default=d.shard_mb, help="directory --output: a new shard past this size")
+    p.add_argument("--shard-mb", type=float, default=d.shard_mb,
+                   help="directory --output: a new shard past this size on disk")
+    p.add_argument("--shard-compression", default=d.shard_compression, choices=["gzip", "none"],
+                   help="directory --output: gzip shards (part-NNNNN.jsonl.gz, about a third of the bytes) or plain")
     p.add_argument("--split", default=d.split, choices=["train", "heldout", "all"])
     p.add_argument("--limit", type=int, default=None, help="answer at most this many prompts (this run)")
     p.add_argument("--samples", type=int, default=d.samples,
@@ -199,6 +202,7 @@ def cmd_regenerate(args) -> None:
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, time_budget_s=args.time_budget_s, turns=args.turns,
                            append=args.append, samples=args.samples, shard_mb=args.shard_mb,
+                           shard_compression=args.shard_compression,
                            max_minutes=args.max_minutes, progress=not args.no_progress)
     prompts = select_prompts(cfg)
     llm = llm_from_args(args, max_waiting=max(args.max_waiting, args.max_running))

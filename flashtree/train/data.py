@@ -113,7 +113,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     skipped, bad lines are errors, except a last line without its newline (cut off by a killed
     writer), which is dropped."""
     with _open_text(path) as handle:
-        for index, line in enumerate(handle):
+        for index, line in _lines_to_cut(handle):
             if not line.strip():
                 continue
             try:
@@ -125,6 +125,19 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             if not isinstance(record, dict):
                 raise ConfigError(f"{path}:{index + 1}: expected a JSON object, got {type(record).__name__}")
             yield index, record
+
+
+def _lines_to_cut(handle) -> Iterator[tuple[int, str]]:
+    """(index, line) of a text handle; a gzip stream that ends without its end marker (a killed writer) ends
+    the lines there."""
+    lines = enumerate(handle)
+    while True:
+        try:
+            yield next(lines)
+        except StopIteration:
+            return
+        except EOFError:  # gzip: "Compressed file ended before the end-of-stream marker was reached"
+            return
 
 
 def _open_text(path: Path):
@@ -198,8 +211,9 @@ def read_jsonl(path: str | Path) -> list[Conversation]:
 
 
 def shard_files(directory: str | Path) -> list[Path]:
-    """The ``*.jsonl`` shards of a directory, in name order."""
-    return sorted(Path(directory).glob("*.jsonl"))
+    """The ``*.jsonl`` and ``*.jsonl.gz`` shards of a directory, in name order."""
+    directory = Path(directory)
+    return sorted([*directory.glob("*.jsonl"), *directory.glob("*.jsonl.gz")])
 
 
 def read_shards(directory: str | Path) -> list[Conversation]:
@@ -215,11 +229,11 @@ def load_conversations(source: str) -> list[Conversation]:
     path = Path(source).expanduser()
     if path.is_dir():
         if not shard_files(path):
-            raise ConfigError(f"--data {source!r}: a directory without .jsonl shards")
+            raise ConfigError(f"--data {source!r}: a directory without .jsonl or .jsonl.gz shards")
         return read_shards(path)
     if not path.is_file():
         raise ConfigError(f"--data {source!r}: no such file; allowed: 'sharegpt', a .jsonl or .json file, "
-                          f"or a directory of .jsonl shards")
+                          f"or a directory of .jsonl or .jsonl.gz shards")
     if path.suffix.lower() == ".json":
         return read_sharegpt(path)
     return read_jsonl(path)

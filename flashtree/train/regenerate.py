@@ -13,7 +13,7 @@ at once as ``{"id", "messages": [..., {"role": "assistant", "content"}], "train_
 source conversation ids, so the held-out split of the output equals the source's.
 
 Output: a ``.jsonl`` file (``append``: add to it, skipping the ids it holds), or a directory of
-shards ``part-00000.jsonl``, ... of at most ``shard_mb`` each: every run starts a new shard
+shards ``part-00000.jsonl.gz``, ... (gzip by default) of at most ``shard_mb`` each: every run starts a new shard
 (earlier shards are never rewritten, so a device call brings back only its own) and skips the
 ids the directory already holds. ``max_minutes`` ends a run before a limit: no prompt is admitted
 once the answers in flight might not finish, and at the limit the unfinished ones are dropped
@@ -44,7 +44,7 @@ from flashtree.train.data import (
     shard_files,
     split_conversations,
 )
-from flashtree.train.shard_writer import ShardWriter
+from flashtree.train.shard_writer import SHARD_SUFFIXES, ShardWriter
 
 SAMPLE_SUFFIX = "~s{k}"
 DRAIN_SAFETY = 1.5  # the answers in flight get this many times their measured worst-case time
@@ -72,7 +72,8 @@ class RegenerateConfig:
     turns: str = "first"  # chats (not prompt records): first user turn, or every user turn ("all")
     append: bool = False  # add to an existing .jsonl output, skipping the ids it holds (a directory always does)
     samples: int = 1  # answers per prompt (sampled: temperature > 0)
-    shard_mb: float = 15.0  # directory output: a new shard past this size
+    shard_mb: float = 15.0  # directory output: a new shard past this size (on disk)
+    shard_compression: str = "gzip"  # directory output: gzip (part-NNNNN.jsonl.gz) or none (part-NNNNN.jsonl)
     max_minutes: float | None = None  # end the run before this many minutes (in-flight answers dropped)
     progress: bool = True
 
@@ -91,6 +92,8 @@ class RegenerateConfig:
             raise ConfigError(f"--samples must be >= 1, got {self.samples}")
         if self.samples > 1 and self.temperature == 0:
             raise ConfigError(f"--samples {self.samples} needs --temperature > 0 (greedy answers are all the same)")
+        if self.shard_compression not in SHARD_SUFFIXES:
+            raise ConfigError(f"--shard-compression {self.shard_compression!r}; allowed: {', '.join(SHARD_SUFFIXES)}")
         if not self.shard_mb > 0:
             raise ConfigError(f"--shard-mb must be > 0, got {self.shard_mb}")
         if self.max_minutes is not None and not self.max_minutes > 0:
@@ -175,7 +178,7 @@ class _Drain:
 
 def _output(cfg: RegenerateConfig):
     if cfg.sharded:
-        return ShardWriter(cfg.output, int(cfg.shard_mb * 1024 * 1024))
+        return ShardWriter(cfg.output, int(cfg.shard_mb * 1024 * 1024), cfg.shard_compression)
     out_path = Path(cfg.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     return out_path.open("a" if cfg.append else "w", encoding="utf-8")

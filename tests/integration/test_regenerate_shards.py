@@ -4,6 +4,8 @@ the prompts `flashtree bench` sends; the target's answers go into shards that la
 across runs; train-drafter reads a shard directory and its splits; the commands chain."""
 
 import dataclasses
+import gzip
+import io
 import json
 
 import pytest
@@ -74,6 +76,20 @@ def chats_file(path, count):
     return path
 
 
+def append_cut_line(path, text: str) -> None:
+    """What a killed writer leaves: ``text`` with no newline, and in a gzip shard a stream without its end."""
+    if path.suffix != ".gz":
+        with path.open("a") as handle:
+            handle.write(text)
+        return
+    stream = io.BytesIO()
+    member = gzip.GzipFile(fileobj=stream, mode="wb", mtime=0)
+    member.write(text.encode())
+    member.flush()  # (never closed: no end-of-stream marker)
+    with path.open("ab") as handle:
+        handle.write(stream.getvalue())
+
+
 def read_dir(directory):
     return [r for path in shard_files(directory) for _, r in iter_jsonl(path)]
 
@@ -85,13 +101,13 @@ def test_regenerate_into_shards_resumes_without_repeats(pair, tmp_path):  # noqa
     assert {r["split"] for r in exported} == {"train", "heldout"}
     out = tmp_path / "regen"
     cfg = RegenerateConfig(prompts=str(prompts), output=str(out), split="all", limit=7, max_new_tokens=6,
-                           temperature=0.0, progress=False, shard_mb=0.001)  # ~1 KB shards: a few answers each
+                           temperature=0.0, progress=False, shard_mb=0.0003)  # ~300-byte gzip shards
     llm = LLM(str(pair.target), max_running=4, max_context=128)
     assert regenerate(llm, select_prompts(cfg), cfg).answered == 7
     first_shards = {p.name: p.read_bytes() for p in shard_files(out)}
     assert len(first_shards) > 1
-    with shard_files(out)[-1].open("a") as handle:
-        handle.write('{"id": "c39", "messa')  # a run killed mid-line: c39 is not done
+    assert all(p.name.endswith(".jsonl.gz") for p in shard_files(out))  # gzip shards by default
+    append_cut_line(shard_files(out)[-1], '{"id": "c39", "messa')  # a run killed mid-line: c39 is not done
     rest = dataclasses.replace(cfg, limit=None)
     todo = select_prompts(rest)
     assert len(todo) == len(exported) - 7

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from flashtree.errors import ConfigError
-from flashtree.train.data import iter_jsonl, split_fraction
+from flashtree.train.data import iter_jsonl, shard_files, split_fraction
 from flashtree.train.prompt_sources import (
     collect_prompts,
     documented_functions,
@@ -90,7 +90,7 @@ def test_python_function_prompts_show_signature_and_docstring_only(tmp_path):
 
 def test_shards_grow_run_after_run_and_a_cut_line_is_dropped(tmp_path):
     for run in range(2):
-        writer = ShardWriter(tmp_path, max_bytes=100)
+        writer = ShardWriter(tmp_path, max_bytes=100, compression="none")
         for i in range(5):
             writer.write(json.dumps({"id": f"{run}-{i}", "pad": "x" * 20}) + "\n")
         writer.close()
@@ -106,3 +106,32 @@ def test_shards_grow_run_after_run_and_a_cut_line_is_dropped(tmp_path):
     first.write_text('{"id": "bad", "pa\n' + first.read_text())
     with pytest.raises(ConfigError, match="not valid JSON"):
         list(iter_jsonl(first))  # a bad line inside a shard is an error, not a cut
+
+
+def test_gzip_shards_keep_their_size_and_a_killed_stream_keeps_its_flushed_lines(tmp_path):
+    """gzip shards (the default) stay within max_bytes on disk, number on after plain ones, read back every
+    line, and a stream a killed writer left without its end gives every line flushed before the kill."""
+    (tmp_path / "part-00000.jsonl").write_text(json.dumps({"id": "plain"}) + "\n")
+    writer = ShardWriter(tmp_path, max_bytes=600)
+    records = [{"id": f"r{i}", "text": f"answer {i}: " + "the same words again " * 8} for i in range(40)]
+    for record in records:
+        writer.write(json.dumps(record) + "\n")
+        writer.flush()
+    writer.close()
+    shards = shard_files(tmp_path)
+    assert shards[0].name == "part-00000.jsonl" and shards[1].name == "part-00001.jsonl.gz"
+    assert len(shards) > 2 and all(p.stat().st_size <= 600 for p in shards)
+    assert [r["id"] for p in shards for _, r in iter_jsonl(p)] == ["plain"] + [r["id"] for r in records]
+    raw = sum(len(json.dumps(r)) + 1 for r in records)
+    assert sum(p.stat().st_size for p in shards[1:]) < raw / 2  # repetitive text compresses
+
+    killed = ShardWriter(tmp_path / "killed", max_bytes=10**6)
+    for record in records[:5]:
+        killed.write(json.dumps(record) + "\n")
+        killed.flush()
+    killed.write('{"id": "cut", "te')
+    killed.handle.flush()  # reaches the disk, but the stream never gets its end (no close)
+    path = killed.written[0]
+    assert [r["id"] for _, r in iter_jsonl(path)] == [r["id"] for r in records[:5]]
+    with pytest.raises(EOFError):
+        gzip.decompress(path.read_bytes())  # (the stream has no end marker)
