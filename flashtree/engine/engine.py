@@ -221,9 +221,13 @@ class LLMEngine:
         timer = StageTimer(self.device, kernels.profile_stages)
         runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=scheduling.max_running)
         graph_tokens = kernels.cuda_graph_max_tokens if runner.graphs is not None else None
-        ladder = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
-                             graph_tokens).ladder
-        graphed, widest = runner.widest_rounds(ladder, scheduling.max_running, graph_tokens)
+        policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
+                             graph_tokens)
+        widest = runner.round_variants(*policy.widest_round(scheduling.max_running))
+        if graph_tokens is not None:  # captured at start-up: up to graph_tokens verified tokens
+            graphed = runner.widest_graphed_rounds(policy.ladder, scheduling.max_running, graph_tokens)
+        else:  # captured while serving (or no graphs): any round but one with log-probabilities
+            graphed = [key for key in widest if key[1].logprobs is None] if runner.graphs is not None else []
         rows = max(1, prefill_tokens_for(scheduling, self.device.type) // chunk)
         prompts = [Request(prompt_ids=[0] * chunk, params=SamplingParams(max_tokens=1), stop_token_ids=frozenset(),
                            slot=scheduling.max_running) for _ in range(rows)]  # all on the pad slot

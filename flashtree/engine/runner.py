@@ -255,25 +255,23 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the warm-up runs' cached blocks: the pool's size left room for the graphs only
         self.graphs.freeze()
 
-    def widest_rounds(self, node_options: Sequence[int], max_rows: int, max_tokens: int | None
-                      ) -> tuple[list[tuple], list[tuple]]:
-        """The rounds whose activations bound the engine's memory (``engine/memory_profile.py``), as
-        (padded rows, RoundShape) keys: the graph keys (of :meth:`graph_keys`, up to ``max_tokens``
-        verified tokens; None: graphs captured lazily, so any round but one with log-probabilities) that
-        verify the most tokens, and the rounds of the most node options at the most rows (any sampling
-        variant, with log-probabilities too, which no graph holds)."""
-        width = rows_width(max_rows) if self.graphs is not None and self.pad_slot is not None else max_rows
-        capacity, nodes = self.cache.spec.capacity, max(node_options)
-        widest = [(width, RoundShape(capacity, sampled, filtered, nodes, logprobs))
-                  for sampled, filtered, logprobs in ((False, False, None), (True, True, None), (True, True, MAX_LOGPROBS))]
-        if max_tokens is None:
-            return ([key for key in widest if key[1].logprobs is None] if self.graphs is not None else []), widest
+    def widest_graphed_rounds(self, node_options: Sequence[int], max_rows: int, max_tokens: int) -> list[tuple]:
+        """The graph keys (of :meth:`graph_keys`) of the rounds that verify the most tokens: their activations bound
+        the graphs' pool (``engine/memory_profile.py``)."""
         graphed = [key for key in self.graph_keys(node_options, max_rows, max_tokens) if key[0] != "catch_up"]
         most = max((width * (shape.nodes + 1) for width, shape in graphed), default=0)
-        return [key for key in graphed if key[0] * (key[1].nodes + 1) == most], widest
+        return [key for key in graphed if key[0] * (key[1].nodes + 1) == most]
+
+    def round_variants(self, rows: int, nodes: int) -> list[tuple]:
+        """(padded rows, RoundShape) keys of a round of ``rows`` rows and ``nodes`` nodes at full context: greedy,
+        sampled with top-p, and with log-probabilities (which no graph holds), for :meth:`run_on_pad_rows`."""
+        width = rows_width(rows) if self.graphs is not None and self.pad_slot is not None else rows
+        capacity = self.cache.spec.capacity
+        return [(width, RoundShape(capacity, sampled, filtered, nodes, logprobs))
+                for sampled, filtered, logprobs in ((False, False, None), (True, True, None), (True, True, MAX_LOGPROBS))]
 
     def run_on_pad_rows(self, key: tuple) -> None:
-        """Run the round of ``key`` (from :meth:`widest_rounds`) once, eagerly, on pad rows only."""
+        """Run the round of ``key`` (a graph key or from :meth:`round_variants`) once, eagerly, on pad rows only."""
         width, shape = key
         ints, floats = self._round_inputs([], 0, pads=width)
         self.round_program(shape, *RoundInputs.of(ints, floats))

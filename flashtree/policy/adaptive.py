@@ -234,6 +234,19 @@ class AdaptivePolicy:
         bucket = rows_bucket(rows)
         return {"options": self.estimates.snapshot(bucket), "next_probe": self._next_probe.get(bucket)}
 
+    def widest_round(self, max_rows: int) -> tuple[int, int]:
+        """Of each ladder option, the most rows (up to ``max_rows``) whose bucket allows it (a smaller bucket's
+        whole batch where a larger one's round would verify too many tokens); then the one of most tokens."""
+        options = []
+        for nodes in self.ladder:
+            rows = max_rows
+            while rows > 1 and not self.estimates.allowed(rows_bucket(rows), nodes):
+                rows = rows_bucket(rows) // 2
+            if self.estimates.allowed(rows_bucket(rows), nodes):
+                options.append((rows * (nodes + 1), nodes, rows))
+        _, nodes, rows = max(options)
+        return rows, nodes
+
     def _decision_due(self, bucket: int) -> bool:
         """The next round of ``bucket`` starts a plain recheck or a neighbour probe."""
         rounds = self._rounds[bucket] + 1

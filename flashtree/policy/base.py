@@ -63,6 +63,10 @@ class Policy(Protocol):
     def snapshot(self, rows: int) -> dict | None:
         """The estimates for ``rows`` rows, for traces (None: the policy keeps none)."""
 
+    def widest_round(self, max_rows: int) -> tuple[int, int]:
+        """(rows, nodes) of the round with the most verified tokens it may choose for up to ``max_rows`` rows
+        (what the engine's activation reserve measures, ``engine/memory_profile.py``)."""
+
 
 def node_ladder(max_nodes: int, chain: bool, min_tree_nodes: int = 4) -> tuple[int, ...]:
     """The node counts a round may verify, largest first, ending with 0 (plain).
@@ -123,3 +127,6 @@ class FixedNodes:
 
     def snapshot(self, rows: int) -> dict | None:
         return None
+
+    def widest_round(self, max_rows: int) -> tuple[int, int]:
+        return max_rows, self.ladder[0]

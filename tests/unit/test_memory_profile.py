@@ -38,3 +38,18 @@ def test_profile_runs_the_widest_work_and_leaves_the_tokens_alone(tmp_path, monk
 def test_reserve_adds_the_graphs_pool_to_the_larger_eager_peak():
     assert ActivationReserve(graphed_round=5, widest_round=7, prefill=3).bytes == 12
     assert ActivationReserve(graphed_round=0, widest_round=2, prefill=9).bytes == 9
+
+
+def test_the_widest_round_is_the_widest_the_policy_may_choose():
+    """The reserve measures what a policy can run: a fixed count at every row, the adaptive policy's options only
+    where their bucket's round stays within max_round_tokens."""
+    from flashtree.config import PolicyConfig
+    from flashtree.policy import AdaptivePolicy, FixedNodes, node_ladder
+
+    capped = AdaptivePolicy(node_ladder(64, chain=False), PolicyConfig(max_round_tokens=4096))
+    assert capped.widest_round(256) == (256, 8)  # 2,304 tokens; 64 nodes fit 32 rows (2,080), 16 fit 128 (2,176)
+    assert capped.widest_round(20) == (20, 64)  # bucket 32 x 65 tokens fits
+    chain = AdaptivePolicy(node_ladder(15, chain=True), PolicyConfig(max_round_tokens=4096))
+    assert chain.widest_round(512) == (256, 15)  # 4,096 tokens against 512 plain rows
+    assert AdaptivePolicy(node_ladder(64, chain=False), PolicyConfig()).widest_round(256) == (256, 64)  # no cap
+    assert FixedNodes(16).widest_round(100) == (100, 16)
