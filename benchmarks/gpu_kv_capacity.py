@@ -25,11 +25,11 @@ from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
 
 
-def measure(spec: SpeculationConfig, args) -> dict:
+def measure(spec: SpeculationConfig, args, adaptive: bool = False) -> dict:
     target = write_config("/tmp/flashtree-qwen3-8b", {**QWEN3_8B, **json.loads(args.shape_override)})
     engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device=args.device,
                                        max_running=args.max_running, max_context=args.max_context,
-                                       gpu_memory_utilization=args.gpu_memory_utilization, adaptive_spec=False,
+                                       gpu_memory_utilization=args.gpu_memory_utilization, adaptive_spec=adaptive,
                                        max_waiting=4 * args.max_running, prefill_chunk=args.prompt_tokens,
                                        max_prefill_tokens=16 * args.prompt_tokens))
     cfg = engine.model.config
@@ -44,7 +44,8 @@ def measure(spec: SpeculationConfig, args) -> dict:
     entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     held = sum(r.committed_length if r.output_ids else r.prefilled for r in running)
     page_bytes = (entry + engine.proposer.context_entry_bytes()) * engine.pages.page_size
-    row = {"method": spec.method, "pool_pages": pool.capacity, "page_size": engine.pages.page_size,
+    row = {"method": spec.method, "adaptive": adaptive, "budget": spec.budget, "pool_pages": pool.capacity,
+           "page_size": engine.pages.page_size,
            "pool_gib": pool.num_pages * page_bytes / 2**30, "pages_per_request": budget.need(running[0], args.max_context),
            "fits_by_arithmetic": budget.capacity // budget.need(running[0], args.max_context),
            "running": len(running), "waiting": len(engine.scheduler.waiting),
@@ -87,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-context", type=int, default=32768)
     parser.add_argument("--max-running", type=int, default=1024)
-    parser.add_argument("--methods", default="none,ddtree", help="none and/or ddtree (DDTree-16, fixed)")
+    parser.add_argument("--methods", default="none,ddtree", help="none, ddtree (DDTree-16, fixed), adaptive (DDTree-64, adaptive)")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -100,7 +101,8 @@ def main() -> None:
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", {**QWEN3_8B_DFLASH, **json.loads(args.shape_override)})
     specs = {"none": SpeculationConfig(method="none"),
              "ddtree": SpeculationConfig(method="ddtree", draft=str(drafter), budget=16)}
-    rows = [measure(specs[method], args) for method in args.methods.split(",")]
+    specs["adaptive"] = SpeculationConfig(method="ddtree", draft=str(drafter), budget=64)  # the served default
+    rows = [measure(specs[method], args, adaptive=method == "adaptive") for method in args.methods.split(",")]
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     out = {"device": device, "args": vars(args), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

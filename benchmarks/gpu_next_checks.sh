@@ -140,7 +140,7 @@ case "${CALL:-1}" in
         tests/gpu/test_paged_kv.py -k "draft_logits or utilization or widest" > "$OUT/tests_pool_draft_head.txt" 2>&1
     echo "pool and draft-head tests rc=$?"; tail -3 "$OUT/tests_pool_draft_head.txt"
     for rows in 1024 256; do
-      timeout 120 python benchmarks/gpu_kv_capacity.py --max-running $rows --methods $([ $rows = 1024 ] && echo none,ddtree || echo ddtree) \
+      timeout 120 python benchmarks/gpu_kv_capacity.py --max-running $rows --methods $([ $rows = 1024 ] && echo none,ddtree,adaptive || echo ddtree) \
           --out "$OUT/gpu_kv_capacity_090_$rows.json" > /tmp/kv_$rows.txt 2>&1
       echo "kv capacity $rows rc=$?"; grep -E '^\{|Error' /tmp/kv_$rows.txt | cut -c1-900
     done ;;
