@@ -212,30 +212,39 @@ class LLMEngine:
         pad rows of a provisional cache that holds only the pad slot and ``peak(device, run)`` measured;
         the proposer's context cache is left on the provisional pages (attach it to the real ones)."""
         config, kernels = self.config, self.config.kernels
-        scheduling = config.scheduler
-        chunk = min(scheduling.prefill_chunk, prefill_tokens_for(scheduling, self.device.type))
+        chunk = min(config.scheduler.prefill_chunk, prefill_tokens_for(config.scheduler, self.device.type))
         pages = self._make_pages(requests=pages_for(chunk, config.cache.page_size))
         cache = self._make_cache(pages)
         self.proposer.attach_pages(pages)
         self.model.setup_rope(cache.spec.capacity + 1)
         timer = StageTimer(self.device, kernels.profile_stages)
-        runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=scheduling.max_running)
-        graph_tokens = kernels.cuda_graph_max_tokens if runner.graphs is not None else None
-        policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
-                             graph_tokens)
-        widest = runner.round_variants(*policy.widest_round(scheduling.max_running))
-        if graph_tokens is not None:  # captured at start-up: up to graph_tokens verified tokens
-            graphed = runner.widest_graphed_rounds(policy.ladder, scheduling.max_running, graph_tokens)
-        else:  # captured while serving (or no graphs): any round but one with log-probabilities
-            graphed = [key for key in widest if key[1].logprobs is None] if runner.graphs is not None else []
-        rows = max(1, prefill_tokens_for(scheduling, self.device.type) // chunk)
-        prompts = [Request(prompt_ids=[0] * chunk, params=SamplingParams(max_tokens=1), stop_token_ids=frozenset(),
-                           slot=scheduling.max_running) for _ in range(rows)]  # all on the pad slot
+        runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=config.scheduler.max_running)
         prefill = Prefill(self.model, cache, self.proposer, timer, planless=kernels.planless_prefill)
+        graphed, widest = self._widest_round_keys(runner)
+        prompts = self._widest_prefill(chunk)
         return ActivationReserve(
             graphed_round=max((peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in graphed), default=0),
             widest_round=max(peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in widest),
             prefill=peak(self.device, lambda: prefill(prompts, chunk)))
+
+    def _widest_round_keys(self, runner: ModelRunner) -> tuple[list[tuple], list[tuple]]:
+        """(the widest graphed rounds' keys, the widest round's keys in each sampling variant) the policy may run."""
+        config, max_rows = self.config, self.config.scheduler.max_running
+        graph_tokens = config.kernels.cuda_graph_max_tokens if runner.graphs is not None else None
+        policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
+                             graph_tokens)
+        widest = runner.round_variants(*policy.widest_round(max_rows))
+        if graph_tokens is not None:  # captured at start-up: up to graph_tokens verified tokens
+            return runner.widest_graphed_rounds(policy.ladder, max_rows, graph_tokens), widest
+        # captured while serving (or no graphs): any round but one with log-probabilities
+        return [key for key in widest if key[1].logprobs is None] if runner.graphs is not None else [], widest
+
+    def _widest_prefill(self, chunk: int) -> list[Request]:
+        """The rows of the widest prefill step, ``chunk`` tokens each, all on the pad slot."""
+        rows = max(1, prefill_tokens_for(self.config.scheduler, self.device.type) // chunk)
+        pad = self.config.scheduler.max_running
+        return [Request(prompt_ids=[0] * chunk, params=SamplingParams(max_tokens=1), stop_token_ids=frozenset(),
+                        slot=pad) for _ in range(rows)]
 
     def _make_cache(self, pages: PageTable) -> KVCache:
         """The target's KV cache: a slot per running request and the pad slot, each with room for the
