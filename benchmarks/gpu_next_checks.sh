@@ -35,6 +35,8 @@
 # CALL=13 (~6 min): the draft-head and page-pool GPU tests, the page pool at 0.9 with the activation reserve (session 31: plain 0.929 of the device in use
 #   after the steps, ~9 GiB beyond weights + pool + reserve): the allocator's memory by pool (graphs, streams), and
 #   DDTree-16 at 256 and 1,024 rows after the grouped log-probabilities.
+# CALL=14 (~4 min): why session 31's committed-block attention (1.4x a layer) gained the rounds only 0.2 of ~1.1 ms
+#   (DDTree-16, batch 16): the round's kernel table after and before (carry .old/triton_attention_before.py as CALL=12).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -135,6 +137,15 @@ case "${CALL:-1}" in
           --tree-budgets "" $flag --out "$OUT/gpu_rounds_draft_logits${flag}.json" > /tmp/dl.txt 2>&1
       echo "rounds $flag rc=$?"; tail -7 /tmp/dl.txt | cut -c1-110
     done ;;
+  14)
+    cp flashtree/kernels/gpu/triton_attention.py /tmp/triton_attention_after.py
+    for side in after before; do
+      [ $side = before ] && cp .old/triton_attention_before.py flashtree/kernels/gpu/triton_attention.py
+      timeout 110 python benchmarks/gpu_rounds.py --methods ddtree:16,dflash --batches 16 --no-profile --tree-budgets "" \
+          --kernel-table 12 --out "$OUT/gpu_rounds_kernels_$side.json" > "$OUT/gpu_rounds_kernels_$side.txt" 2>&1
+      echo "rounds $side rc=$?"; tail -30 "$OUT/gpu_rounds_kernels_$side.txt" | cut -c1-160
+    done
+    cp /tmp/triton_attention_after.py flashtree/kernels/gpu/triton_attention.py ;;
   13)  # (session 31's CALL=9 ran these two files under -k attention, which deselected them)
     timeout 150 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_draft_head.py \
         tests/gpu/test_paged_kv.py -k "draft_logits or utilization or widest" > "$OUT/tests_pool_draft_head.txt" 2>&1
