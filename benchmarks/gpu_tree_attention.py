@@ -39,25 +39,24 @@ SEARCH_STAGES = ("block_m x warps", "splits", "block_n", "stages")
 
 
 def forward_inputs(batch: int, new: int, kind: str, context: int, layers: int, gen: torch.Generator,
-                   max_context: int = 2048) -> dict:
+                   max_context: int = 2048, device: str = "cuda") -> dict:
     """One forward's tensors; the block table is ``max_context`` entries wide like the engine's (its width sets
     the default key splits), its first pages real and shuffled."""
     pages_per_slot = -(-(context + 64 + new) // PAGE)
     pages = batch * pages_per_slot
     table = torch.zeros(batch, max(pages_per_slot, -(-max_context // PAGE)), dtype=torch.long)
     table[:, :pages_per_slot] = torch.randperm(pages, generator=gen).view(batch, pages_per_slot)
-    k = torch.randn(layers, pages, KV_HEADS, PAGE, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    lengths = (context + torch.randint(0, 64, (batch,), generator=gen)).cuda()
+    k = torch.randn(layers, pages, KV_HEADS, PAGE, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    lengths = (context + torch.randint(0, 64, (batch,), generator=gen)).to(device)
     if kind == "tree":
         mask = torch.stack([random_tree_mask(new, gen) for _ in range(batch)])
     elif kind == "causal":
         mask = torch.ones(new, new, dtype=torch.bool).tril().expand(batch, new, new)
     else:
         mask = torch.ones(batch, new, new, dtype=torch.bool)
-    return {"q": torch.randn(batch, HEADS, new, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
-            "k": k, "v": torch.randn_like(k), "lengths": lengths, "mask": mask.cuda().contiguous(),
-            "table": table.cuda(),
-            "slots": torch.arange(batch, device="cuda")}
+    return {"q": torch.randn(batch, HEADS, new, HEAD_DIM, device=device, dtype=torch.bfloat16),
+            "k": k, "v": torch.randn_like(k), "lengths": lengths, "mask": mask.to(device).contiguous(),
+            "table": table.to(device), "slots": torch.arange(batch, device=device)}
 
 
 def attend(inputs: dict, layer: int, tile: AttentionTile) -> torch.Tensor:
