@@ -222,10 +222,18 @@ class LLMEngine:
         prefill = Prefill(self.model, cache, self.proposer, timer, planless=kernels.planless_prefill)
         graphed, widest = self._widest_round_keys(runner)
         prompts = self._widest_prefill(chunk)
-        return ActivationReserve(
-            graphed_round=max((peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in graphed), default=0),
-            widest_round=max(peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in widest),
-            prefill=peak(self.device, lambda: prefill(prompts, chunk)))
+        try:
+            return ActivationReserve(
+                graphed_round=max((peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in graphed),
+                                  default=0),
+                widest_round=max(peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in widest),
+                prefill=peak(self.device, lambda: prefill(prompts, chunk)))
+        except torch.cuda.OutOfMemoryError:
+            width, shape = widest[0]
+            raise ConfigError(
+                f"the engine's widest work does not fit the device's memory beside the weights: a round of {width} rows "
+                f"x {shape.nodes + 1} tokens or a prefill step of {len(prompts)} x {chunk} tokens; lower --max-running, "
+                f"--budget or --max-prefill-tokens (or keep --adaptive-spec on)") from None
 
     def _widest_round_keys(self, runner: ModelRunner) -> tuple[list[tuple], list[tuple]]:
         """(the widest graphed rounds' keys, the widest round's keys in each sampling variant) the policy may run."""

@@ -1,9 +1,13 @@
 """The activation reserve's profile run (engine/memory_profile.py) on a CPU: it runs the engine's widest
 rounds and prefill step on pad rows of a provisional cache, and leaves the engine's tokens as they were."""
 
+import pytest
+import torch
+
 from flashtree import LLM, SamplingParams
 from flashtree.engine.memory_profile import ActivationReserve
 from flashtree.engine.runner import ModelRunner
+from flashtree.errors import ConfigError
 from flashtree.sampling import MAX_LOGPROBS
 
 
@@ -53,3 +57,17 @@ def test_the_widest_round_is_the_widest_the_policy_may_choose():
     assert chain.widest_round(512) == (256, 15)  # 4,096 tokens against 512 plain rows
     assert AdaptivePolicy(node_ladder(64, chain=False), PolicyConfig()).widest_round(256) == (256, 64)  # no cap
     assert FixedNodes(16).widest_round(100) == (100, 16)
+
+
+def test_widest_work_that_does_not_fit_is_a_clear_config_error(tmp_path):
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=32, block_size=6)
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, adaptive_spec=False, device="cpu",
+              dtype="float32", max_running=3, max_context=128)
+
+    def out_of_memory(device, run):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(ConfigError, match=r"a round of 3 rows x 9 tokens .* lower --max-running, --budget"):
+        llm.engine.measure_activation_reserve(out_of_memory)
