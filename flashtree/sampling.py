@@ -182,15 +182,14 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int, positions
     (each row's values depend on its own logits only)."""
     rows, width = chosen.shape
     vocab = logits.shape[-1]
-    group = max(1, SAMPLE_CHUNK_ELEMENTS // (width * vocab))
     parts = []
-    for start in range(0, rows, group):
-        part = logits[start:start + group]
+    for group in _row_groups(rows, width * vocab):
+        part = logits[group]
         if positions is not None:
-            part = part.gather(1, positions[start:start + group, :, None].expand(-1, -1, vocab))  # [b, M, V]
+            part = part.gather(1, positions[group, :, None].expand(-1, -1, vocab))  # [b, M, V]
         logp = torch.log_softmax(part.float(), dim=-1)  # [b, M, V]
         top_values, top_ids = logp.topk(min(k, vocab), dim=-1)  # [b, M, k] (k may be 0)
-        parts.append((logp.gather(-1, chosen[start:start + group, :, None].long())[..., 0], top_values, top_ids))
+        parts.append((logp.gather(-1, chosen[group, :, None].long())[..., 0], top_values, top_ids))
     return TokenLogprobs(*(torch.cat(values) for values in zip(*parts)))
 
 
@@ -235,15 +234,20 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingTensors, out_index: to
     if not sampling.any_sampled:
         return greedy
     rows, positions, vocab = logits.shape
-    group = max(1, SAMPLE_CHUNK_ELEMENTS // (positions * vocab))
-    sampled = torch.cat([_sample(logits[start:start + group], _rows_of(sampling, start, start + group),
-                                 out_index[start:start + group]) for start in range(0, rows, group)])  # [B, M]
+    sampled = torch.cat([_sample(logits[group], _rows_of(sampling, group), out_index[group])
+                         for group in _row_groups(rows, positions * vocab)])  # [B, M]
     return torch.where(sampling.temperature[:, None] > 0, sampled, greedy)
 
 
-def _rows_of(sampling: SamplingTensors, start: int, stop: int) -> SamplingTensors:
-    return sampling._replace(temperature=sampling.temperature[start:stop], top_p=sampling.top_p[start:stop],
-                             top_k=sampling.top_k[start:stop], seed=sampling.seed[start:stop])
+def _row_groups(rows: int, values_per_row: int) -> list[slice]:
+    """Consecutive groups of ``rows`` of at most :data:`SAMPLE_CHUNK_ELEMENTS` values each (one row at least)."""
+    group = max(1, SAMPLE_CHUNK_ELEMENTS // values_per_row)
+    return [slice(start, start + group) for start in range(0, rows, group)]
+
+
+def _rows_of(sampling: SamplingTensors, rows: slice) -> SamplingTensors:
+    return sampling._replace(temperature=sampling.temperature[rows], top_p=sampling.top_p[rows],
+                             top_k=sampling.top_k[rows], seed=sampling.seed[rows])
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingTensors, out_index: torch.Tensor) -> torch.Tensor:

@@ -265,7 +265,7 @@ class ModelRunner:
     def round_variants(self, rows: int, nodes: int) -> list[tuple]:
         """(padded rows, RoundShape) keys of a round of ``rows`` rows and ``nodes`` nodes at full context: greedy,
         sampled with top-p, and with log-probabilities (which no graph holds), for :meth:`run_on_pad_rows`."""
-        width = rows_width(rows) if self.graphs is not None and self.pad_slot is not None else rows
+        width = rows + self._pad_rows(rows)  # (padded as a round of that many rows would be)
         capacity = self.cache.spec.capacity
         return [(width, RoundShape(capacity, sampled, filtered, nodes, logprobs))
                 for sampled, filtered, logprobs in ((False, False, None), (True, True, None), (True, True, MAX_LOGPROBS))]

@@ -130,14 +130,10 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
 def _lines_to_cut(handle) -> Iterator[tuple[int, str]]:
     """(index, line) of a text handle; a gzip stream that ends without its end marker (a killed writer) ends
     the lines there."""
-    lines = enumerate(handle)
-    while True:
-        try:
-            yield next(lines)
-        except StopIteration:
-            return
-        except EOFError:  # gzip: "Compressed file ended before the end-of-stream marker was reached"
-            return
+    try:
+        yield from enumerate(handle)
+    except EOFError:  # gzip: "Compressed file ended before the end-of-stream marker was reached"
+        return
 
 
 def _open_text(path: Path):

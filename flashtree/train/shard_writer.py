@@ -36,19 +36,22 @@ class ShardWriter:
         self.file = None  # the shard's file on disk
         self.handle = None  # what lines are written to (the file, or a gzip stream over it)
         self.unflushed = 0  # bytes written since the last flush (a gzip stream may hold them back)
+        self.line_bytes = 0  # bytes of lines in the current shard (a shard always takes its first line)
         self.written: list[Path] = []
 
     def write(self, line: str) -> None:
         data = line.encode("utf-8")
-        if self.handle is None or (self._size() and self._size() + len(data) > self.max_bytes):
+        if self.handle is None or (self.line_bytes and self._size() + len(data) > self.max_bytes):
             self._roll()
         self.handle.write(data)
         self.unflushed += len(data)
+        self.line_bytes += len(data)
 
     def flush(self) -> None:
         if self.handle is not None:
             self.handle.flush()
-            self.file.flush()
+            if self.handle is not self.file:  # (the gzip stream's output, buffered in the file object)
+                self.file.flush()
             self.unflushed = 0
 
     def _size(self) -> int:
@@ -64,7 +67,7 @@ class ShardWriter:
         self.next_index += 1
         self.file = path.open("xb")
         self.handle = gzip.GzipFile(fileobj=self.file, mode="wb", mtime=0) if self.compression == "gzip" else self.file
-        self.unflushed = 0
+        self.unflushed = self.line_bytes = 0
         self.written.append(path)
 
     def close(self) -> None:
