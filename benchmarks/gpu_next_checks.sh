@@ -37,12 +37,13 @@
 #   DDTree-16 at 256 and 1,024 rows after the grouped log-probabilities.
 # CALL=14 (~4 min): why session 31's committed-block attention (1.4x a layer) gained the rounds only 0.2 of ~1.1 ms
 #   (DDTree-16, batch 16): the round's kernel table after and before (carry .old/triton_attention_before.py as CALL=12).
-# CALL=15 (three back-to-back calls on one warm machine, #39 item 2): FlashInfer's paged prefill with a custom mask
-#   against the Triton tree attention (gpu_flashinfer_attention.py). Wheels here, in .old/wheels/ (ignored; remake
-#   with `pip download --no-deps --only-binary=:all: --python-version 3.12` and `split -b 50000000`): PART=1 carries
-#   .old/wheels/fi/*.part-aa; PART=2 carries .old/wheels/fi/*.part-ab, *.part-ac and the small wheels
-#   (.old/wheels/*.whl), installs them into /root/stash/site and builds FlashInfer's kernel on one shape;
-#   PART=3 (no carry) times every shape.
+# CALL=15 (#39 item 2): FlashInfer's paged prefill with a custom mask against the Triton tree attention
+#   (gpu_flashinfer_attention.py). The tracked tree is ~35 MB of the 64 MiB a call carries, so FlashInfer comes as
+#   .old/wheels/fisite.tar.xz (ignored, 22 MB): flashinfer-python 0.7.4 with apache-tvm-ffi (cp312), einops, tabulate,
+#   click and nvidia-ml-py unzipped, less the CUDA sources of modules other than attention (the csrc/ subfolders
+#   but generated/ and nv_internal/, the *_backend/csrc folders); remake: unzip the wheels into a folder, delete those,
+#   tar -cJ. PART=2 (carry it) unpacks into /root/stash/site, builds the kernel and times every shape; PART=3 (no
+#   carry, same warm machine) times them again, or finishes when PART=2's build took its whole call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -144,17 +145,12 @@ case "${CALL:-1}" in
       echo "rounds $flag rc=$?"; tail -7 /tmp/dl.txt | cut -c1-110
     done ;;
   15)
-    FI=flashinfer_python-0.7.4-py3-none-any.whl
-    mkdir -p /root/stash/fi
-    case "${PART:-1}" in
-      1) cp .old/wheels/fi/$FI.part-aa /root/stash/fi/ && ls -la /root/stash/fi ;;
-      2) cp .old/wheels/fi/$FI.part-ab .old/wheels/fi/$FI.part-ac /root/stash/fi/
-         cat /root/stash/fi/$FI.part-* > /root/stash/$FI && sha256sum /root/stash/$FI  # a051a62e...dd32
-         pip install -q --no-deps --target /root/stash/site /root/stash/$FI .old/wheels/*.whl > "$OUT/pip.txt" 2>&1
-         echo "pip rc=$?"; PYTHONPATH=/root/stash/site python -c "import flashinfer; print(flashinfer.__version__)"
-         PYTHONPATH=$PYTHONPATH:/root/stash/site timeout 420 python benchmarks/gpu_flashinfer_attention.py --batches 1 \
-             --forwards plain,ddtree16 --out "$OUT/gpu_flashinfer_attention_build.json" > "$OUT/build.txt" 2>&1
-         echo "build rc=$?"; tail -5 "$OUT/build.txt" | cut -c1-300 ;;
+    case "${PART:-2}" in
+      2) mkdir -p /root/stash/site && tar -C /root/stash/site -xJf .old/wheels/fisite.tar.xz
+         PYTHONPATH=/root/stash/site python -c "import flashinfer; print(flashinfer.__version__)"
+         PYTHONPATH=$PYTHONPATH:/root/stash/site timeout 520 python benchmarks/gpu_flashinfer_attention.py \
+             --out "$OUT/gpu_flashinfer_attention.json" > "$OUT/flashinfer.txt" 2>&1
+         echo "build and time rc=$?"; grep -E "^b=|Error" "$OUT/flashinfer.txt" | cut -c1-220; tail -3 "$OUT/flashinfer.txt" | cut -c1-300 ;;
       3) PYTHONPATH=$PYTHONPATH:/root/stash/site timeout 500 python benchmarks/gpu_flashinfer_attention.py \
              --out "$OUT/gpu_flashinfer_attention.json" > "$OUT/flashinfer.txt" 2>&1
          echo "flashinfer rc=$?"; grep -E "^b=|Error" "$OUT/flashinfer.txt" | cut -c1-220 ;;

@@ -153,11 +153,20 @@ class SchedulerConfig:
     incremental_text: bool = True  # keep each request's text current every step (streaming); False:
     # decode it once when the request finishes (batch jobs: regenerate, bench), unless it has stop strings
     grammar_backend: str = "xgrammar"  # what follows requests with structured output: xgrammar | llguidance
+    max_round_tokens: int | None = None  # tokens one decode round may verify, all rows together (its rows bucket
+    # x (nodes + 1)): a round over it verifies the largest smaller option of the policy's ladder that fits (a
+    # smaller tree; a chain: plain), as vLLM trims speculative tokens to max_num_batched_tokens; bounds the
+    # activation reserve too. None: none for a fixed budget; the adaptive policy keeps its own (PolicyConfig)
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, "max_running", "max_waiting", "prefill_chunk")
         if self.max_prefill_tokens is not None:
             _check_positive_ints(self, "max_prefill_tokens")
+        if self.max_round_tokens is not None:
+            _check_positive_ints(self, "max_round_tokens")
+            if self.max_round_tokens < self.max_running:
+                raise ConfigError(f"max_round_tokens ({self.max_round_tokens}) must be at least max_running "
+                                  f"({self.max_running}): a plain round verifies one token a row")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ConfigError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         if self.queue_plain_rounds not in (None, True, False):

@@ -102,6 +102,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                            default=SchedulerConfig.max_prefill_tokens,
                            help="padded prompt tokens per step over all prefilling requests (at least one chunk runs; "
                                 "None: 256 on a CPU, 2048 on CUDA)")
+    scheduler.add_argument("--max-round-tokens", type=int, default=SchedulerConfig.max_round_tokens, metavar="N",
+                           help="tokens one decode round may verify over all its rows (rows rounded up to a power of "
+                                "two, x (nodes + 1)): a larger round verifies a smaller tree of the budget's ladder, a "
+                                "chain a plain round; also bounds the activations --gpu-memory-utilization reserves "
+                                "(None: no bound for a fixed --budget; the adaptive policy's own: 128 on a CPU, "
+                                "--cuda-graph-max-tokens on CUDA)")
     _on_off(scheduler, "queue_plain_rounds", SchedulerConfig.queue_plain_rounds,
             "queue the next plain round on the device before reading this one's results, so the host's work "
             "between rounds overlaps the device's (same tokens; None: on CUDA)")
@@ -176,7 +182,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 # flag dest -> flat engine setting (EngineConfig.of); the speculation method and drafter go apart
 ENGINE_FLAGS = ("model", "device", "dtype", "random_weights", "seed", "adaptive_spec", "policy_cache", "max_context",
                 "page_size", "kv_pages", "gpu_memory_utilization", "prefix_caching", "max_running",
-                "max_waiting", "prefill_chunk", "max_prefill_tokens", "queue_plain_rounds", "incremental_text",
+                "max_waiting", "prefill_chunk", "max_prefill_tokens", "max_round_tokens", "queue_plain_rounds", "incremental_text",
                 "grammar_backend", *(f.name for f in dataclasses.fields(KernelConfig)), "trace_trees", "trace_policy", "trace_steps",
                 "recent_trees", "tensor_parallel_size", "worker_timeout_s", "distributed_executor")
 

@@ -109,7 +109,8 @@ class LLMEngine:
             device_type=self.device.type)
         graph_tokens = kernels.cuda_graph_max_tokens if self.runner.graphs is not None else None
         self.policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
-                                  graph_tokens, PolicyMemory.for_engine(config, self.device, self.dtype))
+                                  graph_tokens, PolicyMemory.for_engine(config, self.device, self.dtype),
+                                  scheduling.max_round_tokens)
         queue = scheduling.queue_plain_rounds if scheduling.queue_plain_rounds is not None else self.runner.runs_ahead
         self.overlap = QueuedRounds(self.runner, self.lag, config.cache.max_context, enabled=queue)
         self.rounds_by_nodes: Counter[int] = Counter()  # batched rounds per chosen node count
@@ -158,7 +159,8 @@ class LLMEngine:
         max_tokens = self.config.kernels.cuda_graph_max_tokens
         if self.runner.graphs is None or max_tokens is None:
             return 0.0
-        keys = self.runner.graph_keys(self.policy.ladder, self.config.scheduler.max_running, max_tokens)
+        scheduling = self.config.scheduler
+        keys = self.runner.graph_keys(self.policy.ladder, scheduling.max_running, max_tokens, scheduling.max_round_tokens)
         if not keys:
             return 0.0
         t0 = time.perf_counter()
@@ -239,11 +241,12 @@ class LLMEngine:
         """(the widest graphed rounds' keys, the widest round's keys in each sampling variant) the policy may run."""
         config, max_rows = self.config, self.config.scheduler.max_running
         graph_tokens = config.kernels.cuda_graph_max_tokens if runner.graphs is not None else None
+        round_tokens = config.scheduler.max_round_tokens
         policy = make_policy(config.speculation, self.proposer.max_nodes, self.proposer.chain, self.device.type,
-                             graph_tokens)
+                             graph_tokens, max_round_tokens=round_tokens)
         widest = runner.round_variants(*policy.widest_round(max_rows))
         if graph_tokens is not None:  # captured at start-up: up to graph_tokens verified tokens
-            return runner.widest_graphed_rounds(policy.ladder, max_rows, graph_tokens), widest
+            return runner.widest_graphed_rounds(policy.ladder, max_rows, graph_tokens, round_tokens), widest
         # captured while serving (or no graphs): any round but one with log-probabilities
         return [key for key in widest if key[1].logprobs is None] if runner.graphs is not None else [], widest
 

@@ -32,6 +32,7 @@ from flashtree.engine.traces import RecentTrees, TreeTracer
 from flashtree.kv.cache import KVCache
 from flashtree.models.moe import routes_on_host
 from flashtree.models.transformer import CausalLM
+from flashtree.policy.base import round_fits
 from flashtree.sampling import (
     MAX_LOGPROBS,
     TokenLogprob,
@@ -218,10 +219,12 @@ class ModelRunner:
         return step
 
     # ------------------------------------------------------------------ graphs captured at start-up
-    def graph_keys(self, node_options: Sequence[int], max_rows: int, max_tokens: int) -> list[tuple]:
+    def graph_keys(self, node_options: Sequence[int], max_rows: int, max_tokens: int,
+                   max_round_tokens: int | None = None) -> list[tuple]:
         """The CUDA-graph keys of the rounds the engine may run, for :meth:`capture_graphs`: every
         padded row count up to ``max_rows``' with every node count of ``node_options`` whose round
-        verifies at most ``max_tokens`` tokens (rows x (nodes + 1)), each greedy, sampled, and
+        verifies at most ``max_tokens`` tokens (rows x (nodes + 1)) and that the scheduler's
+        ``max_round_tokens`` lets run there (``policy.base.round_fits``), each greedy, sampled, and
         sampled with top-p / top-k (not with log-probabilities or adjusted logits: those rounds run
         eagerly); then the drafter's catch-up at every padded row count. Empty when a graph cannot
         serve every context length (attention over gathered pages keys graphs by length)."""
@@ -232,7 +235,8 @@ class ModelRunner:
         widths = [1 << i for i in range(rows_width(max_rows).bit_length())]  # 1, 2, 4, ... padded rows
         capacity = self.cache.spec.capacity
         keys = [(width, RoundShape(capacity, sampled, filtered, nodes))
-                for width in widths for nodes in sorted(node_options) if width * (nodes + 1) <= max_tokens
+                for width in widths for nodes in sorted(node_options)
+                if width * (nodes + 1) <= max_tokens and round_fits(width, nodes, max_round_tokens)
                 for sampled, filtered in ((False, False), (True, False), (True, True))]
         if any(node_options) and self.proposer.max_nodes > 0:
             keys += [self._catch_up_key(width, self.proposer.lag.capacity) for width in widths]
@@ -255,10 +259,12 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the warm-up runs' cached blocks: the pool's size left room for the graphs only
         self.graphs.freeze()
 
-    def widest_graphed_rounds(self, node_options: Sequence[int], max_rows: int, max_tokens: int) -> list[tuple]:
+    def widest_graphed_rounds(self, node_options: Sequence[int], max_rows: int, max_tokens: int,
+                              max_round_tokens: int | None = None) -> list[tuple]:
         """The graph keys (of :meth:`graph_keys`) of the rounds that verify the most tokens: their activations bound
         the graphs' pool (``engine/memory_profile.py``)."""
-        graphed = [key for key in self.graph_keys(node_options, max_rows, max_tokens) if key[0] != "catch_up"]
+        graphed = [key for key in self.graph_keys(node_options, max_rows, max_tokens, max_round_tokens)
+                   if key[0] != "catch_up"]
         most = max((width * (shape.nodes + 1) for width, shape in graphed), default=0)
         return [key for key in graphed if key[0] * (key[1].nodes + 1) == most]
 

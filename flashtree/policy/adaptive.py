@@ -64,7 +64,7 @@ from collections import Counter
 from typing import Sequence
 
 from flashtree.config import PolicyConfig
-from flashtree.policy.base import PLAIN_NODES, rows_bucket
+from flashtree.policy.base import PLAIN_NODES, rows_bucket, widest_fitting
 from flashtree.policy.estimates import DOMINATED, Estimates
 from flashtree.policy.learned import Learned, LearnedBucket
 from flashtree.policy.row_budgets import cost_curve
@@ -235,17 +235,7 @@ class AdaptivePolicy:
         return {"options": self.estimates.snapshot(bucket), "next_probe": self._next_probe.get(bucket)}
 
     def widest_round(self, max_rows: int) -> tuple[int, int]:
-        """Of each ladder option, the most rows (up to ``max_rows``) whose bucket allows it (a smaller bucket's
-        whole batch where a larger one's round would verify too many tokens); then the one of most tokens."""
-        options = []
-        for nodes in self.ladder:
-            rows = max_rows
-            while rows > 1 and not self.estimates.allowed(rows_bucket(rows), nodes):
-                rows = rows_bucket(rows) // 2
-            if self.estimates.allowed(rows_bucket(rows), nodes):
-                options.append((rows * (nodes + 1), nodes, rows))
-        _, nodes, rows = max(options)
-        return rows, nodes
+        return widest_fitting(self.ladder, max_rows, self.estimates.allowed)
 
     def _decision_due(self, bucket: int) -> bool:
         """The next round of ``bucket`` starts a plain recheck or a neighbour probe."""

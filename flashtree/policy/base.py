@@ -84,6 +84,27 @@ def node_ladder(max_nodes: int, chain: bool, min_tree_nodes: int = 4) -> tuple[i
     return (*ladder, PLAIN_NODES)
 
 
+def round_fits(bucket: int, nodes: int, max_round_tokens: int | None) -> bool:
+    """A round of ``bucket`` rows and ``nodes`` nodes may run under the bound ``max_round_tokens`` on the
+    tokens it verifies (``bucket x (nodes + 1)``; None: no bound). A plain round always may."""
+    return nodes == PLAIN_NODES or max_round_tokens is None or bucket * (nodes + 1) <= max_round_tokens
+
+
+def widest_fitting(ladder: tuple[int, ...], max_rows: int, fits) -> tuple[int, int]:
+    """(rows, nodes) of the round verifying the most tokens over ``ladder``'s options and up to ``max_rows`` rows,
+    where ``fits(bucket, nodes)`` says which options a rows bucket may run: for each option the most rows whose
+    bucket allows it (a smaller bucket's whole batch where a larger one's round would verify too many tokens)."""
+    options = []
+    for nodes in ladder:
+        rows = max_rows
+        while rows > 1 and not fits(rows_bucket(rows), nodes):
+            rows = rows_bucket(rows) // 2
+        if fits(rows_bucket(rows), nodes):
+            options.append((rows * (nodes + 1), nodes, rows))
+    _, nodes, rows = max(options)
+    return rows, nodes
+
+
 def rows_bucket(rows: int) -> int:
     """The timing bucket of a batch: the next power of two at or above ``rows`` (1, 2, 4, ...)."""
     if rows < 1:
@@ -92,20 +113,28 @@ def rows_bucket(rows: int) -> int:
 
 
 class FixedNodes:
-    """Every round verifies ``nodes`` (speculation without the adaptive policy, or plain decoding)."""
+    """Every round verifies ``nodes`` (speculation without the adaptive policy, or plain decoding), or, where
+    a round of that many would verify more than ``max_round_tokens`` tokens (rows bucket x (nodes + 1)), the
+    largest option of ``ladder`` that fits: a smaller tree, or plain for a chain (as vLLM trims speculative
+    tokens to its max_num_batched_tokens). Without a bound the ladder is ``(nodes,)``."""
 
     probing = False  # (never probes)
 
-    def __init__(self, nodes: int):
-        self.ladder = (nodes,)
+    def __init__(self, nodes: int, ladder: tuple[int, ...] | None = None, max_round_tokens: int | None = None):
+        if ladder is not None and (ladder[0] != nodes or ladder[-1] != PLAIN_NODES):
+            raise ValueError(f"a bounded fixed policy's ladder runs from its node count {nodes} down to plain, "
+                             f"got {ladder}")
+        self.ladder = ladder if ladder is not None else (nodes,)
+        self.max_round_tokens = max_round_tokens
 
     def choose(self, rows: int) -> int:
-        return self.ladder[0]
+        bucket = rows_bucket(rows)
+        return next((n for n in self.ladder if round_fits(bucket, n, self.max_round_tokens)), PLAIN_NODES)
 
     best = choose
 
     def settled_on_plain(self, rows: int) -> bool:
-        return self.ladder[0] == PLAIN_NODES
+        return self.choose(rows) == PLAIN_NODES
 
     def record(self, rows: int, nodes: int, seconds: float | None, acceptance: float | None) -> None:
         pass
@@ -129,4 +158,4 @@ class FixedNodes:
         return None
 
     def widest_round(self, max_rows: int) -> tuple[int, int]:
-        return max_rows, self.ladder[0]
+        return widest_fitting(self.ladder, max_rows, lambda bucket, nodes: round_fits(bucket, nodes, self.max_round_tokens))

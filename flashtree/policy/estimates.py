@@ -39,7 +39,7 @@ import math
 from typing import NamedTuple, Sequence
 
 from flashtree.config import PolicyConfig
-from flashtree.policy.base import PLAIN_ACCEPTANCE, PLAIN_NODES
+from flashtree.policy.base import PLAIN_ACCEPTANCE, PLAIN_NODES, round_fits
 
 OUTLIER_FACTOR = 2.0  # round-time samples are clipped to this multiple of the current estimate
 DOMINATED = 0.5  # exploration skips options measured (or bounded) below this fraction of the best score
@@ -141,8 +141,7 @@ class Estimates:
 
     def allowed(self, bucket: int, nodes: int) -> bool:
         """``nodes`` may run in ``bucket``: plain, or a round of at most ``max_round_tokens`` tokens."""
-        cap = self.config.max_round_tokens
-        return nodes == PLAIN_NODES or cap is None or bucket * (nodes + 1) <= cap
+        return round_fits(bucket, nodes, self.config.max_round_tokens)
 
     def score(self, bucket: int, nodes: int) -> float | None:
         """Tokens/s per row of the option, None while unmeasured (see "Monotone round times")."""

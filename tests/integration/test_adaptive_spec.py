@@ -14,7 +14,8 @@ import torch
 import flashtree.engine.engine as engine_module
 from flashtree import LLM, SamplingParams
 from flashtree.config import PolicyConfig
-from flashtree.policy import FixedNodes
+from flashtree.policy import FixedNodes, rows_bucket
+from flashtree.policy.base import round_fits
 from flashtree.speculative.plain import PlainProposer
 from flashtree.speculative.tree import build_tree, chain_tree
 from tests.dflash_helpers import PassThroughGraphs, one_thread, tiny_pair
@@ -385,6 +386,27 @@ def test_requests_asking_for_no_draft_run_plain_rounds(adaptive):
     after = llm.engine.rounds_by_nodes
     assert {n for n in after if after[n] != before.get(n, 0)} == {0}
     assert all(r.stats.acceptance_lengths == [1] * 7 for r in reqs)
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_a_round_token_bound_shrinks_fixed_rounds_and_keeps_the_tokens(pair, plain, method, tmp_path):
+    """A fixed budget (adaptive off) under --max-round-tokens 24: while 5 rows run (bucket 8) neither the
+    3-node chain (32 tokens) nor a 4-node tree (40) fits, so rounds are plain; as rows finish, smaller
+    buckets verify what fits (4 rows: 4-node trees, 2 rows: 8, 1 row: 16). Every round (--trace-policy)
+    stays within the bound, and greedy tokens equal plain decoding's."""
+    import json
+
+    trace = tmp_path / "policy.jsonl"
+    llm = LLM(str(pair.target), spec=method, draft=str(pair.drafter), budget=BUDGET, adaptive_spec=False,
+              max_round_tokens=24, trace_policy=str(trace), **ENGINE)
+    params = [SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True) for i in range(5)]
+    expected = plain.generate(PROMPTS[:5], params)
+    got = llm.generate(PROMPTS[:5], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    rounds = [(json.loads(line)["rows"], json.loads(line)["nodes"]) for line in trace.read_text().splitlines()]
+    assert all(round_fits(rows_bucket(rows), nodes, 24) for rows, nodes in rounds)
+    assert {nodes for rows, nodes in rounds if rows > 4} == {0}
+    assert any(nodes for _, nodes in rounds)  # fewer rows: drafted rounds again
 
 
 def test_policy_trace_has_one_line_per_batched_round(pair, tmp_path):

@@ -273,6 +273,37 @@ def test_fixed_nodes_is_todays_behaviour():
     assert fixed.choose(8) == 64
 
 
+def test_fixed_nodes_under_a_round_token_bound_verify_the_largest_option_that_fits():
+    """max_round_tokens 136: 16 nodes fit a bucket of 8 rows (8 x 17); in one of 16 rows 8 nodes would verify 144
+    tokens, so 4 (80); a bucket of 32 rows runs plain rounds; a chain's only smaller option is plain."""
+    tree = FixedNodes(16, node_ladder(16, chain=False), max_round_tokens=136)
+    assert [tree.choose(r) for r in (1, 5, 8, 9, 16, 17, 32, 64)] == [16, 16, 16, 4, 4, 0, 0, 0]
+    assert tree.settled_on_plain(64) and not tree.settled_on_plain(8)
+    assert tree.widest_round(64) == (8, 16)  # 136 tokens; 4 nodes at 16 rows are 80, plain at 64 rows 64
+    assert tree.widest_round(200) == (200, 0)  # plain rounds of 200 rows verify the most
+    chain = FixedNodes(15, node_ladder(15, chain=True), max_round_tokens=136)
+    assert [chain.choose(r) for r in (8, 9)] == [15, 0]
+    with pytest.raises(ValueError, match="ladder"):
+        FixedNodes(16, (8, 4, 0), max_round_tokens=136)
+
+
+def test_the_schedulers_round_token_bound_reaches_either_policy():
+    from flashtree.config import SchedulerConfig, SpeculationConfig
+    from flashtree.policy import make_policy
+
+    fixed = SpeculationConfig(method="ddtree", draft="drafter", adaptive=False)
+    assert make_policy(fixed, 64, chain=False).ladder == (64,)  # no bound: today's fixed policy
+    bounded = make_policy(fixed, 64, chain=False, max_round_tokens=520)
+    assert bounded.ladder == node_ladder(64, chain=False) and bounded.choose(8) == 64 and bounded.choose(16) == 16
+    adaptive = SpeculationConfig(method="ddtree", draft="drafter")
+    assert make_policy(adaptive, 64, chain=False, device_type="cpu", max_round_tokens=96).config.max_round_tokens == 96
+    assert make_policy(adaptive, 64, chain=False, device_type="cpu", max_round_tokens=999).config.max_round_tokens == 128
+    assert make_policy(adaptive, 64, chain=False, device_type="cuda", graph_tokens=4096,
+                       max_round_tokens=2048).config.max_round_tokens == 2048
+    with pytest.raises(ConfigError, match="max_round_tokens .* must be at least max_running"):
+        SchedulerConfig(max_running=64, max_round_tokens=32)
+
+
 TREES_ACCEPT_A_LITTLE = lambda n: 1.15 if n else 1.0  # noqa: E731 (a weak drafter: trees below plain)
 
 
