@@ -31,7 +31,8 @@ def measure(spec: SpeculationConfig, args, adaptive: bool = False) -> dict:
                                        max_running=args.max_running, max_context=args.max_context,
                                        gpu_memory_utilization=args.gpu_memory_utilization, adaptive_spec=adaptive,
                                        max_waiting=4 * args.max_running, prefill_chunk=args.prompt_tokens,
-                                       max_prefill_tokens=16 * args.prompt_tokens))
+                                       max_prefill_tokens=16 * args.prompt_tokens,
+                                       max_round_tokens=args.max_round_tokens))
     cfg = engine.model.config
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -44,7 +45,8 @@ def measure(spec: SpeculationConfig, args, adaptive: bool = False) -> dict:
     entry = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     held = sum(r.committed_length if r.output_ids else r.prefilled for r in running)
     page_bytes = (entry + engine.proposer.context_entry_bytes()) * engine.pages.page_size
-    row = {"method": spec.method, "adaptive": adaptive, "budget": spec.budget, "pool_pages": pool.capacity,
+    row = {"method": spec.method, "adaptive": adaptive, "budget": spec.budget, "max_round_tokens": args.max_round_tokens,
+           "pool_pages": pool.capacity,
            "page_size": engine.pages.page_size,
            "pool_gib": pool.num_pages * page_bytes / 2**30, "pages_per_request": budget.need(running[0], args.max_context),
            "fits_by_arithmetic": budget.capacity // budget.need(running[0], args.max_context),
@@ -90,6 +92,8 @@ def main() -> None:
     parser.add_argument("--max-running", type=int, default=1024)
     parser.add_argument("--methods", default="none,ddtree", help="none, ddtree (DDTree-16, fixed), adaptive (DDTree-64, adaptive)")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-round-tokens", type=int, default=None,
+                        help="the scheduler's bound on a round's verified tokens (None: none for the fixed budget)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=4)

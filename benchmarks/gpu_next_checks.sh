@@ -34,7 +34,7 @@
 #   the GPU attention tests, then the default tile per forward and the rounds, after and before, on one machine.
 # CALL=13 (~6 min): the draft-head and page-pool GPU tests, the page pool at 0.9 with the activation reserve (session 31: plain 0.929 of the device in use
 #   after the steps, ~9 GiB beyond weights + pool + reserve): the allocator's memory by pool (graphs, streams), and
-#   DDTree-16 at 256 and 1,024 rows after the grouped log-probabilities.
+#   DDTree-16 at 1,024 rows after the grouped log-probabilities, without and with --max-round-tokens 4096.
 # CALL=14 (~4 min): why session 31's committed-block attention (1.4x a layer) gained the rounds only 0.2 of ~1.1 ms
 #   (DDTree-16, batch 16): the round's kernel table after and before (carry .old/triton_attention_before.py as CALL=12).
 # CALL=15 (#39 item 2): FlashInfer's paged prefill with a custom mask against the Triton tree attention
@@ -44,6 +44,8 @@
 #   but generated/ and nv_internal/, the *_backend/csrc folders); remake: unzip the wheels into a folder, delete those,
 #   tar -cJ. PART=2 (carry it) unpacks into /root/stash/site, builds the kernel and times every shape; PART=3 (no
 #   carry, same warm machine) times them again, or finishes when PART=2's build took its whole call.
+# CALL=16 (~8 min, #29): the exact attention at 128 keys a block / 2 stages for 16-bit dtypes (the default since
+#   session 32; float32 keeps 64 / 3): tests/gpu/test_exact_mode.py, then fast and exact rounds at batch 1 / 32.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -144,6 +146,21 @@ case "${CALL:-1}" in
           --tree-budgets "" $flag --out "$OUT/gpu_rounds_draft_logits${flag}.json" > /tmp/dl.txt 2>&1
       echo "rounds $flag rc=$?"; tail -7 /tmp/dl.txt | cut -c1-110
     done ;;
+  17)  # (carry .old/reserve_probe.py) the tiny engine's reserve, then the 8B pool at 1,024 rows with widest-first captures
+    timeout 100 python .old/reserve_probe.py > "$OUT/reserve_probe.txt" 2>&1; echo "probe rc=$?"
+    grep -vE "Warn|warn|capturing" "$OUT/reserve_probe.txt" | tail -12 | cut -c1-300
+    timeout 200 python benchmarks/gpu_kv_capacity.py --max-running 1024 --methods none,ddtree --max-round-tokens 4096 \
+        --out "$OUT/gpu_kv_capacity_090_1024_bounded.json" > /tmp/kv_b.txt 2>&1
+    echo "kv capacity 1024, rounds of <= 4096 tokens rc=$?"; grep -E '^\{|Error' /tmp/kv_b.txt | cut -c1-1200 ;;
+  16)  # the exact attention's 16-bit key loop at 128 keys / 2 stages (session 32's default): tests, then rounds
+    timeout 240 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
+        > "$OUT/tests_exact.txt" 2>&1
+    echo "exact tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact.txt" | tail -10
+    for mode in fast exact; do
+      timeout 110 python benchmarks/gpu_rounds.py --methods none,dflash,ddtree:16 --batches 1,32 --no-profile --tree-budgets "" \
+          $([ $mode = exact ] && echo --exact) --out "$OUT/gpu_rounds_$mode.json" > /tmp/rounds_$mode.txt 2>&1
+      echo "rounds $mode rc=$?"; grep -E '^\{' /tmp/rounds_$mode.txt | cut -c1-110
+    done ;;
   15)
     case "${PART:-2}" in
       2) mkdir -p /root/stash/site && tar -C /root/stash/site -xJf .old/wheels/fisite.tar.xz
@@ -168,11 +185,12 @@ case "${CALL:-1}" in
     timeout 150 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_draft_head.py \
         tests/gpu/test_paged_kv.py -k "draft_logits or utilization or widest" > "$OUT/tests_pool_draft_head.txt" 2>&1
     echo "pool and draft-head tests rc=$?"; tail -3 "$OUT/tests_pool_draft_head.txt"
-    for rows in 1024 256; do
-      timeout 120 python benchmarks/gpu_kv_capacity.py --max-running $rows --methods $([ $rows = 1024 ] && echo none,ddtree,adaptive || echo ddtree) \
-          --out "$OUT/gpu_kv_capacity_090_$rows.json" > /tmp/kv_$rows.txt 2>&1
-      echo "kv capacity $rows rc=$?"; grep -E '^\{|Error' /tmp/kv_$rows.txt | cut -c1-900
-    done ;;
+    timeout 150 python benchmarks/gpu_kv_capacity.py --max-running 1024 --methods none,ddtree,adaptive \
+        --out "$OUT/gpu_kv_capacity_090_1024.json" > /tmp/kv_1024.txt 2>&1
+    echo "kv capacity 1024 rc=$?"; grep -E '^\{|Error' /tmp/kv_1024.txt | cut -c1-900
+    timeout 100 python benchmarks/gpu_kv_capacity.py --max-running 1024 --methods ddtree --max-round-tokens 4096 \
+        --out "$OUT/gpu_kv_capacity_090_1024_bounded.json" > /tmp/kv_b.txt 2>&1
+    echo "kv capacity 1024, rounds of <= 4096 tokens rc=$?"; grep -E '^\{|Error' /tmp/kv_b.txt | cut -c1-900 ;;
   12)
     cp flashtree/kernels/gpu/triton_attention.py /tmp/triton_attention_after.py
     for side in after before; do

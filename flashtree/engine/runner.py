@@ -226,8 +226,11 @@ class ModelRunner:
         verifies at most ``max_tokens`` tokens (rows x (nodes + 1)) and that the scheduler's
         ``max_round_tokens`` lets run there (``policy.base.round_fits``), each greedy, sampled, and
         sampled with top-p / top-k (not with log-probabilities or adjusted logits: those rounds run
-        eagerly); then the drafter's catch-up at every padded row count. Empty when a graph cannot
-        serve every context length (attention over gathered pages keys graphs by length)."""
+        eagerly); then the drafter's catch-up at every padded row count. Widest rounds first: the graphs
+        share one memory pool, and a narrower capture reuses the blocks a wider one freed (captured the
+        other way, each wider round adds its own blocks and the pool grows past the widest round's peak,
+        which is what the activation reserve holds for it). Empty when a graph cannot serve every context
+        length (attention over gathered pages keys graphs by length)."""
         if self.graphs is None or self.pad_slot is None:
             return []
         if not all(self.model.uses_kernel_attention(nodes + 1) for nodes in node_options):
@@ -235,11 +238,12 @@ class ModelRunner:
         widths = [1 << i for i in range(rows_width(max_rows).bit_length())]  # 1, 2, 4, ... padded rows
         capacity = self.cache.spec.capacity
         keys = [(width, RoundShape(capacity, sampled, filtered, nodes))
-                for width in widths for nodes in sorted(node_options)
+                for width in reversed(widths) for nodes in sorted(node_options, reverse=True)
                 if width * (nodes + 1) <= max_tokens and round_fits(width, nodes, max_round_tokens)
-                for sampled, filtered in ((False, False), (True, False), (True, True))]
+                for sampled, filtered in ((True, True), (True, False), (False, False))]
+        keys.sort(key=lambda key: key[0] * (key[1].nodes + 1), reverse=True)  # (stable: filtered first)
         if any(node_options) and self.proposer.max_nodes > 0:
-            keys += [self._catch_up_key(width, self.proposer.lag.capacity) for width in widths]
+            keys += [self._catch_up_key(width, self.proposer.lag.capacity) for width in reversed(widths)]
         return keys
 
     def capture_graphs(self, keys: Sequence[tuple]) -> None:

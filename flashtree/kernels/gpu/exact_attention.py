@@ -11,7 +11,7 @@ Glossary:
 The fast kernel (:mod:`attention`) reduces a row's keys in the order they sit in the cache and splits them by
 how many programs the launch has, so a tree node rounds differently from the plain step it stands for. Here a
 program handles the query heads of one (row, kv head, new token); keys go in blocks of :data:`BLOCK_N` logical
-keys, split s holds logical keys ``SPLIT_KEYS * s ..`` whatever the context, and the splits merge in split
+keys (float32: ``FLOAT32_KEY_LOOP``), split s holds logical keys ``SPLIT_KEYS * s ..`` whatever the context, and the splits merge in split
 order with one formula, whether each split ran in a program of its own (few query groups: the device needs
 the parallelism) or one program ran them all (many). So a query's arithmetic is a function of its logical keys only: bit-identical whatever the
 batch, the number of new tokens per row, or the tree's shape.
@@ -25,8 +25,13 @@ from flashtree.kernels.gpu import interpreting
 from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 from flashtree.kernels.gpu.attention import _kernels, _multiprocessors, check_head_layout
 
-BLOCK_N = 64  # logical keys per block (a divisor of SPLIT_KEYS; it sets the online softmax's steps, so the bits)
-STAGES = 3  # pipeline stages of the key loop (no arithmetic depends on it)
+# The key loop, 16-bit dtypes: logical keys per block (a divisor of SPLIT_KEYS; it sets the online softmax's steps,
+# so the bits) and pipeline stages (no arithmetic depends on them). benchmarks/gpu_exact_attention.py (H100, Qwen3-8B
+# heads, 1k context, session 31): 128 keys / 2 stages against 64 / 3 took batch 32's DFlash-16 from 219 to 127 us a
+# layer and DDTree-16 from 510 to 422. Float32 keeps 64 / 3 (FLOAT32_KEY_LOOP).
+BLOCK_N = 128
+STAGES = 2
+FLOAT32_KEY_LOOP = (64, 3)
 SPLIT_KEYS = 512  # logical keys per split: split s of every query holds its logical keys 512 s .. 512 s + 511
 # new tokens per program by the forward's new tokens per row, for causal chains and for trees: (largest N it
 # serves, tokens). A program reads its row's committed keys once for all its tokens, and attends a tree's own
@@ -107,13 +112,14 @@ def exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part = torch.empty(b, heads, n, max_splits, head_dim, dtype=torch.float32, device=q.device) if parallel else out
     lse = torch.empty(b, heads, n, max_splits, dtype=torch.float32, device=q.device) if parallel else out
     order, depth = key_order if key_order is not None else (lengths, lengths)  # (not read when causal)
+    block_n, stages = FLOAT32_KEY_LOOP if q.dtype == torch.float32 else (BLOCK_N, STAGES)
     kernels = _kernels()
     kernels._exact_attention_kernel[(tiles, b * kv_heads, max_splits)](
         q, k_cache, v_cache, block_table.contiguous(), slots.contiguous(), lengths.contiguous(), order, depth,
         out, part, lse, n, heads, kv_heads, head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
         SPLIT_KEYS, max_splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, PARALLEL=parallel,
-        CAUSAL=key_order is None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), num_stages=STAGES,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PARALLEL=parallel,
+        CAUSAL=key_order is None, IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), num_stages=stages,
         **_launch_options())
     if parallel:
         kernels._merge_splits_kernel[(b * heads * n,)](part, lse, out, max_splits, HEAD_DIM=head_dim,
