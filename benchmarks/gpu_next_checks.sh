@@ -149,6 +149,9 @@ case "${CALL:-1}" in
   17)  # (carry .old/reserve_probe.py) the tiny engine's reserve, then the 8B pool at 1,024 rows with widest-first captures
     timeout 100 python .old/reserve_probe.py > "$OUT/reserve_probe.txt" 2>&1; echo "probe rc=$?"
     grep -vE "Warn|warn|capturing" "$OUT/reserve_probe.txt" | tail -12 | cut -c1-300
+    timeout 90 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_paged_kv.py -k "utilization or widest" \
+        > "$OUT/tests_pool.txt" 2>&1
+    echo "pool tests rc=$?"; grep -E "^E |passed|failed" "$OUT/tests_pool.txt" | tail -4 | cut -c1-300
     timeout 200 python benchmarks/gpu_kv_capacity.py --max-running 1024 --methods none,ddtree --max-round-tokens 4096 \
         --out "$OUT/gpu_kv_capacity_090_1024_bounded.json" > /tmp/kv_b.txt 2>&1
     echo "kv capacity 1024, rounds of <= 4096 tokens rc=$?"; grep -E '^\{|Error' /tmp/kv_b.txt | cut -c1-1200 ;;

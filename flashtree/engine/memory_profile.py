@@ -11,8 +11,11 @@ once on pad rows of a provisional cache that holds only the pad slot, and reserv
   + the larger of the widest round's and the widest prefill step's peaks (the allocator's cache: rounds
     with no graph and prefill steps run outside the graphs' pool).
 
-Glossary: a *peak* is the most memory the caching allocator reserved while the work ran, beyond what
-it held before (after emptying its cache), so it counts the allocator's block rounding as well.
+Glossary: a *peak* is the most memory the work held at once beyond what was held before (after emptying
+the allocator's cache): the larger of the caching allocator's reserved growth (which counts its block
+rounding) and its allocated growth (the tensors themselves, whatever room the allocator found for them:
+on an H100 the tiny engine of tests/gpu/test_paged_kv.py measured 2-4 MiB of reserved growth for rounds
+whose logits alone are 135 MB).
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ class ActivationReserve(NamedTuple):
 
 
 def peak_bytes(device: torch.device, run: Callable[[], object]) -> int:
-    """Bytes the CUDA caching allocator reserved at the peak of ``run()`` beyond what it held before."""
+    """Bytes ``run()`` held at its peak beyond what was held before (see the glossary)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     run()
     torch.cuda.synchronize(device)
-    return max(0, torch.cuda.max_memory_reserved(device) - before)
+    return max(0, torch.cuda.max_memory_reserved(device) - reserved, torch.cuda.max_memory_allocated(device) - allocated)
