@@ -54,3 +54,17 @@ def test_rounds_past_the_token_cap_are_left_out(pair):
     rounds = {(key[0], key[1].nodes) for key in keys if key[0] != "catch_up"}
     assert rounds == {(1, 8), (1, 4), (1, 0), (2, 8), (2, 4), (2, 0), (4, 4), (4, 0)}
     assert sum(key[0] == "catch_up" for key in keys) == 3
+
+
+def test_keys_run_widest_first_and_follow_the_schedulers_round_bound(pair):
+    """Captures share one memory pool: the widest rounds come first (the sampled, filtered variant first among
+    equals), so narrower ones reuse their blocks; ``max_round_tokens`` 10 leaves out the drafted rounds the policy
+    would never run (4 rows x 5 tokens, 2 rows x 9)."""
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, **ENGINE)
+    llm.engine.runner.graphs = PassThroughGraphs()
+    keys = [key for key in llm.engine.runner.graph_keys((8, 4, 0), 4, 20) if key[0] != "catch_up"]
+    tokens = [width * (shape.nodes + 1) for width, shape in keys]
+    assert tokens == sorted(tokens, reverse=True) and keys[0][1].any_filtered
+    bounded = llm.engine.runner.graph_keys((8, 4, 0), 4, 20, max_round_tokens=10)
+    rounds = {(key[0], key[1].nodes) for key in bounded if key[0] != "catch_up"}
+    assert rounds == {(1, 8), (1, 4), (1, 0), (2, 4), (2, 0), (4, 0)}
