@@ -119,7 +119,7 @@ def describe(engine: LLMEngine) -> str:
             f"max_running={scheduling.max_running} max_context={config.cache.max_context} "
             f"kv_pages={engine.pages.pool.capacity}x{config.cache.page_size} "
             f"prefill_chunk={scheduling.prefill_chunk} max_prefill_tokens={engine.scheduler.config.max_prefill_tokens} "
-            f"max_waiting={scheduling.max_waiting} | "
+            f"max_round_tokens={scheduling.max_round_tokens} max_waiting={scheduling.max_waiting} | "
             f"weights {weight_bytes(engine) / GIB:.3f} GiB, KV cache {kv / GIB:.3f} GiB")
 
 
