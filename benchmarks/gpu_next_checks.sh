@@ -44,6 +44,13 @@
 #   but generated/ and nv_internal/, the *_backend/csrc folders); remake: unzip the wheels into a folder, delete those,
 #   tar -cJ. PART=2 (carry it) unpacks into /root/stash/site, builds the kernel and times every shape; PART=3 (no
 #   carry, same warm machine) times them again, or finishes when PART=2's build took its whole call.
+# CALL=17 (~6 min, not yet run: session 32's device time ran out in refused starts): gpu_reserve_probe.py prints
+#   the allocator's allocated and reserved growth of each profiled run of the tiny
+#   engine's activation reserve, the pool GPU tests (session 32's CALL=13: the reserve measured 2-4 MiB of reserved
+#   growth for a round of 135 MB of logits; peaks now take the larger of allocated and reserved growth), then the
+#   8B pool at 1,024 rows with start-up graphs captured widest first (session 32's CALL=13 ran out of memory while
+#   capturing plain graphs narrow-first: 10.9 GiB in the graphs' pool against a 2.5 GiB widest round), and DDTree-16
+#   under --max-round-tokens 4096.
 # CALL=16 (~8 min, #29): the exact attention at 128 keys a block / 2 stages for 16-bit dtypes (the default since
 #   session 32; float32 keeps 64 / 3): tests/gpu/test_exact_mode.py, then fast and exact rounds at batch 1 / 32.
 set -uo pipefail
@@ -146,8 +153,8 @@ case "${CALL:-1}" in
           --tree-budgets "" $flag --out "$OUT/gpu_rounds_draft_logits${flag}.json" > /tmp/dl.txt 2>&1
       echo "rounds $flag rc=$?"; tail -7 /tmp/dl.txt | cut -c1-110
     done ;;
-  17)  # (carry .old/reserve_probe.py) the tiny engine's reserve, then the 8B pool at 1,024 rows with widest-first captures
-    timeout 100 python .old/reserve_probe.py > "$OUT/reserve_probe.txt" 2>&1; echo "probe rc=$?"
+  17)  # the tiny engine's reserve, the pool tests, then the 8B pool at 1,024 rows with widest-first captures
+    timeout 100 python benchmarks/gpu_reserve_probe.py > "$OUT/reserve_probe.txt" 2>&1; echo "probe rc=$?"
     grep -vE "Warn|warn|capturing" "$OUT/reserve_probe.txt" | tail -12 | cut -c1-300
     timeout 90 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_paged_kv.py -k "utilization or widest" \
         > "$OUT/tests_pool.txt" 2>&1
