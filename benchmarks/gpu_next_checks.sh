@@ -51,6 +51,9 @@
 #   8B pool at 1,024 rows with start-up graphs captured widest first (session 32's CALL=13 ran out of memory while
 #   capturing plain graphs narrow-first: 10.9 GiB in the graphs' pool against a 2.5 GiB widest round), and DDTree-16
 #   under --max-round-tokens 4096.
+# CALL=18 (~3 min, never run on a GPU): #39's prefix-cache target on the device it names: 32 requests sharing a
+#   2,048-token system prompt at the Qwen3-8B shape (random weights), time to first token of requests 2..32 against
+#   the first's, prefix caching on and off (prefix_cache_ttft.py; the CPU gave 0.353x, bounded by the suffixes' compute).
 # CALL=16 (~8 min, #29): the exact attention at 128 keys a block / 2 stages for 16-bit dtypes (the default since
 #   session 32; float32 keeps 64 / 3): tests/gpu/test_exact_mode.py, then fast and exact rounds at batch 1 / 32.
 set -uo pipefail
@@ -162,6 +165,11 @@ case "${CALL:-1}" in
     timeout 200 python benchmarks/gpu_kv_capacity.py --max-running 1024 --methods none,ddtree --max-round-tokens 4096 \
         --out "$OUT/gpu_kv_capacity_090_1024_bounded.json" > /tmp/kv_b.txt 2>&1
     echo "kv capacity 1024, rounds of <= 4096 tokens rc=$?"; grep -E '^\{|Error' /tmp/kv_b.txt | cut -c1-1200 ;;
+  18)
+    python -c "import sys; sys.path.insert(0, 'benchmarks'); from qwen3_8b_shape import QWEN3_8B, write_config; write_config('/tmp/qwen3-8b', QWEN3_8B)"
+    timeout 200 python benchmarks/prefix_cache_ttft.py --model /tmp/qwen3-8b --random-weights --device cuda \
+        --out "$OUT/prefix_cache_ttft_qwen3_8b_shape.json" > "$OUT/prefix_ttft.txt" 2>&1
+    echo "prefix ttft rc=$?"; grep -E "prefix caching|Error" "$OUT/prefix_ttft.txt" | cut -c1-200 ;;
   16)  # the exact attention's 16-bit key loop at 128 keys / 2 stages (session 32's default): tests, then rounds
     timeout 240 python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
         > "$OUT/tests_exact.txt" 2>&1
