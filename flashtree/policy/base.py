@@ -128,6 +128,8 @@ class FixedNodes:
         self.max_round_tokens = max_round_tokens
 
     def choose(self, rows: int) -> int:
+        if self.max_round_tokens is None:
+            return self.ladder[0]
         bucket = rows_bucket(rows)
         return next((n for n in self.ladder if round_fits(bucket, n, self.max_round_tokens)), PLAIN_NODES)
 
