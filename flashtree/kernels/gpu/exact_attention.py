@@ -11,10 +11,11 @@ Glossary:
 The fast kernel (:mod:`attention`) reduces a row's keys in the order they sit in the cache and splits them by
 how many programs the launch has, so a tree node rounds differently from the plain step it stands for. Here a
 program handles the query heads of one (row, kv head, new token); keys go in blocks of :data:`BLOCK_N` logical
-keys (float32: ``FLOAT32_KEY_LOOP``), split s holds logical keys ``SPLIT_KEYS * s ..`` whatever the context, and the splits merge in split
-order with one formula, whether each split ran in a program of its own (few query groups: the device needs
-the parallelism) or one program ran them all (many). So a query's arithmetic is a function of its logical keys only: bit-identical whatever the
-batch, the number of new tokens per row, or the tree's shape.
+keys (float32: ``FLOAT32_KEY_LOOP``), split s holds logical keys ``SPLIT_KEYS * s ..`` whatever the context, and
+the splits merge in split order with one formula, whether each split ran in a program of its own (few query
+groups: the device needs the parallelism) or one program ran them all (many). So a query's arithmetic is a
+function of its logical keys only: bit-identical whatever the batch, the number of new tokens per row, or the
+tree's shape.
 """
 
 from __future__ import annotations
