@@ -4,11 +4,11 @@ fallback).
 
     PYTHONPATH=.:/root/stash/site python benchmarks/gpu_flashinfer_attention.py --out OUT.json
 
-FlashInfer on the device (no network there; ../shared/DEVICE.md, "Files over 64 MiB" and "Wheels people ask
-about"): `flashinfer-python` 0.7.4 (101 MB: carried in two parts) installed with --no-deps into /root/stash/site,
-with apache-tvm-ffi (cp312), einops, tabulate, click and nvidia-ml-py; `import flashinfer` needs nothing more
-(checked on the CPU machine). Its kernels compile on first use (nvcc, minutes): run `--batches 1 --forwards plain`
-once to build them.
+FlashInfer on the device (no network there): `flashinfer-python` 0.7.4 with apache-tvm-ffi (cp312), einops,
+tabulate, click and nvidia-ml-py, unzipped into /root/stash/site from one 22 MB archive (the wheel is 101 MB, more
+than a call carries beside the tracked tree; gpu_next_checks.sh CALL=15 says how the archive is made). Its FA2
+prefill kernel compiles on first use (about 35 s on the H100, 2026-12-06). Result that day: the Triton kernel was
+faster at every shape (1.15-2.7x; journal/session-32-2026-12-06.md).
 
 The same inputs as gpu_tree_attention.py (Qwen3-8B heads, 16-entry pages in shuffled order, about ``--context``
 committed entries a row, random trees): FlashInfer reads them as an HND paged cache (the layout flashtree keeps),
