@@ -238,10 +238,10 @@ class ModelRunner:
         widths = [1 << i for i in range(rows_width(max_rows).bit_length())]  # 1, 2, 4, ... padded rows
         capacity = self.cache.spec.capacity
         keys = [(width, RoundShape(capacity, sampled, filtered, nodes))
-                for width in reversed(widths) for nodes in sorted(node_options, reverse=True)
+                for width in widths for nodes in node_options
                 if width * (nodes + 1) <= max_tokens and round_fits(width, nodes, max_round_tokens)
                 for sampled, filtered in ((True, True), (True, False), (False, False))]
-        keys.sort(key=lambda key: key[0] * (key[1].nodes + 1), reverse=True)  # (stable: filtered first)
+        keys.sort(key=lambda key: key[0] * (key[1].nodes + 1), reverse=True)  # widest first (stable: filtered first)
         if any(node_options) and self.proposer.max_nodes > 0:
             keys += [self._catch_up_key(width, self.proposer.lag.capacity) for width in reversed(widths)]
         return keys

@@ -14,7 +14,7 @@ are committed, so a policy is free to pick any of them.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 PLAIN_NODES = 0  # the plain option: root-only tree, no drafter pass
 PLAIN_ACCEPTANCE = 1.0  # a plain round commits exactly its bonus token
@@ -90,7 +90,7 @@ def round_fits(bucket: int, nodes: int, max_round_tokens: int | None) -> bool:
     return nodes == PLAIN_NODES or max_round_tokens is None or bucket * (nodes + 1) <= max_round_tokens
 
 
-def widest_fitting(ladder: tuple[int, ...], max_rows: int, fits) -> tuple[int, int]:
+def widest_fitting(ladder: tuple[int, ...], max_rows: int, fits: Callable[[int, int], bool]) -> tuple[int, int]:
     """(rows, nodes) of the round verifying the most tokens over ``ladder``'s options and up to ``max_rows`` rows,
     where ``fits(bucket, nodes)`` says which options a rows bucket may run: for each option the most rows whose
     bucket allows it (a smaller bucket's whole batch where a larger one's round would verify too many tokens)."""
