@@ -82,8 +82,9 @@ def _run_rank(rank: int, world: int, port: int, config: ModelConfig, weights, se
     model = build_shard(config, weights, torch.device("cpu"), torch.float32, collectives, seed=seed)
     model.use_cpu_kernels(True)
     outputs = two_forwards(model)
-    if rank == 0:
-        results.put([(logits.clone(), hidden.clone()) for logits, hidden in outputs])
+    if rank == 0:  # (numpy arrays travel by value: a tensor would travel as a file descriptor that the
+        # sending process serves, and this process may exit before the parent has taken it)
+        results.put([(logits.numpy().copy(), hidden.numpy().copy()) for logits, hidden in outputs])
 
 
 def sharded_outputs(config: ModelConfig, weights, world: int, seed: int = 0):
@@ -96,7 +97,7 @@ def sharded_outputs(config: ModelConfig, weights, world: int, seed: int = 0):
              for r in range(world)]
     for process in ranks:
         process.start()
-    outputs = results.get(timeout=120)
+    outputs = [(torch.from_numpy(logits), torch.from_numpy(hidden)) for logits, hidden in results.get(timeout=120)]
     for process in ranks:
         process.join(30)
         assert process.exitcode == 0
