@@ -40,6 +40,8 @@ class ForwardMeta(NamedTuple):
 def pack_forward(batch: ForwardBatch, logits_index: torch.Tensor | None
                  ) -> tuple[ForwardMeta, torch.Tensor, torch.Tensor]:
     """(meta, ints [2BN + 2B (+ BM)] int64, mask [B, N, N] uint8) of a forward's inputs."""
+    if batch.packing is not None:
+        raise ValueError("a tensor-parallel forward takes the padded layout only (ForwardBatch.packing must be None)")
     parts = [batch.input_ids.reshape(-1), batch.positions.reshape(-1), batch.slots, batch.cache_lengths]
     if logits_index is not None:
         parts.append(logits_index.reshape(-1))

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from flashtree.models.packing import TokenPacking
+
 
 class ForwardBatch(NamedTuple):
     input_ids: torch.Tensor  # [B, N] int64
@@ -28,6 +30,9 @@ class ForwardBatch(NamedTuple):
     # the exact attention's ancestor order of new_mask (kernels/gpu/exact_attention.py), set by the target's
     # forward in exact mode; None otherwise (and for causal prompt chunks)
     key_order: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the ragged layout (models/packing.py): the products run over the packed real tokens, attention over
+    # [B, N]; the forward's hidden states and logits are then [1, T, ...]. None: every [B, N] entry runs
+    packing: TokenPacking | None = None
 
     @property
     def num_new(self) -> int:

@@ -171,16 +171,18 @@ class Attention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                 write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``rope``: cos, sin ``[B, 1, N, D]`` at the tokens' positions; with fused kernels, the
-        whole ``[P, D]`` tables (the kernel looks positions up itself)."""
-        b, n, _ = x.shape
+        whole ``[P, D]`` tables (the kernel looks positions up itself). ``x``: ``[B, N, hidden]``, or
+        ``[1, T, hidden]`` for a packed batch (``batch.packing``: the projections run over the packed tokens,
+        the attention over ``[B, N]``), and the output likewise."""
+        b, n = batch.input_ids.shape
         if self.kernels is not None:
             qkv = product(self.kernels)(x, self.qkv_weight, self.qkv_bias, self.qkv_quant)  # [B, N, (H + 2 KVH) * D]
             q = self.kernels.qkv_norm_rope_write(
-                qkv, self.heads, self.kv_heads, self.qk_norm_weight, self.q_norm.eps if self.q_norm else 0.0,
-                *rope, batch.positions, cache.k[self.layer_index], cache.v[self.layer_index],
-                write_index)  # [B, H, N, D]
+                unpacked(qkv, batch), self.heads, self.kv_heads, self.qk_norm_weight,
+                self.q_norm.eps if self.q_norm else 0.0, *rope, batch.positions, cache.k[self.layer_index],
+                cache.v[self.layer_index], write_index)  # [B, H, N, D]
         else:
-            q = self._rotate_and_write(x, cache, rope, write_index)
+            q = self._rotate_and_write(x, batch, cache, rope, write_index)
         if mask is None:  # the backend's attention reads lengths and new_mask itself
             order = {} if batch.key_order is None else {"key_order": batch.key_order}  # (exact mode)
             out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index],
@@ -189,14 +191,17 @@ class Attention(nn.Module):
         else:
             keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len)
             out = masked_attention(q, keys, values, mask, batch.one_off_shape)  # [B, H, N, D]
-        return product(self.kernels)(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim),
-                                     self.o_proj.weight, None, self.o_quant)
+        out = out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)  # [B, N, H * D]
+        if batch.packing is not None:
+            out = batch.packing.gather(out)[None]  # [1, T, H * D]
+        return product(self.kernels)(out, self.o_proj.weight, None, self.o_quant)
 
-    def _rotate_and_write(self, x: torch.Tensor, cache: KVCache, rope: tuple[torch.Tensor, torch.Tensor],
+    def _rotate_and_write(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache,
+                          rope: tuple[torch.Tensor, torch.Tensor],
                           write_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The torch-ops path: project, q/k norm, rotary, write K/V; returns q ``[B, H, N, D]``."""
-        b, n, _ = x.shape
-        q, k, v = self.project_qkv(x)
+        b, n = batch.input_ids.shape
+        q, k, v = (unpacked(t, batch) for t in self.project_qkv(x))  # [B, N, width] each
         q = q.view(b, n, self.heads, self.head_dim)
         k = k.view(b, n, self.kv_heads, self.head_dim)
         v = v.view(b, n, self.kv_heads, self.head_dim)
@@ -207,6 +212,15 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KVH, N, D]
         cache.write_at(self.layer_index, write_index, k.transpose(1, 2), v)
         return q
+
+
+def unpacked(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """A packed batch's ``[1, T, width]`` at its padded entries, ``[B, N, width]`` (zeros where no token is
+    packed); ``x`` as it is for a padded batch."""
+    if batch.packing is None:
+        return x
+    rows, width = batch.input_ids.shape
+    return batch.packing.scatter(x[0], rows, width)
 
 
 class DecoderLayer(nn.Module):
@@ -344,8 +358,9 @@ def _stack_mlp(mlp: nn.Module) -> tuple | None:
 
 
 class ForwardOutput(NamedTuple):
-    logits: torch.Tensor  # [B, M, vocab] float32, at the requested positions
-    hidden: torch.Tensor | None  # [B, N, len(capture_layers) * hidden], after those layers (None with a sink)
+    logits: torch.Tensor  # [B, M, vocab] float32, at the requested positions (a packed batch: [1, T, vocab])
+    hidden: torch.Tensor | None  # [B, N, len(capture_layers) * hidden], after those layers (None with a sink;
+    # a packed batch: [1, T, ...])
 
 
 class CausalLM(FusedKernelSwitch, nn.Module):
@@ -457,7 +472,11 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         if self.rope is None:
             self.setup_rope(self.config.max_position_embeddings)
         self.rope.ensure(int(batch.kv_len) + 1)
-        x = self.input_embedding(batch.input_ids)  # [B, N, hidden]
+        packing = batch.packing
+        if packing is not None and logits_index is not None:
+            raise ValueError("a packed forward scores every packed token: logits_index must be None")
+        ids = batch.input_ids if packing is None else packing.gather(batch.input_ids)[None]  # [B, N] or [1, T]
+        x = self.input_embedding(ids)  # [B, N, hidden] (packed: [1, T, hidden], and so on below)
         # fused kernels look positions up in the tables; otherwise cos, sin [B, 1, N, head_dim]
         rope = (self.rope.cos, self.rope.sin) if self.kernels is not None else self.rope.lookup(batch.positions)
         if self.uses_kernel_attention(batch.num_new, batch.prefill):
@@ -471,7 +490,8 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         captured = {}
         keepers = self._keepers(capture_layers, feature_sink)
         last = len(self.model.layers) - 1
-        if mask is None and self.layer_stack is not None:  # (the C++ attention: the stack takes it all)
+        if mask is None and self.layer_stack is not None and packing is None:  # (the C++ attention: the stack
+            # takes it all)
             x, residual = self._run_layer_stack(x, batch, cache, write_index, keepers, captured)
         else:
             residual = None
