@@ -223,6 +223,10 @@ class KernelConfig:
     # the adaptive policy never chooses a larger one); None: captured when first needed, while serving
     cuda_graph_max_tokens: int | None = 4096
     plain_fast_path: bool = True  # plain rounds skip the root-only tree and its accept walk (same values)
+    # rounds whose rows keep budgets of their own (the per-row allotment) verify the rows' real tokens packed
+    # into one flat batch (models/packing.py: the products run over those tokens only; same values), not
+    # padded to the widest row; on a CPU, single-tensor-parallel engines (a TP forward stays padded)
+    packed_verify: bool = True
     feature_sink: bool = True  # a plain round's drafter features are written by the fused norm, not copied after
     planless_prefill: bool = True  # CUDA prefill attention with kernels that build no per-shape plan
     # CUDA: the target's forwards (prefill, plain steps, chains, trees) with shape-invariant kernels

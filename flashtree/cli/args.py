@@ -143,6 +143,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                          "'lazy': capture each graph when first needed, while serving")
     _on_off(kernels, "plain_fast_path", KernelConfig.plain_fast_path,
             "plain rounds skip the root-only tree and its accept walk (same tokens)")
+    _on_off(kernels, "packed_verify", KernelConfig.packed_verify,
+            "CPU: rounds whose rows keep tree budgets of their own verify the rows' real tokens packed into one "
+            "flat batch (the products run over those tokens only), not padded to the widest row (same tokens)")
     _on_off(kernels, "feature_sink", KernelConfig.feature_sink,
             "a plain round's drafter features are written by the fused norm kernel (same tokens)")
     _on_off(kernels, "planless_prefill", KernelConfig.planless_prefill,

@@ -419,13 +419,17 @@ class LLMEngine:
 
     def _allotment(self, rows: Sequence[Request], nodes: int) -> RowAllotment | None:
         """Per-row budgets from each row's own tree for a drafted tree round, by the policy's cost curve;
-        None: every row keeps ``nodes``. On a CPU only: there the verify forward narrows to the widest
-        row (padded layout); a CUDA round's forward stays [B, nodes + 1] (one graph per node count)
-        until the ragged verify forward, so fewer nodes would save nothing there."""
+        None: every row keeps ``nodes``. On a CPU only, where the host knows the rows' counts without a
+        sync: the verify forward runs their tokens packed (``kernels.packed_verify``; a tensor-parallel
+        forward stays padded), else narrowed to the widest row. A CUDA round's forward stays [B, nodes + 1]
+        (one graph per node count) until graphs are keyed by the packed size."""
         if nodes == 0 or self.proposer.chain or self.device.type != "cpu":
             return None
         costs = self.policy.round_costs(len(rows), nodes)
-        return None if costs is None else RowAllotment(torch.tensor(costs, device=self.device), padded=True)
+        if costs is None:
+            return None
+        packed = self.config.kernels.packed_verify and self.config.parallel.tensor_parallel_size == 1
+        return RowAllotment(torch.tensor(costs, device=self.device), padded=not packed)
 
     def _record(self, launched: LaunchedRound, result: RoundResult, seconds: float | None, wall: float) -> None:
         """The round's measurement to the policy (``seconds`` None: untimed) and the traces."""

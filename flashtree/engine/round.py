@@ -34,6 +34,7 @@ from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.token_state import SlotTokenState
 from flashtree.kv.cache import KVCache
 from flashtree.models.batch import ForwardBatch
+from flashtree.models.packing import TokenPacking, pack_rows
 from flashtree.models.transformer import CausalLM
 from flashtree.penalties import adjust_logits, path_tokens
 from flashtree.sampling import (
@@ -45,7 +46,7 @@ from flashtree.sampling import (
 from flashtree.policy.row_budgets import allot_budgets
 from flashtree.speculative.proposer import Proposer
 from flashtree.speculative.tree.build import Allot
-from flashtree.speculative.tree.draft_tree import narrowed, root_only_tree
+from flashtree.speculative.tree.draft_tree import DraftTree, narrowed, root_only_tree
 from flashtree.speculative.verify import AcceptResult, accept_walk
 
 INT_FIELDS = 8  # RoundInputs' integer fields (all but temperature and top_p), in their order
@@ -89,7 +90,15 @@ class RowAllotment(NamedTuple):
     the most expected tokens per cost (``policy/row_budgets.allot_budgets``), at most its budget."""
 
     cost: torch.Tensor  # [T + 1] float on the device: the round's cost by verified tokens (the policy's curve)
-    padded: bool  # the verify forward is [B, widest row] (True today) rather than the rows' tokens packed
+    padded: bool  # the verify forward is [B, widest row] rather than the rows' tokens packed (models/packing.py)
+    # the packed layout's flat batch size (a graph's key; the cost curve must not allow more); None: the rows'
+    # own total, read on the host (CPU tensors only). At least the round's live rows: every root is verified
+    tokens: int | None = None
+
+    def packs(self, shape: "RoundShape") -> bool:
+        """A round of ``shape`` verifies its rows' tokens packed: the ragged layout, where its logits need no
+        [B, N] adjustment (penalties and min_tokens keep the padded layout)."""
+        return not self.padded and not shape.adjust
 
 
 class RoundOutput(NamedTuple):
@@ -130,6 +139,11 @@ class DeviceRound:
                 tree = narrowed(tree, int(tree.valid.sum(dim=1).max()))  # [B, widest row]
         else:
             tree = self.proposer.propose(rows, nodes)
+        packing = None
+        if allotment is not None and grammar is None and allotment.packs(shape) and not self.proposer.chain:
+            packing = packed_rows(tree, rows, allotment.tokens)
+            tree = tree._replace(valid=tree.valid & (packing.packed | (tree.depths == 0)))  # (nothing unpacked is
+            # walked: a pad row's root stays, its result is dropped)
         tokens = torch.cat([rows.bonus[:, None], tree.tokens[:, 1:].clamp(min=0)], dim=1)  # [B, N]
         t1 = timer.add("draft", t0) if timer else 0.0
 
@@ -137,16 +151,19 @@ class DeviceRound:
         batch = ForwardBatch(
             input_ids=tokens, positions=rows.starts[:, None] + tree.depths, slots=rows.slots,
             cache_lengths=rows.starts, new_mask=tree.ancestor_mask, kv_len=shape.kv_len,
-            chain=self.proposer.chain and grammar is None)  # (a grammar's refined chain may branch)
+            chain=self.proposer.chain and grammar is None, packing=packing)  # (a grammar's refined chain may branch)
         out = self.model(batch, self.cache, capture_layers=self.proposer.capture_layers)
         out_index = rows.generated[:, None] + tree.depths  # [B, N]
-        logits = out.logits
-        if shape.adjust:  # each node's distribution given the output so far and its own path
-            paths = path_tokens(tokens, tree.parents, min(self.proposer.max_depth, nodes))  # [B, N, D]
-            logits = adjust_logits(logits, out_index, self.token_state.gather(rows.slots, rows.generated), paths)
-        if grammar is not None:  # each node's choice among what the grammar allows after its path
-            logits = logits.masked_fill(~grammar.allowed, float("-inf"))
-        choice = choose_tokens(logits, sampling_of(shape, rows), out_index)  # [B, N]
+        if packing is not None:
+            choice = packed_choice(out.logits[0], packing, sampling_of(shape, rows), out_index)  # [B, N]
+        else:
+            logits = out.logits
+            if shape.adjust:  # each node's distribution given the output so far and its own path
+                paths = path_tokens(tokens, tree.parents, min(self.proposer.max_depth, nodes))  # [B, N, D]
+                logits = adjust_logits(logits, out_index, self.token_state.gather(rows.slots, rows.generated), paths)
+            if grammar is not None:  # each node's choice among what the grammar allows after its path
+                logits = logits.masked_fill(~grammar.allowed, float("-inf"))
+            choice = choose_tokens(logits, sampling_of(shape, rows), out_index)  # [B, N]
         t2 = timer.add("verify", t1) if timer else 0.0
 
         # 3. accept: the deepest path of nodes carrying the target's choices
@@ -162,7 +179,7 @@ class DeviceRound:
         if out.hidden is not None and nodes == 0:
             self.proposer.defer(rows.slots, out.hidden[:, :1], rows.lags)  # projected at the next drafted round
         elif out.hidden is not None:  # the drafter sees every committed token
-            features = out.hidden.gather(1, path[:, :, None].expand(-1, -1, out.hidden.shape[-1]))  # [B, P, F]
+            features = at_nodes(out.hidden, path, packing)  # [B, P, F]
             self.proposer.observe(rows.slots, features, walk.accept_lengths, rows.starts)
         packed = pack(walk, tree.valid)
         if shape.adjust:
@@ -172,7 +189,9 @@ class DeviceRound:
         trace = (tokens, tree.parents, tree.valid, walk.path) if self.tracing else None
         logprobs = None
         if shape.logprobs is not None:  # emitted token j is the target's choice at path node j
-            logprobs = token_logprobs(out.logits, choice.gather(1, path), shape.logprobs, positions=path)  # [B, P(, k)]
+            chosen = choice.gather(1, path)  # [B, P]
+            logprobs = (token_logprobs(out.logits, chosen, shape.logprobs, positions=path) if packing is None
+                        else token_logprobs(packing.at(out.logits[0], path), chosen, shape.logprobs))  # [B, P(, k)]
         return RoundOutput(packed, trace, logprobs)
 
     def _plain(self, shape: RoundShape, rows: RoundInputs, timer: StageTimer | None,
@@ -218,6 +237,38 @@ def row_allot(allotment: RowAllotment, rows: RoundInputs) -> Allot:
     share the round by their trees' path probabilities."""
     live = rows.generated > 0  # [B]
     return lambda ranked, caps: allot_budgets(ranked, caps, allotment.cost, live, allotment.padded)
+
+
+def packed_rows(tree: DraftTree, rows: RoundInputs, tokens: int | None) -> TokenPacking:
+    """The packing of each live row's valid nodes (a prefix of its node axis) into ``tokens`` flat tokens
+    (None: exactly their total, read on the host: CPU tensors only); a pad row packs nothing."""
+    counts = torch.where(rows.generated > 0, tree.valid.sum(dim=1), 0)  # [B]
+    if tokens is None:
+        if counts.device.type != "cpu":
+            raise ValueError("a packed round on a device other than the CPU needs its flat size (RowAllotment.tokens)")
+        tokens = max(int(counts.sum()), 1)
+    return pack_rows(counts, tree.valid.shape[1], tokens)
+
+
+def packed_choice(logits: torch.Tensor, packing: TokenPacking, sampling: SamplingTensors,
+                  out_index: torch.Tensor) -> torch.Tensor:
+    """The target's choice at every node ``[B, N]`` from a packed forward's ``logits [T, V]``: each flat
+    token chosen with its row's settings and its own output index (the same keyed sample as padded), then
+    put at its node (an unpacked node gets a flat pad token's choice: nothing walks it)."""
+    row_of = packing.row_of  # [T]
+    per_token = sampling._replace(temperature=sampling.temperature[row_of], top_p=sampling.top_p[row_of],
+                                  top_k=sampling.top_k[row_of], seed=sampling.seed[row_of])
+    flat = choose_tokens(logits[:, None], per_token, packing.gather(out_index)[:, None])[:, 0]  # [T]
+    nodes = torch.arange(out_index.shape[1], device=out_index.device).expand_as(out_index)  # [B, N]
+    return packing.at(flat, nodes)  # [B, N]
+
+
+def at_nodes(values: torch.Tensor, nodes: torch.Tensor, packing: TokenPacking | None) -> torch.Tensor:
+    """A forward's per-token ``values`` (``[B, N, F]``, or ``[1, T, F]`` packed) at each row's ``nodes [B, M]``
+    -> ``[B, M, F]``."""
+    if packing is not None:
+        return packing.at(values[0], nodes)
+    return values.gather(1, nodes[:, :, None].expand(-1, -1, values.shape[-1]))
 
 
 def sampling_of(shape: RoundShape, rows: RoundInputs) -> SamplingTensors:

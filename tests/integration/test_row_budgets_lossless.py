@@ -1,7 +1,8 @@
 """Per-row budgets stay lossless: rounds whose rows verify different numbers of nodes (0 = a plain
 step for the row, 1, the round's full count, and the policy's own allotment) commit exactly plain
 decoding's tokens (greedy, fp32, CPU) and, sampled, plain's seeded tokens (the target's
-distribution); the adaptive default stays lossless with its allotment on."""
+distribution), with the verify forward's rows packed (the default) or padded to the widest row; the
+adaptive default stays lossless with its allotment on."""
 
 from __future__ import annotations
 
@@ -64,9 +65,15 @@ def with_allotment(llm: LLM, monkeypatch, rule=None, costs=None) -> None:
         monkeypatch.setattr(round_module, "allot_budgets", rule)
 
 
-@pytest.fixture
-def ddtree(pair):
-    return LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, **ENGINE)
+@pytest.fixture(params=[True, False], ids=["packed", "padded"])
+def ddtree(pair, request, monkeypatch):
+    """A DDTree engine whose allotted rounds verify packed rows (or padded ones), checked to do so."""
+    packings = []
+    real = round_module.pack_rows
+    monkeypatch.setattr(round_module, "pack_rows", lambda *args: packings.append(1) or real(*args))
+    yield LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, packed_verify=request.param,
+              **ENGINE)
+    assert bool(packings) == request.param
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -162,21 +169,28 @@ def test_the_adaptive_default_allots_and_stays_lossless(pair, plain, monkeypatch
 
 
 def test_narrowed_rounds_keep_logprobs_penalties_and_traces(pair, plain, monkeypatch, tmp_path):
-    """Rounds narrowed to their widest row (per-row budgets on a CPU) with per-token log-probabilities,
-    a repetition penalty and a tree trace: the same tokens and log-probabilities as plain decoding,
-    and every traced tree holds its row's nodes only."""
+    """Rounds with per-row budgets on a CPU (narrowed to their widest row; packed too where no penalty adjusts
+    the logits) with per-token log-probabilities, a repetition penalty and a tree trace: the same tokens and
+    log-probabilities as plain decoding, and every traced tree holds its row's nodes only."""
     import json
 
     trace = tmp_path / "trees.jsonl"
+    packings = []
+    real = round_module.pack_rows
+    monkeypatch.setattr(round_module, "pack_rows", lambda *args: packings.append(1) or real(*args))
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, trace_trees=str(trace),
               **ENGINE)
     with_allotment(llm, monkeypatch, RotatingBudgets())
     prompts = [PROMPTS[i] for i in (0, 2, 3)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2, repetition_penalty=1.3)
-    got, want = llm.generate(prompts, params), plain.generate(prompts, params)
-    for out, ref in zip(got, want):
-        assert out.token_ids == ref.token_ids
-        assert [lp.logprob for lp in out.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+    for params in (SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2, repetition_penalty=1.3),
+                   SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)):  # (packed: no penalty)
+        got, want = llm.generate(prompts, params), plain.generate(prompts, params)
+        for out, ref in zip(got, want):
+            assert out.token_ids == ref.token_ids
+            assert [lp.logprob for lp in out.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs],
+                                                                        abs=1e-4)
+            assert [[t for t, _ in lp.top] for lp in out.logprobs] == [[t for t, _ in lp.top] for lp in ref.logprobs]
     llm.engine.close_traces()
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert records and {len(r["tokens"]) - 1 for r in records} >= {0, 1, BUDGET}, records[:3]
+    assert packings  # (the second pass's rounds)
