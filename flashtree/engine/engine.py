@@ -437,7 +437,7 @@ class LLMEngine:
         acceptance = mean_acceptance(rows, result, nodes)
         self.policy.record(len(rows), nodes, seconds, acceptance)
         if nodes and seconds is not None:  # the cost of the entries per row it verified (per-row budgets)
-            self.policy.record_width(len(rows), max(result.tree_sizes, default=0) + 1, seconds)
+            self.policy.record_width(len(rows), verified_width(result.tree_sizes, launched.ragged), seconds)
         if self.policy_tracer is not None:
             self.policy_tracer.write(len(rows), nodes, seconds, acceptance, self.policy, wall)
         self.rounds_by_nodes[nodes] += 1
@@ -558,3 +558,11 @@ def mean_acceptance(rows: Sequence[Request], result: RoundResult, nodes: int) ->
     (None when every row was capped: the round says little about ``nodes``)."""
     lengths = [len(tokens) for r, tokens in zip(rows, result.emitted) if r.budget is None or r.budget >= nodes]
     return sum(lengths) / len(lengths) if lengths else None
+
+
+def verified_width(tree_sizes: Sequence[int], packed: bool) -> int:
+    """Entries per row a drafted round verified, for its cost curve: the widest row's tree and root (padded),
+    or the rows' total spread over them, rounded up (packed)."""
+    if packed:
+        return -(-(sum(tree_sizes) + len(tree_sizes)) // max(len(tree_sizes), 1))
+    return max(tree_sizes, default=0) + 1

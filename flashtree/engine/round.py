@@ -95,10 +95,14 @@ class RowAllotment(NamedTuple):
     # own total, read on the host (CPU tensors only). At least the round's live rows: every root is verified
     tokens: int | None = None
 
-    def packs(self, shape: "RoundShape") -> bool:
-        """A round of ``shape`` verifies its rows' tokens packed: the ragged layout, where its logits need no
-        [B, N] adjustment (penalties and min_tokens keep the padded layout)."""
-        return not self.padded and not shape.adjust
+
+def verifies_packed(allotment: RowAllotment | None, shape: RoundShape, grammar: GrammarRound | None,
+                    chain: bool) -> bool:
+    """A tree round of ``shape`` verifies its rows' tokens packed (models/packing.py): its allotment asks for
+    the ragged layout and no [B, N] step needs the logits (penalties and min_tokens adjust them, a grammar
+    masks them: those rounds, and chains, stay padded)."""
+    return (allotment is not None and not allotment.padded and not shape.adjust and grammar is None and not chain
+            and shape.nodes > 0)
 
 
 class RoundOutput(NamedTuple):
@@ -140,7 +144,7 @@ class DeviceRound:
         else:
             tree = self.proposer.propose(rows, nodes)
         packing = None
-        if allotment is not None and grammar is None and allotment.packs(shape) and not self.proposer.chain:
+        if verifies_packed(allotment, shape, grammar, self.proposer.chain):
             packing = packed_rows(tree, rows, allotment.tokens)
             tree = tree._replace(valid=tree.valid & (packing.packed | (tree.depths == 0)))  # (nothing unpacked is
             # walked: a pad row's root stays, its result is dropped)

@@ -26,7 +26,14 @@ from flashtree.device_copy import to_device
 from flashtree.engine.constraint import GrammarRound
 from flashtree.engine.graphs import GraphCache
 from flashtree.engine.request import Request
-from flashtree.engine.round import INT_FIELDS, DeviceRound, RoundInputs, RoundShape, RowAllotment
+from flashtree.engine.round import (
+    INT_FIELDS,
+    DeviceRound,
+    RoundInputs,
+    RoundShape,
+    RowAllotment,
+    verifies_packed,
+)
 from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.traces import RecentTrees, TreeTracer
 from flashtree.kv.cache import KVCache
@@ -74,6 +81,7 @@ class LaunchedRound(NamedTuple):
     captured_graph: bool  # launching it captured a CUDA graph
     launched_at: float  # perf_counter() when its device work was queued
     constrained: bool = False  # a row has a grammar: the round ran eagerly, with host work in it
+    ragged: bool = False  # its verify forward ran the rows' tokens packed (cost by their total, not the widest row)
 
 
 class ModelRunner:
@@ -198,7 +206,8 @@ class ModelRunner:
             done.record()
         captured = self.graphs is not None and self.graphs.captures != captures
         return LaunchedRound(rows, shape.nodes, ints, floats, out.packed, host, trace, logprobs, done, captured,
-                             launched_at, grammar is not None)
+                             launched_at, grammar is not None,
+                             verifies_packed(allotment, shape, grammar, self.proposer.chain))
 
     def _map_pages(self, rows: Sequence[Request]) -> None:
         """Map the KV pages every position a round of ``rows`` may write lies on (a queued round's rows

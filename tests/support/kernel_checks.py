@@ -55,9 +55,22 @@ def _run(model, device: str) -> dict[str, torch.Tensor]:
                            kv_len=width)
     first = model(prefill, cache, capture_layers=(0, model.config.num_hidden_layers - 1))
     cache.advance(prefill.slots, counts.to(device))
-    tree = model(_tree_batch([len(p) for p in prompts], device), cache)
+    tree_batch = _tree_batch([len(p) for p in prompts], device)
+    tree = model(tree_batch, cache)
+    packed = _packed_tree(model, cache, tree_batch)
     return {"prefill_logits": first.logits, "hidden": first.hidden, "tree_logits": tree.logits,
+            "packed_tree_logits": packed.logits, "packed_tree_hidden": packed.hidden,
             "sink": _sink_step(model, cache, counts.to(device), device), "kv": cache.storage}
+
+
+def _packed_tree(model, cache, batch: ForwardBatch):
+    """The tree again, its rows packed (models/packing.py): all of row 0's entries, the first 4 of row 1's
+    (leaves 4 and 5 left out), into 11 flat tokens (one a pad)."""
+    from flashtree.models.packing import pack_rows
+
+    counts = torch.tensor([len(PARENTS), 4], device=batch.slots.device)
+    return model(batch._replace(packing=pack_rows(counts, len(PARENTS), 11)), cache,
+                 capture_layers=(0, model.config.num_hidden_layers - 1))
 
 
 def _sink_step(model, cache, lengths: torch.Tensor, device: str) -> torch.Tensor:

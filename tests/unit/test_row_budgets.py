@@ -184,3 +184,11 @@ def test_the_adaptive_policy_offers_its_cost_curve_by_verified_width():
     assert policy.round_costs(2, 8)[2] == pytest.approx(0.016)
     assert policy.round_costs(3, 8) is None  # another rows bucket (4): nothing timed there
     assert FixedNodes(8).round_costs(2, 8) is None
+
+
+def test_a_packed_round_is_costed_by_its_total_not_its_widest_row():
+    from flashtree.engine.engine import verified_width
+
+    assert verified_width([3, 0, 1], packed=False) == 4  # the widest tree and its root
+    assert verified_width([3, 0, 1], packed=True) == 3  # 7 entries over 3 rows, rounded up
+    assert verified_width([2, 2], packed=True) == 3
