@@ -29,6 +29,7 @@ class TokenPacking(NamedTuple):
     flat_of: torch.Tensor  # [B, N] int64: flat position of each padded entry; T where it is not packed
     padded_of: torch.Tensor  # [T] int64: padded index of each flat token; B * N for a flat pad token
     row_of: torch.Tensor  # [T] int64: row of each flat token (a flat pad token: the last row)
+    counts: torch.Tensor  # [B] int64: packed tokens of each row (its first entries)
 
     @property
     def total(self) -> int:
@@ -78,4 +79,4 @@ def pack_rows(counts: torch.Tensor, width: int, total: int) -> TokenPacking:
     padded_of.scatter_(0, flat_of.reshape(-1), torch.arange(dump, device=device))
     padded_of = padded_of[:total]  # [T]
     row_of = (padded_of // width).clamp(max=rows - 1)  # [T]
-    return TokenPacking(flat_of, padded_of, row_of)
+    return TokenPacking(flat_of, padded_of, row_of, (flat_of < total).sum(dim=1))

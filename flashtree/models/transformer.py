@@ -184,10 +184,12 @@ class Attention(nn.Module):
         else:
             q = self._rotate_and_write(x, batch, cache, rope, write_index)
         if mask is None:  # the backend's attention reads lengths and new_mask itself
-            order = {} if batch.key_order is None else {"key_order": batch.key_order}  # (exact mode)
+            extra = {} if batch.key_order is None else {"key_order": batch.key_order}  # (exact mode)
+            if batch.packing is not None:  # (queries past a row's packed tokens need no keys)
+                extra["counts"] = batch.packing.counts
             out = self.kernels.tree_attention(q, cache.k[self.layer_index], cache.v[self.layer_index],
                                               cache.block_table, batch.slots, batch.cache_lengths,
-                                              batch.new_mask, **order)  # [B, H, N, D]
+                                              batch.new_mask, **extra)  # [B, H, N, D]
         else:
             keys, values = cache.view(self.layer_index, batch.slots, batch.kv_len)
             out = masked_attention(q, keys, values, mask, batch.one_off_shape)  # [B, H, N, D]

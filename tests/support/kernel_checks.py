@@ -191,6 +191,36 @@ def compare_attention(device: str, dtype: torch.dtype, backend: str = "gpu", hea
                     out = cpu_kernels.tree_attention(q, k_pages, v_pages, table, slots, lengths, new_mask, window)
                 key = f"attention/window={window}/page_size={page_size}/splits={splits}/tile={tile}"
                 diffs[key] = (out.float() - ref).abs().max().item()
+    if backend == "gpu":
+        diffs |= _attention_with_counts(q, k_cache, v_cache, batch, gen)
+    return diffs
+
+
+def _attention_with_counts(q, k_cache, v_cache, batch: ForwardBatch, gen: torch.Generator) -> dict[str, float]:
+    """tree_attention told each row's real new tokens (a packed forward's ``counts``; each real token sees real
+    ones only) against SDPA at the real tokens; every other output finite."""
+    from flashtree.models.batch import attention_mask
+
+    rows, new = batch.input_ids.shape
+    device = q.device
+    counts = torch.tensor([new, 2, 0], device=device)[:rows]
+    entry = torch.arange(new, device=device)
+    real = entry[None, :] < counts[:, None]  # [B, N]
+    clipped = (batch.new_mask & real[:, None, :]) | torch.eye(new, dtype=torch.bool, device=device)
+    batch = batch._replace(new_mask=clipped)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k_cache[batch.slots, :, :batch.kv_len].float(), v_cache[batch.slots, :, :batch.kv_len].float(),
+        attn_mask=attention_mask(batch), enable_gqa=True)  # [B, H, N, D]
+    diffs = {}
+    for page_size in (4, 20):
+        order = torch.randperm(k_cache.shape[0] * k_cache.shape[2] // page_size, generator=gen)
+        (k_pages, table), (v_pages, _) = paginate(k_cache, page_size, order), paginate(v_cache, page_size, order)
+        for splits, tile in ATTENTION_LAUNCHES:
+            out = attention_kernels.tree_attention(q, k_pages, v_pages, table, batch.slots, batch.cache_lengths,
+                                                   clipped, splits=splits, tile=tile, counts=counts).float()
+            key = f"attention_counts/page_size={page_size}/splits={splits}/tile={tile}"
+            diffs[key] = (out - ref).abs()[real[:, None, :, None].expand_as(out)].max().item()
+            diffs[key + "/finite"] = 0.0 if torch.isfinite(out).all() else float("inf")
     return diffs
 
 

@@ -21,6 +21,7 @@ def test_rows_pack_in_order_and_the_dump_takes_the_rest():
     assert packing.flat_of.tolist() == [[0, 1, 6, 6], [6, 6, 6, 6], [2, 3, 4, 6]]
     assert packing.padded_of.tolist() == [0, 1, 8, 9, 10, 12]  # the last flat token is a pad: the dump (3 x 4)
     assert packing.row_of.tolist() == [0, 0, 2, 2, 2, 2]
+    assert packing.counts.tolist() == [2, 0, 3]
 
 
 def test_tokens_past_the_total_stay_unpacked():
@@ -28,6 +29,7 @@ def test_tokens_past_the_total_stay_unpacked():
     assert packing.flat_of.tolist() == [[0, 1, 2], [3, 4, 4]]
     assert packing.packed.tolist() == [[True, True, True], [True, False, False]]
     assert packing.padded_of.tolist() == [0, 1, 2, 3]
+    assert packing.counts.tolist() == [3, 1]
 
 
 def test_gather_then_scatter_keeps_the_packed_entries_and_zeroes_the_rest():

@@ -122,11 +122,12 @@ def handles_attention(new_tokens: int, prefill: bool = False) -> bool:
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """As :func:`flashtree.kernels.gpu.attention.tree_attention` (in C++, one task per row and head on torch's threads):
     q ``[B, H, N, D]`` over each row's committed cache entries and the new tokens its ``new_mask``
     allows, read through the block table. A query's result is bit-identical whatever shares the
-    call: a tree node gets exactly what plain decoding computes once its ancestors are committed."""
+    call: a tree node gets exactly what plain decoding computes once its ancestors are committed. ``counts``
+    (a packed forward's real tokens per row) is accepted and not used: every query is computed."""
     b, heads, n, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     if heads % kv_heads or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():

@@ -64,7 +64,8 @@ def check_head_layout(kernel: str, head_dim: int, heads: int, kv_heads: int) -> 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
-                   splits: int | None = None, tile: AttentionTile | None = None) -> torch.Tensor:
+                   splits: int | None = None, tile: AttentionTile | None = None,
+                   counts: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of N new tokens per row over the paged KV cache; returns ``[B, H, N, D]``.
 
     q: ``[B, H, N, D]``; k_cache/v_cache: one layer's ``[pages, KVH, page_size, D]`` views;
@@ -73,7 +74,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     followed by the N new tokens' entries. Query i of row b sees every committed entry (only the
     last ``window`` ones with a sliding window) and new token t where ``new_mask[b, i, t]``.
     ``splits`` overrides the number of key splits (tests); ``tile`` the launch configuration (a sweep,
-    benchmarks/gpu_tree_attention.py; default :func:`default_tile`).
+    benchmarks/gpu_tree_attention.py; default :func:`default_tile`). ``counts [B]``: only row b's first
+    ``counts[b]`` new tokens are real (a packed forward, models/packing.py; each sees only real new tokens):
+    query tiles past them read no key, and their outputs are zeros or the attention of padding (finite).
     """
     b, heads, n, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -92,11 +95,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     lse = out if splits == 1 else torch.empty(b, heads, n, splits, dtype=torch.float32, device=q.device)
     _kernels()._tree_attention_kernel[(m_tiles, b * kv_heads, splits)](
         q, k_cache, v_cache, block_table, slots.contiguous(), lengths.contiguous(),
-        new_mask.contiguous().view(torch.uint8), part, lse, n, heads, kv_heads, window or 0,
+        new_mask.contiguous().view(torch.uint8), lengths if counts is None else counts.contiguous(), part, lse, n,
+        heads, kv_heads, window or 0,
         head_dim ** -0.5 * 1.4426950408889634, block_table.shape[1], page_size,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), num_warps=tile.warps, num_stages=tile.stages)
+        IEEE=q.dtype == torch.float32, INTERPRET=interpreting(), HAS_COUNTS=counts is not None, num_warps=tile.warps,
+        num_stages=tile.stages)
     if splits > 1:
         _kernels()._combine_splits_kernel[(b * heads * n,)](part, lse, out, SPLITS=splits, HEAD_DIM=head_dim)
     return out

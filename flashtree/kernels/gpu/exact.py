@@ -58,9 +58,11 @@ def handles_attention(new_tokens: int, prefill: bool = False) -> bool:
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor, window: int | None = None,
-                   key_order: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   key_order: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   counts: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`exact_attention` with the forward's ``key_order`` (None: causal chains; ``new_mask`` is then
-    not read). No sliding window: no target the engine runs has one."""
+    not read). No sliding window: no target the engine runs has one. ``counts`` (a packed forward's real
+    tokens per row) is accepted and not used: every query is computed."""
     if window:
         raise ValueError("exact mode does not support sliding-window attention")
     return exact_attention(q, k_cache, v_cache, block_table, slots, lengths, key_order)

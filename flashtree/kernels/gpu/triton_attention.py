@@ -79,14 +79,16 @@ def _online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _tree_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, slots_ptr, lengths_ptr, new_mask_ptr, out_ptr, lse_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, slots_ptr, lengths_ptr, new_mask_ptr, counts_ptr, out_ptr, lse_ptr,
         new_tokens, heads, kv_heads, window, scale_log2, table_stride, page_size,
         cache_page_stride, cache_head_stride, cache_pos_stride,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        SPLITS: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, HAS_COUNTS: tl.constexpr):
     """One (tile of query (token, head) pairs, row and kv head, key split): online softmax over the
     split's keys. Queries of the GROUP heads sharing a kv head are packed as r = token * GROUP + g. The
-    query tiles of one (row, kv head) are neighbours in the grid, so they read its keys while L2 holds them."""
+    query tiles of one (row, kv head) are neighbours in the grid, so they read its keys while L2 holds them.
+    HAS_COUNTS: only the first ``counts[b]`` new tokens of row b are real (a packed forward's rows); no key
+    past them is read, and a tile holding none of them reads no key at all (its outputs are zeros)."""
     pid_bh = tl.program_id(1)
     b = pid_bh // kv_heads
     kv_head = pid_bh % kv_heads
@@ -100,7 +102,11 @@ def _tree_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid_q[:, None], other=0.0)
 
     committed = tl.load(lengths_ptr + b)
-    total = committed + new_tokens  # keys of this row: committed context, then the new tokens
+    seen_new = new_tokens  # new tokens whose keys a query of this tile may see
+    if HAS_COUNTS:
+        seen_new = tl.minimum(tl.load(counts_ptr + b), new_tokens)
+        seen_new = tl.where(tl.program_id(0) * BLOCK_M // GROUP < seen_new, seen_new, -committed)  # (none real: none)
+    total = committed + seen_new  # keys of this row: committed context, then the new tokens
     chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     stop = tl.minimum(start + chunk, total)
@@ -155,7 +161,8 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, HEA
     top = tl.max(lse, axis=0)
     weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
     parts = tl.load(part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :])  # [S, D]
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # (no key in any split: zeros)
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
