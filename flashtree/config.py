@@ -223,10 +223,13 @@ class KernelConfig:
     # the adaptive policy never chooses a larger one); None: captured when first needed, while serving
     cuda_graph_max_tokens: int | None = 4096
     plain_fast_path: bool = True  # plain rounds skip the root-only tree and its accept walk (same values)
-    # rounds whose rows keep budgets of their own (the per-row allotment) verify the rows' real tokens packed
-    # into one flat batch (models/packing.py: the products run over those tokens only; same values), not
-    # padded to the widest row; on a CPU, single-tensor-parallel engines (a TP forward stays padded)
-    packed_verify: bool = True
+    # the verify forward's layout for drafted tree rounds (models/packing.py: packed, the products run over the
+    # rows' real tokens only; same tokens every way; a tensor-parallel forward stays padded). None: on a CPU the
+    # rows' budgets follow the policy's measured cost curve and verify packed; on CUDA every row verifies the
+    # round's node count, padded. True, on every device: a round of n nodes per row verifies rows x (n + 1) tokens
+    # packed, the rows' best nodes from trees of up to 2n each (fixed sizes: CUDA graphs keyed by the total).
+    # False: padded everywhere (on a CPU narrowed to the widest row)
+    packed_verify: bool | None = None
     feature_sink: bool = True  # a plain round's drafter features are written by the fused norm, not copied after
     planless_prefill: bool = True  # CUDA prefill attention with kernels that build no per-shape plan
     # CUDA: the target's forwards (prefill, plain steps, chains, trees) with shape-invariant kernels
@@ -238,12 +241,15 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         _check_bools(self, *(f.name for f in dataclasses.fields(self)
-                             if f.name not in ("triton_attention", "cuda_graph_max_tokens")))
+                             if f.name not in ("triton_attention", "cuda_graph_max_tokens", "packed_verify")))
         if self.cuda_graph_max_tokens is not None:
             _check_positive_ints(self, "cuda_graph_max_tokens")
         if self.triton_attention not in (None, True, False):
             raise ConfigError(f"triton_attention must be True, False or None (None: decode forwards only), "
                               f"got {self.triton_attention!r}")
+        if self.packed_verify not in (None, True, False):
+            raise ConfigError(f"packed_verify must be True, False or None (None: packed on a CPU only), "
+                              f"got {self.packed_verify!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,8 +144,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _on_off(kernels, "plain_fast_path", KernelConfig.plain_fast_path,
             "plain rounds skip the root-only tree and its accept walk (same tokens)")
     _on_off(kernels, "packed_verify", KernelConfig.packed_verify,
-            "CPU: rounds whose rows keep tree budgets of their own verify the rows' real tokens packed into one "
-            "flat batch (the products run over those tokens only), not padded to the widest row (same tokens)")
+            "drafted tree rounds verify the rows' real tokens packed into one flat batch (the products run over "
+            "those tokens only; same tokens): on, every device, a round of n nodes per row verifies rows x (n + 1) "
+            "tokens, the rows' best nodes from trees of up to 2n (CUDA graphs keyed by the total); off, padded to the "
+            "widest row; None: on a CPU the rows' budgets follow the measured cost curve, packed, CUDA padded")
     _on_off(kernels, "feature_sink", KernelConfig.feature_sink,
             "a plain round's drafter features are written by the fused norm kernel (same tokens)")
     _on_off(kernels, "planless_prefill", KernelConfig.planless_prefill,

@@ -101,7 +101,7 @@ class LLMEngine:
         if self.executor is not None:  # (a replayed graph would skip the commands to the workers)
             kernels = dataclasses.replace(kernels, cuda_graphs=False)
         self.runner = ModelRunner(self.model, self.cache, self.proposer, self.timer, kernels, tree_tracer,
-                                  pad_slot=scheduling.max_running)
+                                  pad_slot=scheduling.max_running, packed=self._fixed_packed_rounds())
         self.prefill = Prefill(self.model, self.cache, self.proposer, self.timer, planless=kernels.planless_prefill)
         # requests are promised the pages the pad slot left free
         self.scheduler = Scheduler(scheduling, config.cache, PageBudget(
@@ -220,7 +220,8 @@ class LLMEngine:
         self.proposer.attach_pages(pages)
         self.model.setup_rope(cache.spec.capacity + 1)
         timer = StageTimer(self.device, kernels.profile_stages)
-        runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=config.scheduler.max_running)
+        runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=config.scheduler.max_running,
+                             packed=self._fixed_packed_rounds())
         prefill = Prefill(self.model, cache, self.proposer, timer, planless=kernels.planless_prefill)
         graphed, widest = self._widest_round_keys(runner)
         prompts = self._widest_prefill(chunk)
@@ -419,17 +420,22 @@ class LLMEngine:
 
     def _allotment(self, rows: Sequence[Request], nodes: int) -> RowAllotment | None:
         """Per-row budgets from each row's own tree for a drafted tree round, by the policy's cost curve;
-        None: every row keeps ``nodes``. On a CPU only, where the host knows the rows' counts without a
-        sync: the verify forward runs their tokens packed (``kernels.packed_verify``; a tensor-parallel
-        forward stays padded), else narrowed to the widest row. A CUDA round's forward stays [B, nodes + 1]
-        (one graph per node count) until graphs are keyed by the packed size."""
-        if nodes == 0 or self.proposer.chain or self.device.type != "cpu":
+        None: every row keeps ``nodes`` (or the runner's fixed packed rounds allot them, ``packed_verify=True``).
+        On a CPU only, where the host knows the rows' counts without a sync: the verify forward runs their
+        tokens packed (``packed_verify`` None; a tensor-parallel forward stays padded) or narrowed to the widest
+        row (False)."""
+        packed = self.config.kernels.packed_verify
+        if nodes == 0 or self.proposer.chain or self.device.type != "cpu" or self.runner.packed:
             return None
         costs = self.policy.round_costs(len(rows), nodes)
         if costs is None:
             return None
-        packed = self.config.kernels.packed_verify and self.config.parallel.tensor_parallel_size == 1
-        return RowAllotment(torch.tensor(costs, device=self.device), padded=not packed)
+        padded = packed is False or self.config.parallel.tensor_parallel_size > 1
+        return RowAllotment(torch.tensor(costs, device=self.device), padded=padded)
+
+    def _fixed_packed_rounds(self) -> bool:
+        """Drafted tree rounds of a fixed packed size (``packed_verify=True``; see ``ModelRunner._packed``)."""
+        return self.config.kernels.packed_verify is True and self.config.parallel.tensor_parallel_size == 1
 
     def _record(self, launched: LaunchedRound, result: RoundResult, seconds: float | None, wall: float) -> None:
         """The round's measurement to the policy (``seconds`` None: untimed) and the traces."""

@@ -83,6 +83,10 @@ class RoundShape(NamedTuple):
     nodes: int  # drafted nodes per row (the tree has nodes + 1 entries); 0: a plain round
     logprobs: int | None = None  # top alternatives per emitted token's log-probability (None: no row asked)
     adjust: bool = False  # some row's logits are adjusted (min_tokens, penalties: flashtree/penalties.py)
+    # a drafted tree round that verifies its rows packed into this many flat tokens (live rows' roots included):
+    # its rows' best nodes across their trees of ``nodes`` each, up to that total (models/packing.py); None:
+    # every row verifies its own budget, padded to [B, nodes + 1]
+    tokens: int | None = None
 
 
 class RowAllotment(NamedTuple):
@@ -128,6 +132,8 @@ class DeviceRound:
         budget). On a CPU the verify forward then narrows to the widest row (reading it costs no sync)."""
         rows = RoundInputs(*tensors)
         nodes = shape.nodes
+        if allotment is None and shape.tokens is not None and nodes > 0:
+            allotment = up_to_total(shape.tokens, rows.bonus.device)
         if nodes == 0 and self.kernels.plain_fast_path:
             return self._plain(shape, rows, timer, grammar)
         t0 = timer.mark() if timer else 0.0
@@ -234,6 +240,12 @@ class DeviceRound:
             trace = (rows.bonus[:, None], zeros - 1, zeros == 0, zeros)
         logprobs = None if shape.logprobs is None else token_logprobs(out.logits, next_bonus[:, None], shape.logprobs)
         return RoundOutput(packed, trace, logprobs)
+
+
+def up_to_total(tokens: int, device: torch.device) -> RowAllotment:
+    """The allotment of a round of a fixed packed size: every row's best nodes, ranked across rows by path
+    probability, until ``tokens`` are verified (a cost curve flat up to it, closed after it)."""
+    return RowAllotment(torch.ones(tokens + 1, device=device), padded=False, tokens=tokens)
 
 
 def row_allot(allotment: RowAllotment, rows: RoundInputs) -> Allot:

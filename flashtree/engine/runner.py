@@ -50,6 +50,9 @@ from flashtree.sampling import (
 from flashtree.speculative.proposer import Proposer
 
 KV_BUCKET = 256  # a graphed round's key length is rounded up to a multiple of this
+# in the packed layout a round of n nodes per row verifies rows x (n + 1) tokens, each row's from a tree of up to
+# this many times n nodes (its share of the total by its tree's path probabilities); not yet measured on a GPU
+PACKED_TREE_SPAN = 2
 
 
 def round_span(proposer: Proposer) -> int:
@@ -87,10 +90,12 @@ class LaunchedRound(NamedTuple):
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, proposer: Proposer, timer: StageTimer,
                  kernels: KernelConfig = KernelConfig(), tracer: TreeTracer | RecentTrees | None = None,
-                 pad_slot: int | None = None):
+                 pad_slot: int | None = None, packed: bool = False):
         """``pad_slot``: a KV slot no request uses; graphed rounds pad their rows with it up to the
-        next power of two (None: no padding)."""
+        next power of two (None: no padding). ``packed``: drafted tree rounds run in the packed layout
+        (:meth:`_packed`), on any device; the engine turns it on with ``packed_verify=True`` on CUDA."""
         self.model, self.cache, self.proposer, self.timer = model, cache, proposer, timer
+        self.packed = packed and not proposer.chain and proposer.max_nodes > 0
         self.device = model.lm_head.weight.device
         self.tracer = tracer
         # (a MoE target off the fused kernels reads its routing on the host: no graphs, models/moe.py)
@@ -126,7 +131,7 @@ class ModelRunner:
         if GrammarRound.needed(rows):
             grammar = GrammarRound(rows, len(rows) + pads, self.model.config.vocab_size, self.device, nodes,
                                    self.proposer.chain, min(nodes, self.proposer.max_depth))
-        return self._launch(list(rows), shape, len(rows) + pads, ints, floats, grammar, allotment)
+        return self._launch(list(rows), shape, len(rows) + pads, ints, floats, grammar, allotment, option=nodes)
 
     def launch_plain_after(self, previous: LaunchedRound, catch_up: bool = False) -> LaunchedRound | None:
         """Queue the plain round that follows the plain round ``previous`` for the same rows, before
@@ -188,8 +193,9 @@ class ModelRunner:
 
     def _launch(self, rows: list[Request], shape: RoundShape, width: int, ints: torch.Tensor,
                 floats: torch.Tensor, grammar: GrammarRound | None = None,
-                allotment: RowAllotment | None = None) -> LaunchedRound:
-        """``grammar``: the rows with structured output (the round then runs eagerly)."""
+                allotment: RowAllotment | None = None, option: int | None = None) -> LaunchedRound:
+        """``grammar``: the rows with structured output (the round then runs eagerly). ``option``: the policy's
+        node count the round stands for (default ``shape.nodes``; a packed round's trees are wider)."""
         launched_at = self.timer.mark()
         captures = self.graphs.captures if self.graphs is not None else 0
         inputs = RoundInputs.of(ints, floats)
@@ -205,7 +211,8 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
         captured = self.graphs is not None and self.graphs.captures != captures
-        return LaunchedRound(rows, shape.nodes, ints, floats, out.packed, host, trace, logprobs, done, captured,
+        return LaunchedRound(rows, shape.nodes if option is None else option, ints, floats, out.packed, host, trace,
+                             logprobs, done, captured,
                              launched_at, grammar is not None,
                              verifies_packed(allotment, shape, grammar, self.proposer.chain))
 
@@ -246,11 +253,11 @@ class ModelRunner:
             return []
         widths = [1 << i for i in range(rows_width(max_rows).bit_length())]  # 1, 2, 4, ... padded rows
         capacity = self.cache.spec.capacity
-        keys = [(width, RoundShape(capacity, sampled, filtered, nodes))
+        keys = [(width, self._packed(RoundShape(capacity, sampled, filtered, nodes), width))
                 for width in widths for nodes in node_options
                 if width * (nodes + 1) <= max_tokens and round_fits(width, nodes, max_round_tokens)
                 for sampled, filtered in ((True, True), (True, False), (False, False))]
-        keys.sort(key=lambda key: key[0] * (key[1].nodes + 1), reverse=True)  # widest first (stable: filtered first)
+        keys.sort(key=lambda key: verified_tokens(*key), reverse=True)  # widest first (stable: filtered first)
         if any(node_options) and self.proposer.max_nodes > 0:
             keys += [self._catch_up_key(width, self.proposer.lag.capacity) for width in reversed(widths)]
         return keys
@@ -278,15 +285,15 @@ class ModelRunner:
         the graphs' pool (``engine/memory_profile.py``)."""
         graphed = [key for key in self.graph_keys(node_options, max_rows, max_tokens, max_round_tokens)
                    if key[0] != "catch_up"]
-        most = max((width * (shape.nodes + 1) for width, shape in graphed), default=0)
-        return [key for key in graphed if key[0] * (key[1].nodes + 1) == most]
+        most = max((verified_tokens(*key) for key in graphed), default=0)
+        return [key for key in graphed if verified_tokens(*key) == most]
 
     def round_variants(self, rows: int, nodes: int) -> list[tuple]:
         """(padded rows, RoundShape) keys of a round of ``rows`` rows and ``nodes`` nodes at full context: greedy,
         sampled with top-p, and with log-probabilities (which no graph holds), for :meth:`run_on_pad_rows`."""
         width = rows + self._pad_rows(rows)  # (padded as a round of that many rows would be)
         capacity = self.cache.spec.capacity
-        return [(width, RoundShape(capacity, sampled, filtered, nodes, logprobs))
+        return [(width, self._packed(RoundShape(capacity, sampled, filtered, nodes, logprobs), width))
                 for sampled, filtered, logprobs in ((False, False, None), (True, True, None), (True, True, MAX_LOGPROBS))]
 
     def run_on_pad_rows(self, key: tuple) -> None:
@@ -337,16 +344,28 @@ class ModelRunner:
         """The round's static shape (with graphs: its key-length bucket); ``ahead``: tokens the rows
         will have committed by then beyond what the host knows (see :meth:`launch_plain_after`)."""
         params = [r.params for r in rows]  # (log-probabilities: always the most alternatives, so one graph)
-        shape = RoundShape(kv_len=max(r.committed_length for r in rows) + ahead + nodes + 1,
-                           any_sampled=any(not p.greedy for p in params),
+        shape = RoundShape(kv_len=0, any_sampled=any(not p.greedy for p in params),
                            any_filtered=any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params),
                            nodes=nodes, logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else None,
                            adjust=any(p.adjusts for p in params))
-        if self.model.uses_kernel_attention(nodes + 1):  # it reads lengths and block tables itself: one graph for all
-            shape = shape._replace(kv_len=self.cache.spec.capacity)
+        if not GrammarRound.needed(rows):  # (a grammar's rounds keep their rows' own trees)
+            shape = self._packed(shape, len(rows) + self._pad_rows(len(rows)))
+        kv_len = max(r.committed_length for r in rows) + ahead + shape.nodes + 1
+        if self.model.uses_kernel_attention(shape.nodes + 1):  # it reads lengths and block tables itself: one graph
+            kv_len = self.cache.spec.capacity  # for all
         if self.graphs is not None:
-            shape = shape._replace(kv_len=self._kv_bucket(shape.kv_len))  # (capacity stays capacity)
-        return shape
+            kv_len = self._kv_bucket(kv_len)  # (capacity stays capacity)
+        return shape._replace(kv_len=kv_len)
+
+    def _packed(self, shape: RoundShape, width: int) -> RoundShape:
+        """``shape`` in the packed layout where the runner uses it: a drafted round of n nodes per row over ``width``
+        rows (pads included) verifies ``width x (n + 1)`` tokens, packed, each row's best nodes from a tree of up to
+        ``PACKED_TREE_SPAN x n`` (the round's allotment, ``engine/round.up_to_total``). Rounds that adjust their
+        logits keep the padded layout."""
+        if not self.packed or shape.nodes == 0 or shape.adjust:
+            return shape
+        return shape._replace(nodes=min(self.proposer.max_nodes, PACKED_TREE_SPAN * shape.nodes),
+                              tokens=width * (shape.nodes + 1))
 
     def _kv_bucket(self, kv_len: int) -> int:
         return min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.cache.spec.capacity)
@@ -373,6 +392,11 @@ class ModelRunner:
     def _to_host(packed: torch.Tensor, rows: int) -> RoundResult:
         host = packed[:rows].tolist()
         return RoundResult(emitted=[row[2:2 + row[0]] for row in host], tree_sizes=[row[1] for row in host])
+
+
+def verified_tokens(width: int, shape: RoundShape) -> int:
+    """Tokens the verify forward of a round of ``width`` rows (pads included) and ``shape`` runs."""
+    return shape.tokens if shape.tokens is not None else width * (shape.nodes + 1)
 
 
 def rows_width(rows: int) -> int:

@@ -28,11 +28,12 @@ def startup_captured(llm: LLM) -> PassThroughGraphs:
     return graphs
 
 
-@pytest.mark.parametrize("spec,adaptive", [("none", True), ("dflash", False), ("ddtree", False), ("ddtree", True)])
-def test_serving_finds_every_graph(pair, spec, adaptive):
+@pytest.mark.parametrize("spec,adaptive,packed", [("none", True, None), ("dflash", False, None), ("ddtree", False, None),
+                                                 ("ddtree", True, None), ("ddtree", False, True), ("ddtree", True, True)])
+def test_serving_finds_every_graph(pair, spec, adaptive, packed):
     plain = LLM(str(pair.target), **ENGINE)
     drafted = dict(spec=spec, draft=str(pair.drafter), budget=8) if spec != "none" else {}
-    llm = LLM(str(pair.target), adaptive_spec=adaptive, **drafted, **ENGINE)
+    llm = LLM(str(pair.target), adaptive_spec=adaptive, packed_verify=packed, **drafted, **ENGINE)
     graphs = startup_captured(llm)
     for params in (SamplingParams(max_tokens=24, ignore_eos=True),
                    SamplingParams(max_tokens=16, temperature=0.9, seed=3, ignore_eos=True),
@@ -68,3 +69,15 @@ def test_keys_run_widest_first_and_follow_the_schedulers_round_bound(pair):
     bounded = llm.engine.runner.graph_keys((8, 4, 0), 4, 20, max_round_tokens=10)
     rounds = {(key[0], key[1].nodes) for key in bounded if key[0] != "catch_up"}
     assert rounds == {(1, 8), (1, 4), (1, 0), (2, 4), (2, 0), (4, 0)}
+
+
+def test_packed_rounds_are_keyed_by_their_total(pair):
+    """``packed_verify=True``: a round of n nodes per row over W padded rows verifies W x (n + 1) tokens packed, from
+    trees of up to 2n (at most the budget); the keys run widest first by that total."""
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, packed_verify=True, **ENGINE)
+    llm.engine.runner.graphs = PassThroughGraphs()
+    keys = [key for key in llm.engine.runner.graph_keys((8, 4, 0), 4, 20) if key[0] != "catch_up"]
+    rounds = {(width, shape.nodes, shape.tokens) for width, shape in keys}
+    assert rounds == {(1, 8, 9), (1, 8, 5), (1, 0, None), (2, 8, 18), (2, 8, 10), (2, 0, None), (4, 8, 20), (4, 0, None)}
+    totals = [shape.tokens or width for width, shape in keys]
+    assert totals == sorted(totals, reverse=True)

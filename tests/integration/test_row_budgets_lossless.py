@@ -65,15 +65,18 @@ def with_allotment(llm: LLM, monkeypatch, rule=None, costs=None) -> None:
         monkeypatch.setattr(round_module, "allot_budgets", rule)
 
 
-@pytest.fixture(params=[True, False], ids=["packed", "padded"])
+@pytest.fixture(params=[None, False, True], ids=["packed", "padded", "fixed-packed"])
 def ddtree(pair, request, monkeypatch):
-    """A DDTree engine whose allotted rounds verify packed rows (or padded ones), checked to do so."""
+    """A DDTree engine whose allotted rounds verify packed rows (or padded ones, or fixed packed totals of
+    rows x (budget + 1) from trees of up to twice the budget), checked to do so."""
     packings = []
     real = round_module.pack_rows
-    monkeypatch.setattr(round_module, "pack_rows", lambda *args: packings.append(1) or real(*args))
-    yield LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, packed_verify=request.param,
+    monkeypatch.setattr(round_module, "pack_rows", lambda *args: packings.append(args[2]) or real(*args))
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, packed_verify=request.param,
               **ENGINE)
-    assert bool(packings) == request.param
+    llm.packed_totals = packings
+    yield llm
+    assert bool(packings) == (request.param is not False)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -91,10 +94,14 @@ def test_mixed_budgets_in_one_round_equal_plain(plain, ddtree, monkeypatch, rows
     if rows > 1:
         assert any(len(set(budgets)) >= 3 for budgets in rule.rounds), rule.rounds  # 0, 1, the full count together
     sizes = [size for out in got for size in out.tree_sizes]
-    assert set(sizes) <= {0, 1, 2, BUDGET} and 0 in sizes and BUDGET in sizes
+    if ddtree.engine.runner.packed:  # (fixed totals: a round's nodes past its total are not verified)
+        assert ddtree.packed_totals and all(total % (BUDGET + 1) == 0 for total in ddtree.packed_totals)
+    else:
+        assert set(sizes) <= {0, 1, 2, BUDGET} and 0 in sizes and BUDGET in sizes
 
 
-@pytest.mark.parametrize("rows", [3, 8])
+@pytest.mark.parametrize("ddtree", [None, False], ids=["packed", "padded"], indirect=True)  # (fixed packed rounds
+@pytest.mark.parametrize("rows", [3, 8])  # allot up to their total, by no cost curve)
 def test_the_policy_allotment_in_the_ragged_layout_equals_plain(plain, ddtree, monkeypatch, rows):
     """The real allotment, ragged layout (rows keep different counts), a steep cost curve."""
     made = []
@@ -148,24 +155,29 @@ def test_sampled_tokens_with_mixed_budgets_follow_the_target(small, monkeypatch)
     assert any(len(set(budgets)) >= 3 for budgets in rule.rounds)
 
 
-def test_the_adaptive_default_allots_and_stays_lossless(pair, plain, monkeypatch):
-    """The adaptive policy (the default) with its own cost curve: the allotment runs in its drafted
-    rounds and the tokens equal plain decoding's."""
+@pytest.mark.parametrize("packed_verify", [None, True])
+def test_the_adaptive_default_allots_and_stays_lossless(pair, plain, monkeypatch, packed_verify):
+    """The adaptive policy (the default) with its own cost curve, or with fixed packed rounds (each option of n
+    nodes a total of rows x (n + 1) tokens from trees of up to 2n: rows take unequal shares): the allotment runs
+    in its drafted rounds and the tokens equal plain decoding's."""
     calls = []
     real = round_module.allot_budgets
 
     def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
 
     monkeypatch.setattr(round_module, "allot_budgets", spy)
-    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET,
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=BUDGET, packed_verify=packed_verify,
               **{**ENGINE, "adaptive_spec": True})
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
     drafted = sum(n for nodes, n in llm.engine.rounds_by_nodes.items() if nodes)
     assert drafted and calls, (dict(llm.engine.rounds_by_nodes), len(calls))
+    if packed_verify:  # some row took more than its round's option: a share above the mean
+        smaller = [nodes for nodes in llm.engine.rounds_by_nodes if 0 < nodes < BUDGET]
+        assert smaller and any(int(budgets.max()) > min(smaller) for budgets in calls), (smaller, calls[:4])
 
 
 def test_narrowed_rounds_keep_logprobs_penalties_and_traces(pair, plain, monkeypatch, tmp_path):
