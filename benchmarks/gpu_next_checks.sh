@@ -56,6 +56,10 @@
 #   the first's, prefix caching on and off (prefix_cache_ttft.py; the CPU gave 0.353x, bounded by the suffixes' compute).
 # CALL=16 (~8 min, #29): the exact attention at 128 keys a block / 2 stages for 16-bit dtypes (the default since
 #   session 32; float32 keeps 64 / 3): tests/gpu/test_exact_mode.py, then fast and exact rounds at batch 1 / 32.
+# CALL=19 (~9 min, never run on a GPU: session 33 had no device time): packed verify rounds (#39 item 3). First the
+#   GPU tests the packed path touches (fused kernels, graphs, tree attention with counts), then rounds at the 8B shape,
+#   batch 16 and 32: padded (trees of N per row) against packed (rows x (N + 1) tokens from trees of min(B, 2N)), N 4 / 8
+#   / 16 with a budget of 32: the round's ms at equal verified tokens, and the plain step beside them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -165,6 +169,15 @@ case "${CALL:-1}" in
     timeout 200 python benchmarks/gpu_kv_capacity.py --max-running 1024 --methods none,ddtree --max-round-tokens 4096 \
         --out "$OUT/gpu_kv_capacity_090_1024_bounded.json" > /tmp/kv_b.txt 2>&1
     echo "kv capacity 1024, rounds of <= 4096 tokens rc=$?"; grep -E '^\{|Error' /tmp/kv_b.txt | cut -c1-1200 ;;
+  19)
+    timeout 200 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py \
+        tests/gpu/test_startup_graphs.py tests/gpu/test_cuda_graphs.py > "$OUT/tests_packed.txt" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^E |passed|failed" "$OUT/tests_packed.txt" | tail -6 | cut -c1-300
+    for mode in off on; do
+      timeout 160 python benchmarks/gpu_rounds.py --methods none,ddtree:32@4,ddtree:32@8,ddtree:32@16 --batches 16,32 \
+          --no-profile --tree-budgets "" --packed-verify $mode --out "$OUT/gpu_rounds_packed_$mode.json" > /tmp/rp_$mode.txt 2>&1
+      echo "rounds packed=$mode rc=$?"; grep -E '^\{|Error' /tmp/rp_$mode.txt | cut -c1-140
+    done ;;
   18)
     python -c "import sys; sys.path.insert(0, 'benchmarks'); from qwen3_8b_shape import QWEN3_8B, write_config; write_config('/tmp/qwen3-8b', QWEN3_8B)"
     timeout 200 python benchmarks/prefix_cache_ttft.py --model /tmp/qwen3-8b --random-weights --device cuda \

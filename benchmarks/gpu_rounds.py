@@ -166,6 +166,13 @@ def count_syncs(engine, batch, context, steps=5):
     return len([w for w in caught if "synchroniz" in str(w.message)]) / steps
 
 
+def engine_plan(profile: bool, batches: list[int], per_batch: bool) -> list[tuple[bool, list[int]]]:
+    """(profile_stages, the batches it measures) of each engine a method needs: one for every batch when its round
+    size comes from a per-batch token bound (a method ddtree:B@N), else one for all."""
+    groups = [[batch] for batch in batches] if per_batch else [batches]
+    return [(flag, group) for flag in ((False, True) if profile else (False,)) for group in groups]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu_rounds.json")
@@ -193,6 +200,11 @@ def main():
                         help="the drafter's logits in float32 (before session 30: torch.topk instead of the radix top-k)")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="also the N kernels of most device time per round (torch.profiler, 5 rounds)")
+    parser.add_argument("--packed-verify", choices=("auto", "on", "off"), default="auto",
+                        help="KernelConfig.packed_verify (auto: None, padded on CUDA; on: rounds of n nodes per row "
+                             "verify rows x (n + 1) tokens packed from trees of up to 2n). A method ddtree:B@N runs "
+                             "rounds of N nodes per row (the bound max_round_tokens = batch x (N + 1), one engine a batch) "
+                             "with a budget of B: padded, trees of N; packed, trees of min(B, 2N)")
     args = parser.parse_args()
     if args.exact_tile:
         bm, bn, bk, warps, stages = map(int, args.exact_tile.split(","))
@@ -205,17 +217,20 @@ def main():
     drafter = write_config("/tmp/flashtree-qwen3-8b-dflash", QWEN3_8B_DFLASH)
     rows, batches = [], [int(b) for b in args.batches.split(",")]
     machine = machine_of(torch.cuda.get_device_name())
+    packed = {"auto": None, "on": True, "off": False}[args.packed_verify]
     for method in filter(None, args.methods.split(",")):
-        name, _, budget = method.partition(":")
+        name, _, sizes = method.partition(":")
+        budget, _, option = sizes.partition("@")
         spec = SpeculationConfig(method=name, draft=None if name == "none" else str(drafter),
                                  budget=int(budget) if budget else None)
-        for profile in (False, True) if args.profile else (False,):
+        for profile, engine_batches in engine_plan(args.profile, batches, bool(option)):
             engine = LLMEngine(EngineConfig.of(spec=spec, model=str(target), random_weights=True, device="cuda",
-                                               max_running=max(batches), max_context=2048, profile_stages=profile,
+                                               max_running=max(engine_batches), max_context=2048, profile_stages=profile,
                                                adaptive_spec=False,  # every round at the method's size
-                                               exact=args.exact,
+                                               exact=args.exact, packed_verify=packed,
+                                               max_round_tokens=engine_batches[0] * (int(option) + 1) if option else None,
                                                triton_tree=args.triton_tree, triton_attention={"auto": None, "triton": True, "sdpa": False}[args.attention]))
-            for batch in batches:
+            for batch in engine_batches:
                 before = engine.graph_counts
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
                 after = engine.graph_counts  # (graphs captured, rounds run eagerly for want of one) since start-up
@@ -243,7 +258,7 @@ def main():
                               "graphed_ms": graphed, "static_graph_ms": static, "eager_ms": eager})
             print(json.dumps(tree_rows[-1]), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
-           "exact": args.exact, "roofline_machine": vars(machine), "float_draft_logits": args.float_draft_logits, "exact_tiles": [[limit, tile._asdict()] for limit, tile in gemm.TILES],
+           "exact": args.exact, "packed_verify": packed, "roofline_machine": vars(machine), "float_draft_logits": args.float_draft_logits, "exact_tiles": [[limit, tile._asdict()] for limit, tile in gemm.TILES],
            "rounds": rows, "tree_build_accept_commit": tree_rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -57,9 +57,11 @@ def forward_floor_s(params: int, tokens: int, machine: Machine) -> float:
 
 
 def verified_tokens(method: str, block: int) -> int:
-    """Target tokens a row verifies per round: ``none`` 1, ``dflash`` the block, ``ddtree:B`` B + 1."""
-    name, _, budget = method.partition(":")
-    return {"none": 1, "dflash": block}.get(name) or int(budget) + 1
+    """Target tokens a row verifies per round: ``none`` 1, ``dflash`` the block, ``ddtree:B`` B + 1, ``ddtree:B@N``
+    (rounds of N nodes a row, gpu_rounds.py) N + 1."""
+    name, _, sizes = method.partition(":")
+    budget, _, option = sizes.partition("@")
+    return {"none": 1, "dflash": block}.get(name) or int(option or budget) + 1
 
 
 def round_floor_ms(method: str, rows: int, context: int, target: dict, drafter: dict,

@@ -12,15 +12,16 @@ PROMPTS = [list(range(2, 20)), [5, 6], list(range(3, 12)) * 2, [7] * 9, [1, 2, 3
            [9, 8, 7, 6], [2] * 5]
 
 
-@pytest.mark.parametrize("spec,adaptive", [("none", True), ("dflash", False), ("ddtree", False), ("ddtree", True)])
-def test_no_capture_while_serving(tmp_path, spec, adaptive):
+@pytest.mark.parametrize("spec,adaptive,packed", [("none", True, None), ("dflash", False, None), ("ddtree", False, None),
+                                                 ("ddtree", True, None), ("ddtree", True, True)])
+def test_no_capture_while_serving(tmp_path, spec, adaptive, packed):
     from tests.dflash_helpers import tiny_pair
 
     pair = tiny_pair(tmp_path, vocab=24, block_size=6)
     common = dict(device="cuda", dtype="float32", max_running=8, max_context=256)
     plain = LLM(str(pair.target), cuda_graphs=False, **common)
     drafted = dict(spec=spec, draft=str(pair.drafter), budget=8) if spec != "none" else {}
-    llm = LLM(str(pair.target), adaptive_spec=adaptive, **drafted, **common)
+    llm = LLM(str(pair.target), adaptive_spec=adaptive, packed_verify=packed, **drafted, **common)
     engine = llm.engine
     assert engine.runner.graphs.frozen and engine.runner.graphs.captures > 0 and engine.graph_capture_seconds > 0
     for params in (SamplingParams(max_tokens=30, ignore_eos=True),
