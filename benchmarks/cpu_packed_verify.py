@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_default_mode import COUNTING_PROMPTS  # noqa: E402
 from cpu_vs_llamacpp import PROMPTS as CHAT_PROMPTS  # noqa: E402
+from tree_build_speed import device_name  # noqa: E402
 
 SYSTEMS = ("packed", "padded", "fixed_packed")
 PACKED_VERIFY = {"packed": None, "padded": False, "fixed_packed": True}
@@ -101,22 +102,12 @@ def main() -> None:
                         "all_same_tokens_as_plain": all(r["same_tokens_as_plain"] for r in runs)}
                for system, runs in passes.items()}
     record = {"benchmark": "cpu_packed_verify", "cpu": platform.processor() or platform.machine(),
-              "cpu_model": _cpu_model(), "threads": args.threads, "rows": args.rows, "workload": args.workload,
+              "cpu_model": device_name(torch.device("cpu")), "threads": args.threads, "rows": args.rows, "workload": args.workload,
               "new_tokens": args.new_tokens, "passes": passes, "summary": summary,
               "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

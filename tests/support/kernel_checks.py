@@ -56,21 +56,24 @@ def _run(model, device: str) -> dict[str, torch.Tensor]:
     first = model(prefill, cache, capture_layers=(0, model.config.num_hidden_layers - 1))
     cache.advance(prefill.slots, counts.to(device))
     tree_batch = _tree_batch([len(p) for p in prompts], device)
-    tree = model(tree_batch, cache)
-    packed = _packed_tree(model, cache, tree_batch)
+    packed_logits, packed_hidden = _packed_tree(model, cache, tree_batch)  # (first: the tree then writes every
+    tree = model(tree_batch, cache)  # entry of its own, so the cache compared below holds no unpacked entry)
     return {"prefill_logits": first.logits, "hidden": first.hidden, "tree_logits": tree.logits,
-            "packed_tree_logits": packed.logits, "packed_tree_hidden": packed.hidden,
+            "packed_tree_logits": packed_logits, "packed_tree_hidden": packed_hidden,
             "sink": _sink_step(model, cache, counts.to(device), device), "kv": cache.storage}
 
 
-def _packed_tree(model, cache, batch: ForwardBatch):
-    """The tree again, its rows packed (models/packing.py): all of row 0's entries, the first 4 of row 1's
-    (leaves 4 and 5 left out), into 11 flat tokens (one a pad)."""
+def _packed_tree(model, cache, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tree with its rows packed (models/packing.py): all of row 0's entries, the first 4 of row 1's (leaves 4
+    and 5 left out), into 11 flat tokens, one a pad; (logits, hidden) of the 10 real ones (a pad token's values
+    depend on how each path treats unpacked entries, which nothing reads)."""
     from flashtree.models.packing import pack_rows
 
     counts = torch.tensor([len(PARENTS), 4], device=batch.slots.device)
-    return model(batch._replace(packing=pack_rows(counts, len(PARENTS), 11)), cache,
-                 capture_layers=(0, model.config.num_hidden_layers - 1))
+    packing = pack_rows(counts, len(PARENTS), 11)
+    out = model(batch._replace(packing=packing), cache, capture_layers=(0, model.config.num_hidden_layers - 1))
+    real = packing.padded_of < batch.input_ids.numel()  # [T]
+    return out.logits[0][real], out.hidden[0][real]
 
 
 def _sink_step(model, cache, lengths: torch.Tensor, device: str) -> torch.Tensor:
