@@ -126,7 +126,7 @@ class ModelRunner:
         self._map_pages(rows)
         pads = self._pad_rows(len(rows))
         shape = self._shape(rows, nodes)
-        ints, floats = self._round_inputs(rows, nodes, pads)
+        ints, floats = self._round_inputs(rows, shape.nodes, pads)  # (a packed round's rows may take its trees' size)
         grammar = None
         if GrammarRound.needed(rows):
             grammar = GrammarRound(rows, len(rows) + pads, self.model.config.vocab_size, self.device, nodes,
