@@ -13,7 +13,7 @@ per total: mean tokens committed per row and round (bonus included) both ways, w
 path probabilities expected of each, and the ratio. ``--time-build`` also times the tree build with
 and without the allotment on the device (random logits, Triton kernels where they run).
 
-    python benchmarks/row_budget_gain.py --device cpu --rows 8 --budget 32 --out /tmp/gain.json
+    python benchmarks/row_budget_gain.py --device cpu --rows 8 --budget 32 --spans 2,4 --out /tmp/gain.json
     python benchmarks/row_budget_gain.py --device cuda --dataset humaneval --rows 16 --budget 64 \\
         --time-build --out benchmarks/results/row_budget_gain_h200.json
 """
@@ -80,27 +80,33 @@ def committed(record, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return walk.accept_lengths.float(), expected
 
 
-def compare(rounds, per_row: list[int], budget: int) -> list[dict]:
+def compare(rounds, per_row: list[int], budget: int, spans: list[int] = ()) -> list[dict]:
+    """Per total: tau of the uniform cut and of the allotment from each row's whole tree (``allotted``) and, for
+    each span s, from trees cut to ``s x n`` nodes (``allotted_span_s``: the packed rounds' trees, runner.py)."""
     from flashtree.policy.row_budgets import allot_budgets
 
     rows_out = []
     for n in per_row:
-        sums = {"uniform": 0.0, "allotted": 0.0, "uniform_expected": 0.0, "allotted_expected": 0.0}
+        caps_by_name = {"allotted": budget} | {f"allotted_span_{s}": min(budget, s * n) for s in spans}
+        sums = {f"{name}{part}": 0.0 for name in ("uniform", *caps_by_name) for part in ("", "_expected")}
         row_rounds = 0
         for record in rounds:
             valid, log_weights = record[3], record[5]
             rows = valid.shape[0]
             _, weights = ranked(log_weights, valid)
-            caps = torch.full((rows,), budget, dtype=torch.long)
             cost = torch.ones(rows * (1 + n) + 1)  # flat up to the total, closed after it
-            allotted = allot_budgets(weights, caps, cost, torch.ones(rows, dtype=torch.bool))
-            for name, budgets in (("uniform", torch.full((rows,), n)), ("allotted", allotted)):
+            cuts = {"uniform": torch.full((rows,), n)}
+            for name, cap in caps_by_name.items():
+                caps = torch.full((rows,), cap, dtype=torch.long)
+                cuts[name] = allot_budgets(weights, caps, cost, torch.ones(rows, dtype=torch.bool))
+            for name, budgets in cuts.items():
                 got, expected = committed(record, budgets)
                 sums[name] += got.sum().item()
                 sums[f"{name}_expected"] += expected.sum().item()
             row_rounds += rows
         out = {"nodes_per_row": n, "row_rounds": row_rounds} | {k: v / max(row_rounds, 1) for k, v in sums.items()}
-        out["allotted_over_uniform"] = out["allotted"] / max(out["uniform"], 1e-9)
+        for name in caps_by_name:
+            out[f"{name}_over_uniform"] = out[name] / max(out["uniform"], 1e-9)
         rows_out.append(out)
     return rows_out
 
@@ -143,6 +149,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--per-row", default="1,2,4,8,16", help="uniform nodes per row of each total compared")
+    parser.add_argument("--spans", default="", help="also allot from trees cut to span x n nodes, e.g. 2,4")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
@@ -153,7 +160,7 @@ def main() -> None:
     per_row = [n for n in map(int, args.per_row.split(",")) if n <= args.budget]
     rounds = record_rounds(args)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": len(rounds),
-              "by_total": compare(rounds, per_row, args.budget)}
+              "by_total": compare(rounds, per_row, args.budget, [int(s) for s in filter(None, args.spans.split(","))])}
     if args.time_build:
         result["build"] = time_build(args.device, [1, 8, 16, 32], [16, 64], 49152, 15)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +171,9 @@ def main() -> None:
     for r in result["by_total"]:
         print(f"| {r['nodes_per_row']} | {r['uniform']:.3f} | {r['allotted']:.3f} | {r['allotted_over_uniform']:.3f} "
               f"| {r['uniform_expected']:.3f} | {r['allotted_expected']:.3f} |")
+        spans = [k for k in r if k.startswith("allotted_span_") and not k.endswith(("_expected", "_over_uniform"))]
+        if spans:
+            print("    " + ", ".join(f"{k[len('allotted_'):]}: {r[k]:.3f} ({r[k + '_over_uniform']:.3f}x)" for k in spans))
     for b in result.get("build", []):
         print(f"build rows {b['rows']} budget {b['budget']}: {b['plain_ms']:.3f} ms, "
               f"with allotment {b['allotted_ms']:.3f} ms")
