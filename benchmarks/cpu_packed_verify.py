@@ -1,6 +1,6 @@
 """CPU: rounds with per-row budgets verifying their rows packed (``packed_verify`` None, the default: budgets by
 the policy's cost curve) against padded to the widest row (``--no-packed-verify``) and against fixed packed totals
-(``--packed-verify``: n nodes per row -> rows x (n + 1) tokens from trees of up to 2n), the rest of the engine alike.
+(``--packed-verify``: n nodes per row -> rows x (n + 1) tokens from trees of up to 4n), the rest of the engine alike.
 
 Engines of the default mode (the embedded SmolLM2 with its shipped drafter, adaptive DDTree, which
 allots each drafted round's nodes among its rows) decode the same ``--rows`` prompts together, ``--new-tokens``

@@ -58,8 +58,8 @@
 #   session 32; float32 keeps 64 / 3): tests/gpu/test_exact_mode.py, then fast and exact rounds at batch 1 / 32.
 # CALL=19 (~9 min, never run on a GPU: session 33 had no device time): packed verify rounds (#39 item 3). First the
 #   GPU tests the packed path touches (fused kernels, graphs, tree attention with counts), then rounds at the 8B shape,
-#   batch 16 and 32: padded (trees of N per row) against packed (rows x (N + 1) tokens from trees of min(B, 2N)), N 4 / 8
-#   / 16 with a budget of 32: the round's ms at equal verified tokens, and the plain step beside them.
+#   batch 16 and 32: padded (trees of N per row) against packed (rows x (N + 1) tokens from trees of min(B, S x N), S 2
+#   and 4), N 4 / 8 / 16 with a budget of 32: the round's ms at equal verified tokens, and the plain step beside them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -173,10 +173,11 @@ case "${CALL:-1}" in
     timeout 200 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py \
         tests/gpu/test_startup_graphs.py tests/gpu/test_cuda_graphs.py > "$OUT/tests_packed.txt" 2>&1
     echo "gpu tests rc=$?"; grep -E "^E |passed|failed" "$OUT/tests_packed.txt" | tail -6 | cut -c1-300
-    for mode in off on; do
-      timeout 160 python benchmarks/gpu_rounds.py --methods none,ddtree:32@4,ddtree:32@8,ddtree:32@16 --batches 16,32 \
-          --no-profile --tree-budgets "" --packed-verify $mode --out "$OUT/gpu_rounds_packed_$mode.json" > /tmp/rp_$mode.txt 2>&1
-      echo "rounds packed=$mode rc=$?"; grep -E '^\{|Error' /tmp/rp_$mode.txt | cut -c1-140
+    for mode in off:1 on:2 on:4; do
+      timeout 130 python benchmarks/gpu_rounds.py --methods none,ddtree:32@4,ddtree:32@8,ddtree:32@16 --batches 16,32 \
+          --no-profile --tree-budgets "" --packed-verify ${mode%:*} --packed-span ${mode#*:} \
+          --out "$OUT/gpu_rounds_packed_${mode/:/_}.json" > /tmp/rp.txt 2>&1
+      echo "rounds packed=$mode rc=$?"; grep -E '^\{|Error' /tmp/rp.txt | cut -c1-140
     done ;;
   18)
     python -c "import sys; sys.path.insert(0, 'benchmarks'); from qwen3_8b_shape import QWEN3_8B, write_config; write_config('/tmp/qwen3-8b', QWEN3_8B)"

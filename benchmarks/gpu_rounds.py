@@ -28,6 +28,7 @@ from tree_build_speed import graphed_ms  # noqa: E402
 
 from flashtree import SamplingParams  # noqa: E402
 from flashtree.config import EngineConfig, SpeculationConfig  # noqa: E402
+from flashtree.engine import runner as runner_module  # noqa: E402
 from flashtree.engine.engine import LLMEngine  # noqa: E402
 from flashtree.engine.graphs import GraphCache  # noqa: E402
 from flashtree.kernels.gpu import fused as gpu_fused  # noqa: E402
@@ -202,10 +203,14 @@ def main():
                         help="also the N kernels of most device time per round (torch.profiler, 5 rounds)")
     parser.add_argument("--packed-verify", choices=("auto", "on", "off"), default="auto",
                         help="KernelConfig.packed_verify (auto: None, padded on CUDA; on: rounds of n nodes per row "
-                             "verify rows x (n + 1) tokens packed from trees of up to 2n). A method ddtree:B@N runs "
+                             "verify rows x (n + 1) tokens packed from trees of up to 4n, --packed-span). A method ddtree:B@N runs "
                              "rounds of N nodes per row (the bound max_round_tokens = batch x (N + 1), one engine a batch) "
-                             "with a budget of B: padded, trees of N; packed, trees of min(B, 2N)")
+                             "with a budget of B: padded, trees of N; packed, trees of min(B, span x N)")
+    parser.add_argument("--packed-span", type=int, default=None, metavar="S",
+                        help="with --packed-verify on: trees of up to S x N nodes (runner.PACKED_TREE_SPAN)")
     args = parser.parse_args()
+    if args.packed_span:
+        runner_module.PACKED_TREE_SPAN = args.packed_span
     if args.exact_tile:
         bm, bn, bk, warps, stages = map(int, args.exact_tile.split(","))
         gemm.TILES = (*gemm.TILES[:-1], (gemm.TILES[-1][0], gemm.Tile(bm, bn, bk, warps=warps, stages=stages)))

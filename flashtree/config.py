@@ -227,7 +227,7 @@ class KernelConfig:
     # rows' real tokens only; same tokens every way; a tensor-parallel forward stays padded). None: on a CPU the
     # rows' budgets follow the policy's measured cost curve and verify packed; on CUDA every row verifies the
     # round's node count, padded. True, on every device: a round of n nodes per row verifies rows x (n + 1) tokens
-    # packed, the rows' best nodes from trees of up to 2n each (fixed sizes: CUDA graphs keyed by the total).
+    # packed, the rows' best nodes from trees of up to 4n each (fixed sizes: CUDA graphs keyed by the total).
     # False: padded everywhere (on a CPU narrowed to the widest row)
     packed_verify: bool | None = None
     feature_sink: bool = True  # a plain round's drafter features are written by the fused norm, not copied after

@@ -146,7 +146,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _on_off(kernels, "packed_verify", KernelConfig.packed_verify,
             "drafted tree rounds verify the rows' real tokens packed into one flat batch (the products run over "
             "those tokens only; same tokens): on, every device, a round of n nodes per row verifies rows x (n + 1) "
-            "tokens, the rows' best nodes from trees of up to 2n (CUDA graphs keyed by the total); off, padded to the "
+            "tokens, the rows' best nodes from trees of up to 4n (CUDA graphs keyed by the total); off, padded to the "
             "widest row; None: on a CPU the rows' budgets follow the measured cost curve, packed, CUDA padded")
     _on_off(kernels, "feature_sink", KernelConfig.feature_sink,
             "a plain round's drafter features are written by the fused norm kernel (same tokens)")

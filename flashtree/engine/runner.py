@@ -51,8 +51,10 @@ from flashtree.speculative.proposer import Proposer
 
 KV_BUCKET = 256  # a graphed round's key length is rounded up to a multiple of this
 # in the packed layout a round of n nodes per row verifies rows x (n + 1) tokens, each row's from a tree of up to
-# this many times n nodes (its share of the total by its tree's path probabilities); not yet measured on a GPU
-PACKED_TREE_SPAN = 2
+# this many times n nodes (its share of the total by its tree's path probabilities). On the shipped pair (16 rows,
+# greedy, CPU) trees of 4n commit as many tokens as whole DDTree-32 trees at 1-8 nodes per row, 2n about 70% of
+# that gain at 1-2 (benchmarks/row_budget_gain.py --spans); what the wider trees cost on a GPU is not measured yet
+PACKED_TREE_SPAN = 4
 
 
 def round_span(proposer: Proposer) -> int:

@@ -73,7 +73,7 @@ def test_keys_run_widest_first_and_follow_the_schedulers_round_bound(pair):
 
 def test_packed_rounds_are_keyed_by_their_total(pair):
     """``packed_verify=True``: a round of n nodes per row over W padded rows verifies W x (n + 1) tokens packed, from
-    trees of up to 2n (at most the budget); the keys run widest first by that total."""
+    trees of up to 4n (at most the budget); the keys run widest first by that total."""
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, packed_verify=True, **ENGINE)
     llm.engine.runner.graphs = PassThroughGraphs()
     keys = [key for key in llm.engine.runner.graph_keys((8, 4, 0), 4, 20) if key[0] != "catch_up"]

@@ -68,7 +68,7 @@ def with_allotment(llm: LLM, monkeypatch, rule=None, costs=None) -> None:
 @pytest.fixture(params=[None, False, True], ids=["packed", "padded", "fixed-packed"])
 def ddtree(pair, request, monkeypatch):
     """A DDTree engine whose allotted rounds verify packed rows (or padded ones, or fixed packed totals of
-    rows x (budget + 1) from trees of up to twice the budget), checked to do so."""
+    rows x (budget + 1) from trees of up to the budget), checked to do so."""
     packings = []
     real = round_module.pack_rows
     monkeypatch.setattr(round_module, "pack_rows", lambda *args: packings.append(args[2]) or real(*args))
@@ -158,7 +158,7 @@ def test_sampled_tokens_with_mixed_budgets_follow_the_target(small, monkeypatch)
 @pytest.mark.parametrize("packed_verify", [None, True])
 def test_the_adaptive_default_allots_and_stays_lossless(pair, plain, monkeypatch, packed_verify):
     """The adaptive policy (the default) with its own cost curve, or with fixed packed rounds (each option of n
-    nodes a total of rows x (n + 1) tokens from trees of up to 2n: rows take unequal shares): the allotment runs
+    nodes a total of rows x (n + 1) tokens from trees of up to 4n: rows take unequal shares): the allotment runs
     in its drafted rounds and the tokens equal plain decoding's."""
     calls = []
     real = round_module.allot_budgets
