@@ -102,11 +102,12 @@ class RowAllotment(NamedTuple):
 
 def verifies_packed(allotment: RowAllotment | None, shape: RoundShape, grammar: GrammarRound | None,
                     chain: bool) -> bool:
-    """A tree round of ``shape`` verifies its rows' tokens packed (models/packing.py): its allotment asks for
-    the ragged layout and no [B, N] step needs the logits (penalties and min_tokens adjust them, a grammar
-    masks them: those rounds, and chains, stay padded)."""
-    return (allotment is not None and not allotment.padded and not shape.adjust and grammar is None and not chain
-            and shape.nodes > 0)
+    """A tree round of ``shape`` verifies its rows' tokens packed (models/packing.py): it has a fixed packed size
+    (``shape.tokens``, its allotment then built in the round) or its allotment asks for the ragged layout, and no
+    [B, N] step needs the logits (penalties and min_tokens adjust them, a grammar masks them: those rounds, and
+    chains, stay padded)."""
+    ragged = shape.tokens is not None if allotment is None else not allotment.padded
+    return ragged and not shape.adjust and grammar is None and not chain and shape.nodes > 0
 
 
 class RoundOutput(NamedTuple):

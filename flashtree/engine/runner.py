@@ -216,7 +216,7 @@ class ModelRunner:
         return LaunchedRound(rows, shape.nodes if option is None else option, ints, floats, out.packed, host, trace,
                              logprobs, done, captured,
                              launched_at, grammar is not None,
-                             shape.tokens is not None or verifies_packed(allotment, shape, grammar, self.proposer.chain))
+                             verifies_packed(allotment, shape, grammar, self.proposer.chain))
 
     def _map_pages(self, rows: Sequence[Request]) -> None:
         """Map the KV pages every position a round of ``rows`` may write lies on (a queued round's rows

@@ -11,7 +11,7 @@ Glossary
 - counts: ``[B]`` real tokens of each row, a prefix of its node axis (0 for a pad row).
 - flat position: a token's place in the packed batch (row after row, each row's tokens in order).
 - padded index: ``b * N + j``, entry j of row b in the padded layout; ``B * N`` is the dump, where a
-  flat pad token (past the rows' total) points and what an unpacked entry's flat position is not.
+  flat pad token (past the rows' total) points.
 - unpacked entry: a padded entry whose flat position would be T or more (the total overflows T), or
   past its row's count. The round marks such tree nodes invalid, so nothing reads their results, and no
   packed token attends to one (a packed node's ancestors come before it in its row: packed too).
