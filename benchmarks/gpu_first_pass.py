@@ -1,10 +1,15 @@
 """The first timed pass after start-up against the second, and CUDA-graph captures in each (issue #39).
 
     python benchmarks/gpu_first_pass.py --out benchmarks/results/gpu_first_pass_h200.json
+    python benchmarks/gpu_first_pass.py --target SmolLM2-135M-Instruct.Q4_1.gguf \
+        --drafter flashtree/assets/smollm2-dflash --prompts humaneval_ids.jsonl --packed-verify on --out ...
 
-One engine per method (plain, DFlash, DDTree at fixed budgets, the adaptive default) on the
-Qwen3-8B shape with random bf16 weights (the drafter at z-lab's Qwen3-8B-DFlash-b16 shape: it never
-matches, so this measures what graphs and rounds cost, not acceptance). Per batch size, two passes
+One engine per method (plain, DFlash, DDTree at fixed budgets, the adaptive default). Without
+``--target``: the Qwen3-8B shape with random bf16 weights (the drafter at z-lab's Qwen3-8B-DFlash-b16
+shape: it never matches, so this measures what graphs and rounds cost, not acceptance). With
+``--target`` / ``--drafter`` / ``--prompts`` (a JSONL file of ``{"prompt_ids"}`` lines, e.g. from
+``flashtree.bench.datasets``): a real pair on real prompts, greedy until end of turn or
+``--new-tokens``, and each method's tokens are compared with plain decoding's. Per batch size, two passes
 of the same prompts on that engine: tokens/s, and the graphs captured inside each timed pass
 (``torch.cuda.CUDAGraph.capture_begin`` counted). A gap between the passes is work done while
 serving, which the user pays for.
@@ -37,9 +42,9 @@ def _counting_capture_begin(self, *args, **kwargs):
 torch.cuda.CUDAGraph.capture_begin = _counting_capture_begin
 
 
-def method_engine(method: str, target: Path, drafter: Path, max_running: int, max_context: int) -> LLM:
-    """``none``, ``dflash``, ``ddtree:N`` (a fixed budget) or ``adaptive`` (DDTree, the policy's choice)."""
-    common = dict(random_weights=True, max_running=max_running, max_context=max_context)
+def method_engine(method: str, target: Path, drafter: Path, **common) -> LLM:
+    """``none``, ``dflash``, ``ddtree:N`` (a fixed budget) or ``adaptive`` (DDTree, the policy's choice);
+    ``common``: the engine's other keywords."""
     if method == "none":
         return LLM(str(target), **common)
     if method == "dflash":
@@ -69,23 +74,47 @@ def main():
     parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--target", type=Path, help="a real target (HF folder or GGUF); default: random Qwen3-8B shape")
+    parser.add_argument("--drafter", type=Path, help="the real target's DFlash drafter folder")
+    parser.add_argument("--prompts", type=Path, help="with --target: JSONL of {\"prompt_ids\": [...]} lines")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--packed-verify", choices=("auto", "on", "off"), default="auto",
+                        help="KernelConfig.packed_verify (auto: None)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    work = Path(tempfile.mkdtemp())
-    target = write_config(work / "target", QWEN3_8B)
-    drafter = write_config(work / "drafter", QWEN3_8B_DFLASH)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 150000, (args.prompt_tokens,), generator=gen).tolist() for _ in range(max(batches))]
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    report = {"device": torch.cuda.get_device_name(), "shape": "qwen3-8b (random bf16)", "prompt_tokens": args.prompt_tokens,
-              "new_tokens": args.new_tokens, "rows": []}
+    packed = {"auto": None, "on": True, "off": False}[args.packed_verify]
+    if args.target is None:
+        work = Path(tempfile.mkdtemp())
+        target = write_config(work / "target", QWEN3_8B)
+        drafter = write_config(work / "drafter", QWEN3_8B_DFLASH)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 150000, (args.prompt_tokens,), generator=gen).tolist()
+                   for _ in range(max(batches))]
+        params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+        shape, model_keywords = "qwen3-8b (random bf16)", dict(random_weights=True)
+    else:
+        if args.drafter is None or args.prompts is None:
+            parser.error("--target needs --drafter and --prompts")
+        target, drafter = args.target, args.drafter
+        lines = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+        prompts = [line["prompt_ids"] for line in lines]
+        if len(prompts) < max(batches):
+            parser.error(f"--prompts {args.prompts} holds {len(prompts)} prompts; --batches needs {max(batches)}")
+        params = SamplingParams(max_tokens=args.new_tokens)
+        shape, model_keywords = f"{target.name} + {drafter.name} ({args.dtype})", {}
+    longest = max(len(p) for p in prompts[:max(batches)])
+    common = dict(model_keywords, dtype=args.dtype, packed_verify=packed, max_running=max(batches),
+                  max_context=longest + args.new_tokens + 64)
+    report = {"device": torch.cuda.get_device_name(), "shape": shape, "prompt_tokens": args.prompt_tokens,
+              "new_tokens": args.new_tokens, "packed_verify": packed, "rows": []}
+    plain_tokens = {}
     print(f"{'method':>10} {'batch':>5} {'pass1 tok/s':>12} {'pass2 tok/s':>12} {'1/2':>6} {'captures 1, 2':>14} "
-          f"{'start-up s':>10}", flush=True)
+          f"{'start-up s':>10} equals plain", flush=True)
     for method in args.methods.split(","):
         t0 = time.perf_counter()
         start_captures = captures
-        llm = method_engine(method, target, drafter, max(batches), args.prompt_tokens + args.new_tokens + 64)
+        llm = method_engine(method, target, drafter, **common)
         startup = time.perf_counter() - t0
         startup_captures = captures - start_captures
         for batch in batches:
@@ -95,13 +124,17 @@ def main():
                    "pass1_tok_s": first["tok_s"], "pass2_tok_s": second["tok_s"],
                    "pass1_captures": first["captures"], "pass2_captures": second["captures"],
                    "same_tokens": first["tokens"] == second["tokens"]}
+            if method == "none":
+                plain_tokens[batch] = first["tokens"]
+            elif batch in plain_tokens:
+                row["equals_plain"] = first["tokens"] == plain_tokens[batch] == second["tokens"]
             report["rows"].append(row)
             print(f"{method:>10} {batch:>5} {first['tok_s']:>12.1f} {second['tok_s']:>12.1f} "
                   f"{first['tok_s'] / second['tok_s']:>6.2f} {first['captures']:>6}, {second['captures']:<6} "
-                  f"{startup:>10.1f}", flush=True)
+                  f"{startup:>10.1f} {row.get('equals_plain', '')}", flush=True)
+            Path(args.out).write_text(json.dumps(report, indent=1))  # so far, if a later method runs out of time
         del llm
         torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

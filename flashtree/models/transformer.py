@@ -492,8 +492,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
         captured = {}
         keepers = self._keepers(capture_layers, feature_sink)
         last = len(self.model.layers) - 1
-        if mask is None and self.layer_stack is not None and packing is None:  # (the C++ attention: the stack
-            # takes it all)
+        if mask is None and self.layer_stack is not None:  # (the C++ attention: the stack takes it all)
             x, residual = self._run_layer_stack(x, batch, cache, write_index, keepers, captured)
         else:
             residual = None
@@ -519,7 +518,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
                          captured: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer loop of :meth:`forward` in one kernel call: (last MLP output, residual). The
         kernel writes a sink's layers straight into its rows; other captures come back in ``captured``."""
-        residual = x.clone()  # [B, N, hidden]; the kernel updates it layer by layer
+        residual = x.clone()  # [B, N, hidden] ([1, T, hidden] packed); the kernel updates it layer by layer
         h = self.model.layers[0].input_layernorm(x)
         inner = {i + 1: kept for i, kept in keepers.items() if i + 1 < len(self.model.layers)}  # layer l's input
         # is layer l - 1's output
@@ -530,7 +529,7 @@ class CausalLM(FusedKernelSwitch, nn.Module):
             inputs, sink_rows = {layer: x.new_empty(x.shape[0] * x.shape[1], x.shape[2]) for layer in inner}, None
         out = self.layer_stack(h, residual, inputs, (self.rope.cos, self.rope.sin), batch.positions, write_index,
                                cache.storage, cache.block_table, batch.slots, batch.cache_lengths, batch.new_mask,
-                               capture_rows=sink_rows)
+                               capture_rows=sink_rows, packing=batch.packing)
         if sink_rows is None:
             for layer, kept in inputs.items():  # [B * N, hidden] each
                 if isinstance(inner[layer], SinkSegment):

@@ -1,18 +1,21 @@
 """The ragged layout (models/packing.py): rows packed into a flat token batch, and a packed target forward
 that gives the padded forward's logits and hidden states at every packed entry (torch ops, the C++ kernels,
-the row-invariant float32 products) and writes the same K/V there."""
+the row-invariant float32 products, a GGUF model's C++ layer stack) and writes the same K/V there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashtree.kernels.cpu.library import KernelUnavailable, load_kernels
+from flashtree import LLM
+from flashtree.kernels.cpu.layer_stack import LayerStack
+from flashtree.kernels.cpu.library import KernelUnavailable, kernels_available, load_kernels
 from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.models.batch import ForwardBatch, causal_mask
 from flashtree.models.build import build_model
 from flashtree.models.config import ModelConfig
 from flashtree.models.packing import pack_rows
+from tests.support.checkpoints import isolated_cache, tiny_gguf  # noqa: F401 (autouse fixture)
 
 
 def test_rows_pack_in_order_and_the_dump_takes_the_rest():
@@ -60,10 +63,11 @@ CAPTURE = (0, 2)
 
 def prefilled_cache(model, lengths: torch.Tensor) -> KVCache:
     """A cache whose rows hold ``lengths`` committed tokens of a causal prompt."""
-    cache = KVCache(KVCacheSpec(CONFIG.num_hidden_layers, 4, 32, 8, CONFIG.num_key_value_heads, CONFIG.head_dim),
+    config = model.config
+    cache = KVCache(KVCacheSpec(config.num_hidden_layers, 4, 32, 8, config.num_key_value_heads, config.head_dim),
                     torch.float32, "cpu")
     width = int(lengths.max())
-    ids = (torch.arange(lengths.numel() * width).view(-1, width) * 7) % CONFIG.vocab_size
+    ids = (torch.arange(lengths.numel() * width).view(-1, width) * 7) % config.vocab_size
     slots = torch.arange(lengths.numel())
     model(ForwardBatch(ids, torch.arange(width).expand(lengths.numel(), -1), slots, torch.zeros_like(lengths),
                        causal_mask(lengths, width), width, prefill=True), cache, logits_index=(lengths - 1)[:, None])
@@ -71,7 +75,7 @@ def prefilled_cache(model, lengths: torch.Tensor) -> KVCache:
     return cache
 
 
-def tree_batch(lengths: torch.Tensor, counts: torch.Tensor) -> ForwardBatch:
+def tree_batch(lengths: torch.Tensor, counts: torch.Tensor, vocab: int = CONFIG.vocab_size) -> ForwardBatch:
     """Rows whose first ``counts`` entries form a small tree (entry i's parent (i - 1) // 2), the rest padding."""
     rows, width = lengths.numel(), 5
     entry = torch.arange(width)
@@ -82,7 +86,7 @@ def tree_batch(lengths: torch.Tensor, counts: torch.Tensor) -> ForwardBatch:
         ancestors[i] |= ancestors[parent[i]]
     real = entry[None, :] < counts[:, None]  # [B, N]
     mask = torch.where(real[:, :, None], ancestors[None] & real[:, None, :], torch.eye(width, dtype=torch.bool))
-    ids = (torch.arange(rows * width).view(rows, width) * 11 + 3) % CONFIG.vocab_size
+    ids = (torch.arange(rows * width).view(rows, width) * 11 + 3) % vocab
     return ForwardBatch(ids, lengths[:, None] + depth[None], torch.arange(rows), lengths, mask,
                         int(lengths.max()) + width)
 
@@ -125,6 +129,42 @@ def test_packed_forward_gives_the_padded_forward_at_packed_entries(kernels):
             want, _ = padded_cache.view(layer, torch.tensor([row]), start + count)
             got, _ = packed_cache.view(layer, torch.tensor([row]), start + count)
             assert (got - want).abs().max() <= tolerance
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_the_layer_stack_runs_a_packed_forward_as_the_layer_loop_does(tmp_path, monkeypatch, model_type):
+    """A GGUF model's packed verify forward through the C++ layer stack: the same bits as its layer-by-layer
+    packed forward (logits, captured hidden states, K/V) and as the padded forward at every packed entry."""
+    if not kernels_available()[0]:
+        pytest.skip("the C++ kernel library does not build here")
+    model = LLM(str(tiny_gguf(tmp_path / "tiny.gguf", model_type)), device="cpu", max_context=64).engine.model
+    stacked_layouts = []  # the packing of each forward the stack ran
+    run_stack = LayerStack.__call__
+    monkeypatch.setattr(LayerStack, "__call__", lambda self, *args, **kwargs: (
+        stacked_layouts.append(kwargs.get("packing")), run_stack(self, *args, **kwargs))[1])
+    lengths, counts = torch.tensor([6, 3, 9, 4]), torch.tensor([5, 1, 0, 3])
+    batch, packing = tree_batch(lengths, counts, model.config.vocab_size), pack_rows(counts, 5, 11)
+    runs = {}
+    for stack in (True, False):
+        assert model.use_layer_stack(stack) == stack
+        for layout in (None, packing):
+            cache = prefilled_cache(model, lengths)
+            runs[stack, layout is None] = model(batch._replace(packing=layout), cache, capture_layers=(0, 1)), cache
+    assert [layout is packing for layout in stacked_layouts[-2:]] == [False, True]  # (the prefills ran it too)
+    real = packing.padded_of < batch.input_ids.numel()  # [T]
+    for padded in (True, False):
+        (stacked, stacked_cache), (looped, looped_cache) = runs[True, padded], runs[False, padded]
+        assert torch.equal(stacked.logits, looped.logits) and torch.equal(stacked.hidden, looped.hidden), padded
+        assert torch.equal(stacked_cache.storage, looped_cache.storage), padded
+    (padded_out, padded_cache), (packed_out, packed_cache) = runs[True, True], runs[True, False]
+    assert packed_out.logits.shape[:2] == (1, 11) and padded_out.logits.std() > 0.1
+    for name in ("logits", "hidden"):
+        assert torch.equal(getattr(packed_out, name)[0][real], packing.gather(getattr(padded_out, name))[real]), name
+    for layer in range(model.config.num_hidden_layers):
+        for row, (start, count) in enumerate(zip(lengths.tolist(), counts.tolist())):
+            want, _ = padded_cache.view(layer, torch.tensor([row]), start + count)
+            got, _ = packed_cache.view(layer, torch.tensor([row]), start + count)
+            assert torch.equal(got, want), (layer, row)
 
 
 def test_a_packed_forward_takes_no_logits_index():

@@ -986,7 +986,13 @@ int flashtree_moe_layer(const float* x, const int64_t* moe, float* out, int64_t 
 //   last layer's MLP output and residual its residual (their sum is the last layer's output);
 // - capture[l] (or 0): where layer l's input goes, for l >= 1: token t's hidden values to row
 //   capture_rows[t] (t when capture_rows is 0) of capture_stride floats each, a row below capture_limit
-//   (rows out of range refuse the call before anything is written: status 2).
+//   (rows out of range refuse the call before anything is written: status 2);
+// - flat_of (or 0: a padded forward, T = rows x new tokens): the rows' entries packed into T = packed_tokens
+//   flat tokens (models/packing.py). h, residual, mlp_out and the captures then hold the T flat tokens, and
+//   each layer spreads its qkv to the [rows, new tokens] entries for the rotary, KV write and attention
+//   (flat_of[e]: entry e's flat token, packed_tokens where it is not packed: it takes the last flat token's
+//   values, as TokenPacking.scatter) and takes each flat token's attention output back from its entry
+//   (padded_of[t], rows x new tokens for a flat pad token: it takes the last entry's, as TokenPacking.gather).
 constexpr int LAYER_FIELDS = 12;
 constexpr int64_t MOE_LAYER = -1;  // a MoE layer's gate-up code: its next field is its flashtree_moe_layer table
 
@@ -998,14 +1004,18 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
                           int64_t layer_stride, int64_t page_stride, int64_t head_stride, int64_t pos_stride,
                           const int64_t* table, const int64_t* slots, const int64_t* lengths,
                           const uint8_t* new_mask, int64_t table_stride, int64_t page_size, int64_t rows,
-                          int64_t new_tokens, int threads) {
+                          int64_t new_tokens, int threads, const int64_t* flat_of, const int64_t* padded_of,
+                          int64_t packed_tokens) {
   const int64_t hidden = dims[0], heads = dims[1], kv_heads = dims[2], head_dim = dims[3], inter = dims[4];
-  const int64_t T = rows * new_tokens, qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;
+  const int64_t P = rows * new_tokens, T = flat_of ? packed_tokens : P;  // entries, tokens the products run
+  const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;
   for (int64_t t = 0; t < T; ++t) {
     const int64_t row = capture_rows ? capture_rows[t] : t;
     if (row < 0 || row >= capture_limit) return 2;
   }
-  std::vector<float> qkv(T * qkv_width), q(T * q_width), att(T * q_width), o(T * q_width), x(T * hidden);
+  std::vector<float> qkv(T * qkv_width), q(P * q_width), att(P * q_width), o(T * q_width), x(T * hidden);
+  std::vector<float> spread(flat_of ? P * qkv_width : 0), entries_o(flat_of ? P * q_width : 0);  // (packed)
+  float* o_entries = flat_of ? entries_o.data() : o.data();  // [P, H * D]
   std::vector<float> gate_up(T * 2 * inter), act(T * inter);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* f = layers + l * LAYER_FIELDS;
@@ -1022,8 +1032,15 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
     }
     if (flashtree_block_gemm((int)f[4], h, (const uint8_t*)f[5], qkv_bias, qkv.data(), T, qkv_width, hidden, threads))
       return 1;
-    flashtree_qkv_rope_write(qkv.data(), qk_norm, cos_table, sin_table, positions, write_pages, write_offsets,
-                             q.data(), k_layer, v_layer, T, new_tokens, heads, kv_heads, head_dim, qk_eps,
+    const float* entry_qkv = qkv.data();  // [P, qkv_width]
+    if (flat_of) {
+      for (int64_t e = 0; e < P; ++e)
+        memcpy(spread.data() + e * qkv_width, qkv.data() + std::min(flat_of[e], T - 1) * qkv_width,
+               qkv_width * sizeof(float));
+      entry_qkv = spread.data();
+    }
+    flashtree_qkv_rope_write(entry_qkv, qk_norm, cos_table, sin_table, positions, write_pages, write_offsets,
+                             q.data(), k_layer, v_layer, P, new_tokens, heads, kv_heads, head_dim, qk_eps,
                              page_stride, head_stride, pos_stride);
     flashtree_tree_attention(q.data(), k_layer, v_layer, table, slots, lengths, new_mask, att.data(), rows,
                              new_tokens, heads, kv_heads, head_dim, 0, scale, table_stride, page_size, page_stride,
@@ -1031,8 +1048,11 @@ int flashtree_layer_stack(const int64_t* layers, int64_t num_layers, const int64
     for (int64_t b = 0; b < rows; ++b)  // [B, H, N, D] -> [B, N, H * D]
       for (int64_t hh = 0; hh < heads; ++hh)
         for (int64_t n = 0; n < new_tokens; ++n)
-          memcpy(o.data() + ((b * new_tokens + n) * heads + hh) * head_dim,
+          memcpy(o_entries + ((b * new_tokens + n) * heads + hh) * head_dim,
                  att.data() + ((b * heads + hh) * new_tokens + n) * head_dim, head_dim * sizeof(float));
+    if (flat_of)
+      for (int64_t t = 0; t < T; ++t)
+        memcpy(o.data() + t * q_width, o_entries + std::min(padded_of[t], P - 1) * q_width, q_width * sizeof(float));
     if (flashtree_block_gemm((int)f[6], o.data(), (const uint8_t*)f[7], nullptr, x.data(), T, hidden, q_width,
                              threads))
       return 1;

@@ -6,7 +6,7 @@ on a 2-core EPYC for SmolLM2-135M, a quarter of the step). :class:`LayerStack` h
 to ``flashtree_layer_stack`` (``kernels.cpp``), which calls the same C++ functions with the same
 operands in the same order: the results are bit-identical to the per-op path's. It serves the
 forwards that attend with the C++ attention (:func:`~flashtree.kernels.cpu.fused.handles_attention`: decode
-and verification forwards, short prompt chunks; any number of rows)
+and verification forwards, padded or packed (models/packing.py), short prompt chunks; any number of rows)
 of models whose every layer holds GGUF blocks; a sparse-MoE layer runs its router and routed experts
 with the function its per-op path calls (``flashtree_moe_layer``).
 """
@@ -14,12 +14,15 @@ with the function its per-op path calls (``flashtree_moe_layer``).
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
 
 from flashtree.kernels.cpu.library import load_kernels
 from flashtree.kernels.cpu.quant_linear import QuantizedLinear
+
+if TYPE_CHECKING:
+    from flashtree.models.packing import TokenPacking
 
 LAYER_FIELDS = 12  # int64 fields per layer in the table the kernel reads (kernels.cpp)
 MOE_LAYER = -1  # a MoE layer's gate-up code in that table; its next field is the address of its MoE table
@@ -79,7 +82,7 @@ class LayerStack:
                  rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                  write_index: tuple[torch.Tensor, torch.Tensor], storage: torch.Tensor, block_table: torch.Tensor,
                  slots: torch.Tensor, lengths: torch.Tensor, new_mask: torch.Tensor,
-                 capture_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 capture_rows: torch.Tensor | None = None, packing: TokenPacking | None = None) -> torch.Tensor:
         """Run every layer. h, residual ``[B, N, hidden]``: layer 0's normed input and its input
         (``residual`` is updated in place to the last layer's residual); ``captures``: layer l >= 1
         -> an ``[R, hidden]`` float tensor (unit column stride, one row stride for all) whose row
@@ -87,10 +90,16 @@ class LayerStack:
         (a column slice of the drafter's lag buffer, or a ``[B * N, hidden]`` tensor of its own);
         ``rope``: the whole cos, sin tables ``[P, D]``; ``write_index``: (page, offset) ``[B, N]`` of
         the new entries; ``storage``: the cache's ``[layers, 2, pages, KVH, page_size, D]``. Returns
-        the last layer's MLP output."""
+        the last layer's MLP output. With ``packing`` (models/packing.py) h, residual, the captures and
+        the output hold the ``[1, T, hidden]`` packed tokens; positions, write_index and new_mask stay
+        ``[B, N]``."""
         b, n, hidden = h.shape
         if b * n == 0 or hidden != self.dims.hidden or not residual.is_contiguous():
             raise ValueError(f"the layer stack takes contiguous [B, N, {self.dims.hidden}] inputs, got {list(h.shape)}")
+        rows, width = (b, n) if packing is None else packing.flat_of.shape
+        if packing is not None and (b != 1 or n != packing.total or positions.shape != (rows, width)):
+            raise ValueError(f"a packed forward's inputs are [1, {packing.total}, hidden] with [{rows}, {width}] "
+                             f"positions, got {list(h.shape)} and {list(positions.shape)}")
         h = h.contiguous().clone()  # the kernel writes each layer's normed input into it
         out = torch.empty_like(h)
         capture, stride, limit = self._capture_targets(captures, b * n)
@@ -110,12 +119,19 @@ class LayerStack:
             rope[1].data_ptr(), positions.data_ptr(), pages.data_ptr(), offsets.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), storage.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_table.data_ptr(), slots.data_ptr(), lengths.data_ptr(), mask.data_ptr(), block_table.shape[1],
-            k_cache.shape[2], b, n, torch.get_num_threads())
+            k_cache.shape[2], rows, width, torch.get_num_threads(), *self._packing_operands(packing))
         if status == 2:
             raise ValueError(f"capture_rows holds a row outside the captures' {limit} rows")
         if status:
             raise ValueError("the layer stack's kernel refused its operands (a block type or row count)")
         return out
+
+    def _packing_operands(self, packing: TokenPacking | None) -> tuple[int, int, int]:
+        """The kernel's flat_of, padded_of and packed_tokens (zeros: a padded forward)."""
+        if packing is None:
+            return 0, 0, 0
+        self._packing = (packing.flat_of.contiguous(), packing.padded_of.contiguous())  # alive for the call
+        return self._packing[0].data_ptr(), self._packing[1].data_ptr(), packing.total
 
     def _capture_targets(self, captures: dict[int, torch.Tensor], tokens: int) -> tuple[ctypes.Array, int, int]:
         """The kernel's per-layer capture addresses, their common row stride and row count."""

@@ -102,7 +102,7 @@ def load_kernels() -> ctypes.CDLL:
     lib.flashtree_moe_layer.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_int]
     lib.flashtree_layer_stack.restype = ctypes.c_int  # (layer_stack.py)
     lib.flashtree_layer_stack.argtypes = ([ptr, i64, ptr, f32, f32, f32] + [ptr] * 5 + [i64] * 2 + [ptr] * 7
-                                          + [i64] * 4 + [ptr] * 4 + [i64] * 4 + [ctypes.c_int])
+                                          + [i64] * 4 + [ptr] * 4 + [i64] * 4 + [ctypes.c_int, ptr, ptr, i64])
     return lib
 
 
