@@ -229,23 +229,25 @@ def _attention_with_counts(q, k_cache, v_cache, batch: ForwardBatch, gen: torch.
 
 def compare_engine(device: str, workdir: str) -> dict[str, float]:
     """The lossless contract with every fused kernel on (Triton attention and tree kernel too): greedy
-    DDTree tokens equal plain greedy tokens (batch 3, rows of different lengths); returns the
-    number of differing tokens (0 expected) and checks the kernels were on."""
+    DDTree tokens, padded and in fixed packed rounds (``packed_verify=True``), equal plain greedy tokens
+    (batch 3, rows of different lengths); returns the numbers of differing tokens (0 expected) and checks
+    the kernels were on."""
     from flashtree import LLM, SamplingParams
     from tests.dflash_helpers import tiny_pair
 
     pair = tiny_pair(workdir + "/engine", vocab=64, block_size=5, drafter_layers=2, tokenizer=False)
     prompts = [[3, 14, 15, 9, 2, 6], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4]]
-    outputs = []
-    for spec in ("none", "ddtree"):
+    outputs = {}
+    for label, spec, packed in (("plain", "none", None), ("ddtree", "ddtree", False), ("ddtree_packed", "ddtree", True)):
         llm = LLM(str(pair.target), spec=spec, draft=str(pair.drafter) if spec != "none" else None, budget=6,
                   device=device, triton_attention=True, triton_tree=True, adaptive_spec=False, max_running=4,
-                  max_context=64)
+                  max_context=64, packed_verify=packed)
         assert llm.engine.model.fused_attention
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-        outputs.append([o.token_ids for o in outs])
-    return {"engine/ddtree_tokens_differing_from_plain": float(sum(a != b for x, y in zip(*outputs)
-                                                                   for a, b in zip(x, y)))}
+        outputs[label] = [o.token_ids for o in outs]
+    return {f"engine/{label}_tokens_differing_from_plain": float(
+        sum(a != b for x, y in zip(outputs[label], outputs["plain"]) for a, b in zip(x, y)))
+        for label in ("ddtree", "ddtree_packed")}
 
 
 def compare_tree(device: str, cases: int) -> dict[str, float]:
