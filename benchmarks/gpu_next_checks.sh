@@ -170,10 +170,10 @@ case "${CALL:-1}" in
         --out "$OUT/gpu_kv_capacity_090_1024_bounded.json" > /tmp/kv_b.txt 2>&1
     echo "kv capacity 1024, rounds of <= 4096 tokens rc=$?"; grep -E '^\{|Error' /tmp/kv_b.txt | cut -c1-1200 ;;
   19)
-    timeout 150 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py \
+    timeout ${TESTS_S:-150} python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_fused_kernels.py \
         tests/gpu/test_startup_graphs.py tests/gpu/test_cuda_graphs.py > "$OUT/tests_packed.txt" 2>&1
     echo "gpu tests rc=$?"; grep -E "^E |passed|failed" "$OUT/tests_packed.txt" | tail -6 | cut -c1-300
-    for mode in off:1 on:2 on:4; do
+    for mode in ${MODES:-off:1 on:2 on:4}; do  # (MODES="off:1 on:4": the short form, about 6 minutes)
       timeout 125 python benchmarks/gpu_rounds.py --methods none,ddtree:32@4,ddtree:32@8,ddtree:32@16 --batches 16,32 \
           --no-profile --tree-budgets "" --packed-verify ${mode%:*} --packed-span ${mode#*:} \
           --out "$OUT/gpu_rounds_packed_${mode/:/_}.json" > /tmp/rp.txt 2>&1
