@@ -72,7 +72,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--methods", default="none,dflash,ddtree:16,ddtree:64,adaptive")
     parser.add_argument("--batches", default="1,16,32")
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="random prompts' length (without --target)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--target", type=Path, help="a real target (HF folder or GGUF); default: random Qwen3-8B shape")
     parser.add_argument("--drafter", type=Path, help="the real target's DFlash drafter folder")
@@ -106,7 +106,8 @@ def main():
     longest = max(len(p) for p in prompts[:max(batches)])
     common = dict(model_keywords, dtype=args.dtype, packed_verify=packed, max_running=max(batches),
                   max_context=longest + args.new_tokens + 64)
-    report = {"device": torch.cuda.get_device_name(), "shape": shape, "prompt_tokens": args.prompt_tokens,
+    report = {"device": torch.cuda.get_device_name(), "shape": shape,
+              "prompt_tokens": [len(p) for p in prompts[:max(batches)]],
               "new_tokens": args.new_tokens, "packed_verify": packed, "rows": []}
     plain_tokens = {}
     print(f"{'method':>10} {'batch':>5} {'pass1 tok/s':>12} {'pass2 tok/s':>12} {'1/2':>6} {'captures 1, 2':>14} "

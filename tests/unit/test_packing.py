@@ -112,23 +112,30 @@ def both_layouts(kernels: str, total: int):
     return outputs, pack_rows(counts, batch.num_new, total), batch, lengths
 
 
+def packed_differences(padded, padded_cache: KVCache, packed, packed_cache: KVCache, packing,
+                       lengths: torch.Tensor) -> dict[str, float]:
+    """The largest difference between a packed forward and the padded one at the packed entries: of the
+    logits, of the captured hidden states, and of every packed entry's K/V in each layer."""
+    real = packing.padded_of < packing.flat_of.numel()  # [T] flat tokens that are real
+    worst = {name: float((getattr(packed, name)[0][real] - packing.gather(getattr(padded, name))[real]).abs().max())
+             for name in ("logits", "hidden")}
+    for layer in range(packed_cache.storage.shape[0]):
+        for row, (start, count) in enumerate(zip(lengths.tolist(), packing.packed.sum(1).tolist())):
+            want, _ = padded_cache.view(layer, torch.tensor([row]), start + count)
+            got, _ = packed_cache.view(layer, torch.tensor([row]), start + count)
+            worst[f"kv {layer}"] = max(worst.get(f"kv {layer}", 0.0), float((got - want).abs().max()))
+    return worst
+
+
 @pytest.mark.parametrize("kernels", ["torch", "cpp", "held"])
 def test_packed_forward_gives_the_padded_forward_at_packed_entries(kernels):
     [(padded, padded_cache), (packed, packed_cache)], packing, batch, lengths = both_layouts(kernels, total=11)
     assert packed.logits.shape == (1, 11, CONFIG.vocab_size) and packed.hidden.shape == (1, 11, 2 * CONFIG.hidden_size)
-    real = packing.padded_of < batch.input_ids.numel()  # [T] flat tokens that are real (9 of 11)
-    assert int(real.sum()) == 9
+    assert int((packing.padded_of < batch.input_ids.numel()).sum()) == 9  # flat tokens that are real (9 of 11)
     tolerance = 0.0 if kernels == "held" else 1e-5  # (held products are row-invariant: the same bits)
-    for name in ("logits", "hidden"):
-        want = packing.gather(getattr(padded, name))[real]
-        got = getattr(packed, name)[0][real]
-        assert (got - want).abs().max() <= tolerance, name
+    differences = packed_differences(padded, padded_cache, packed, packed_cache, packing, lengths)
+    assert all(value <= tolerance for value in differences.values()), differences
     assert padded.logits.std() > 0.1
-    for layer in range(CONFIG.num_hidden_layers):  # every packed entry's K/V written as the padded forward's
-        for row, (start, count) in enumerate(zip(lengths.tolist(), packing.packed.sum(1).tolist())):
-            want, _ = padded_cache.view(layer, torch.tensor([row]), start + count)
-            got, _ = packed_cache.view(layer, torch.tensor([row]), start + count)
-            assert (got - want).abs().max() <= tolerance
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -151,20 +158,14 @@ def test_the_layer_stack_runs_a_packed_forward_as_the_layer_loop_does(tmp_path, 
             cache = prefilled_cache(model, lengths)
             runs[stack, layout is None] = model(batch._replace(packing=layout), cache, capture_layers=(0, 1)), cache
     assert [layout is packing for layout in stacked_layouts[-2:]] == [False, True]  # (the prefills ran it too)
-    real = packing.padded_of < batch.input_ids.numel()  # [T]
     for padded in (True, False):
         (stacked, stacked_cache), (looped, looped_cache) = runs[True, padded], runs[False, padded]
         assert torch.equal(stacked.logits, looped.logits) and torch.equal(stacked.hidden, looped.hidden), padded
         assert torch.equal(stacked_cache.storage, looped_cache.storage), padded
     (padded_out, padded_cache), (packed_out, packed_cache) = runs[True, True], runs[True, False]
     assert packed_out.logits.shape[:2] == (1, 11) and padded_out.logits.std() > 0.1
-    for name in ("logits", "hidden"):
-        assert torch.equal(getattr(packed_out, name)[0][real], packing.gather(getattr(padded_out, name))[real]), name
-    for layer in range(model.config.num_hidden_layers):
-        for row, (start, count) in enumerate(zip(lengths.tolist(), counts.tolist())):
-            want, _ = padded_cache.view(layer, torch.tensor([row]), start + count)
-            got, _ = packed_cache.view(layer, torch.tensor([row]), start + count)
-            assert torch.equal(got, want), (layer, row)
+    differences = packed_differences(padded_out, padded_cache, packed_out, packed_cache, packing, lengths)
+    assert all(value == 0.0 for value in differences.values()), differences  # the same bits
 
 
 def test_a_packed_forward_takes_no_logits_index():

@@ -111,6 +111,8 @@ class LayerStack:
         pages, offsets = (t.contiguous() for t in write_index)
         positions, slots, lengths = positions.contiguous(), slots.contiguous(), lengths.contiguous()
         block_table, mask = block_table.contiguous(), new_mask.contiguous().view(torch.uint8)
+        flat_of, padded_of = (None, None) if packing is None else (packing.flat_of.contiguous(),
+                                                                   packing.padded_of.contiguous())
         k_cache, v_cache = storage[0, 0], storage[0, 1]
         status = self._run(
             self.table.data_ptr(), self.num_layers, self._dims.data_ptr(), self.dims.eps, self.dims.qk_eps,
@@ -119,19 +121,13 @@ class LayerStack:
             rope[1].data_ptr(), positions.data_ptr(), pages.data_ptr(), offsets.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), storage.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_table.data_ptr(), slots.data_ptr(), lengths.data_ptr(), mask.data_ptr(), block_table.shape[1],
-            k_cache.shape[2], rows, width, torch.get_num_threads(), *self._packing_operands(packing))
+            k_cache.shape[2], rows, width, torch.get_num_threads(), _address(flat_of), _address(padded_of),
+            0 if packing is None else packing.total)
         if status == 2:
             raise ValueError(f"capture_rows holds a row outside the captures' {limit} rows")
         if status:
             raise ValueError("the layer stack's kernel refused its operands (a block type or row count)")
         return out
-
-    def _packing_operands(self, packing: TokenPacking | None) -> tuple[int, int, int]:
-        """The kernel's flat_of, padded_of and packed_tokens (zeros: a padded forward)."""
-        if packing is None:
-            return 0, 0, 0
-        self._packing = (packing.flat_of.contiguous(), packing.padded_of.contiguous())  # alive for the call
-        return self._packing[0].data_ptr(), self._packing[1].data_ptr(), packing.total
 
     def _capture_targets(self, captures: dict[int, torch.Tensor], tokens: int) -> tuple[ctypes.Array, int, int]:
         """The kernel's per-layer capture addresses, their common row stride and row count."""
