@@ -80,6 +80,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--packed-verify", choices=("auto", "on", "off"), default="auto",
                         help="KernelConfig.packed_verify (auto: None)")
+    parser.add_argument("--exact", action="store_true", help="KernelConfig.exact: the shape-invariant kernels (#29)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -104,11 +105,11 @@ def main():
         params = SamplingParams(max_tokens=args.new_tokens)
         shape, model_keywords = f"{target.name} + {drafter.name} ({args.dtype})", {}
     longest = max(len(p) for p in prompts[:max(batches)])
-    common = dict(model_keywords, dtype=args.dtype, packed_verify=packed, max_running=max(batches),
+    common = dict(model_keywords, dtype=args.dtype, packed_verify=packed, exact=args.exact, max_running=max(batches),
                   max_context=longest + args.new_tokens + 64)
     report = {"device": torch.cuda.get_device_name(), "shape": shape,
               "prompt_tokens": [len(p) for p in prompts[:max(batches)]],
-              "new_tokens": args.new_tokens, "packed_verify": packed, "rows": []}
+              "new_tokens": args.new_tokens, "packed_verify": packed, "exact": args.exact, "rows": []}
     plain_tokens = {}
     print(f"{'method':>10} {'batch':>5} {'pass1 tok/s':>12} {'pass2 tok/s':>12} {'1/2':>6} {'captures 1, 2':>14} "
           f"{'start-up s':>10} equals plain", flush=True)

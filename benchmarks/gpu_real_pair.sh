@@ -10,7 +10,8 @@
 #           the index (git rm -r --cached ...; ignore them in .git/info/exclude) so that the call fits;
 #           PART=1 bash benchmarks/gpu_real_pair.sh OUT_DIR   (stashes part a; anything else may follow it)
 #   call 2: carry benchmarks/out/real_pair (parts b, the wheel, the prompts), the drafter back in the index;
-#           PART=2 [PACKED="off on"] [DATASETS="humaneval sharegpt"] [BATCHES=1,16,32] bash benchmarks/gpu_real_pair.sh OUT_DIR
+#           PART=2 [PACKED="off on"] [DATASETS="humaneval sharegpt"] [BATCHES=1,16,32] [EXTRA=--exact TAG=_exact] \
+#               bash benchmarks/gpu_real_pair.sh OUT_DIR
 #           (joins the GGUF, checks its sha256, then gpu_first_pass.py per dataset and packed_verify setting)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +54,7 @@ PY
         timeout "${EACH_S:-130}" python benchmarks/gpu_first_pass.py --target "$STASH/smollm2.gguf" \
             --drafter flashtree/assets/smollm2-dflash --prompts "$HERE/${dataset}_ids.jsonl" --dtype bfloat16 \
             --batches "${BATCHES:-1,16,32}" --new-tokens 256 --methods "${METHODS:-none,ddtree:16,ddtree:64,adaptive,dflash}" \
-            --packed-verify "$packed" --out "$OUT/gpu_first_pass_smollm2_${dataset}_packed_${packed}.json" \
+            --packed-verify "$packed" ${EXTRA:-} --out "$OUT/gpu_first_pass_smollm2_${dataset}_packed_${packed}${TAG:-}.json" \
             > "/tmp/real_pair_${dataset}_${packed}.txt" 2>&1
         echo "$dataset packed=$packed rc=$?"; grep -vE "Warn|warn" "/tmp/real_pair_${dataset}_${packed}.txt" | tail -16 | cut -c1-130
       done
