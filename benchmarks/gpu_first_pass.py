@@ -55,9 +55,15 @@ def method_engine(method: str, target: Path, drafter: Path, **common) -> LLM:
     return LLM(str(target), spec="ddtree", draft=str(drafter), budget=budget, adaptive_spec=False, **common)
 
 
+def replay_host_seconds(llm: LLM) -> float:
+    """Host seconds spent in CUDA-graph replay() calls so far (the launches)."""
+    graphs = llm.engine.runner.graphs
+    return 0.0 if graphs is None else graphs.replay_host_seconds
+
+
 def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     global captures
-    before = captures
+    before, replay_before = captures, replay_host_seconds(llm)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -65,6 +71,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tok_s": tokens / seconds, "seconds": seconds, "captures": captures - before,
+            "replay_share": (replay_host_seconds(llm) - replay_before) / seconds,
             "tokens": [o.token_ids for o in outs]}
 
 
@@ -125,6 +132,7 @@ def main():
             row = {"method": method, "batch": batch, "startup_s": startup, "startup_captures": startup_captures,
                    "pass1_tok_s": first["tok_s"], "pass2_tok_s": second["tok_s"],
                    "pass1_captures": first["captures"], "pass2_captures": second["captures"],
+                   "pass2_replay_host_share": second["replay_share"],
                    "same_tokens": first["tokens"] == second["tokens"]}
             if method == "none":
                 plain_tokens[batch] = first["tokens"]

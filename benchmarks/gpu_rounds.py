@@ -174,6 +174,12 @@ def engine_plan(profile: bool, batches: list[int], per_batch: bool) -> list[tupl
     return [(flag, group) for flag in ((False, True) if profile else (False,)) for group in groups]
 
 
+def graph_replays(engine: LLMEngine) -> tuple[int, float]:
+    """(graphs replayed, host seconds in their replay() calls) so far; (0, 0) without graphs."""
+    graphs = engine.runner.graphs
+    return (0, 0.0) if graphs is None else (graphs.replays, graphs.replay_host_seconds)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu_rounds.json")
@@ -236,11 +242,15 @@ def main():
                                                max_round_tokens=engine_batches[0] * (int(option) + 1) if option else None,
                                                triton_tree=args.triton_tree, triton_attention={"auto": None, "triton": True, "sdpa": False}[args.attention]))
             for batch in engine_batches:
-                before = engine.graph_counts
+                before, replays_before = engine.graph_counts, graph_replays(engine)
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
-                after = engine.graph_counts  # (graphs captured, rounds run eagerly for want of one) since start-up
+                after, replays_after = engine.graph_counts, graph_replays(engine)
                 row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages,
                        "graph_captures_and_eager_rounds_while_measured": [a - b for a, b in zip(after, before)]}
+                if replays_after[0] > replays_before[0]:  # the host's replay() call per graph (a tenth of the round at most: #39)
+                    replays = replays_after[0] - replays_before[0]
+                    row["graph_replays_while_measured"] = replays
+                    row["host_replay_ms"] = 1e3 * (replays_after[1] - replays_before[1]) / replays
                 row["roofline"] = round_floor_ms(method, batch, args.context, QWEN3_8B, QWEN3_8B_DFLASH, machine)
                 row["roofline_fraction"] = row["roofline"]["floor_ms"] / ms
                 if not profile:
@@ -267,12 +277,13 @@ def main():
            "rounds": rows, "tree_build_accept_commit": tree_rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"{'method':>12} {'batch':>5} {'prof':>5} {'ms/round':>9} {'x plain':>8} {'floor':>6}  stages")
+    print(f"{'method':>12} {'batch':>5} {'prof':>5} {'ms/round':>9} {'x plain':>8} {'floor':>6} {'replay':>7}  stages")
     for r in rows:
         x = f"{r['vs_plain_step']:.2f}" if r["vs_plain_step"] else "-"
         st = " ".join(f"{k}={v:.2f}" for k, v in r["stages_ms"].items())
+        replay = f"{r['host_replay_ms']:.3f}" if "host_replay_ms" in r else "-"
         print(f"{r['method']:>12} {r['batch']:>5} {r['profiled']!s:>5} {r['ms_per_round']:9.2f} {x:>8} "
-              f"{r['roofline_fraction']:6.0%}  {st}")
+              f"{r['roofline_fraction']:6.0%} {replay:>7}  {st}")
     for t in tree_rows:
         print(f"tree budget {t['budget']:>5} batch {t['batch']}: graphed {t['graphed_ms']:.3f} ms, "
               f"static graph {t['static_graph_ms']:.3f} ms, eager {t['eager_ms']:.2f} ms")

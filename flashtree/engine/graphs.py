@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from typing import Callable, Hashable, NamedTuple, Sequence
 
 import torch
@@ -40,6 +41,8 @@ class GraphCache:
         self.captures = 0  # graphs captured so far (a capturing call is much slower than a replay)
         self.frozen = False  # no more captures: a missing key runs eagerly (see freeze)
         self.eager_runs = 0  # calls that ran eagerly because the cache was frozen without their key
+        self.replays = 0  # graphs replayed so far, and the host seconds their replay() calls took (the
+        self.replay_host_seconds = 0.0  # launch, which the device's work does not hide at small batch)
 
     def has(self, key: Hashable) -> bool:
         """A graph for ``key`` is captured (``run`` would replay it)."""
@@ -67,7 +70,10 @@ class GraphCache:
         self.graphs[key] = captured  # now the most recently used
         for static, live in zip(captured.inputs, inputs):
             static.copy_(live)
+        t0 = time.perf_counter()
         captured.graph.replay()
+        self.replay_host_seconds += time.perf_counter() - t0
+        self.replays += 1
         return captured.output
 
     def _capture(self, fn: Callable, inputs: Sequence[torch.Tensor]) -> _Captured:

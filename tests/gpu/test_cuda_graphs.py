@@ -157,3 +157,16 @@ def test_graphed_penalties_and_min_tokens_equal_eager_plain(tmp_path, spec):
     llm = LLM(str(pair.target), **drafted, **common)
     assert [o.token_ids for o in llm.generate(prompts, params)] == eager
     assert llm.engine.runner.graphs.graphs
+
+
+def test_graph_cache_counts_replays_and_their_host_time():
+    from flashtree.engine.graphs import GraphCache
+
+    cache = GraphCache()
+    x = torch.ones(8, device="cuda")
+    for _ in range(3):
+        out = cache.run("double", lambda t: t * 2, [x])
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 2)
+    assert (cache.captures, cache.replays) == (1, 3)
+    assert cache.replay_host_seconds > 0.0
