@@ -41,6 +41,21 @@ def _counting_capture_begin(self, *args, **kwargs):
 
 torch.cuda.CUDAGraph.capture_begin = _counting_capture_begin
 
+kernel_loads = 0  # Triton kernel variants compiled or read from the disk cache (a first call of a new specialization)
+
+
+def _counting_jit_hook(**kwargs) -> bool:
+    global kernel_loads
+    kernel_loads += 1
+    return False  # (go on compiling)
+
+
+try:
+    import triton.knobs
+    triton.knobs.runtime.jit_cache_hook = _counting_jit_hook
+except (ImportError, AttributeError):  # a Triton without knobs: no count
+    pass
+
 
 def method_engine(method: str, target: Path, drafter: Path, **common) -> LLM:
     """``none``, ``dflash``, ``ddtree:N`` (a fixed budget) or ``adaptive`` (DDTree, the policy's choice);
@@ -63,7 +78,7 @@ def replay_host_seconds(llm: LLM) -> float:
 
 def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     global captures
-    before, replay_before = captures, replay_host_seconds(llm)
+    before, loads_before, replay_before = captures, kernel_loads, replay_host_seconds(llm)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -71,6 +86,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tok_s": tokens / seconds, "seconds": seconds, "captures": captures - before,
+            "kernel_loads": kernel_loads - loads_before,
             "replay_share": (replay_host_seconds(llm) - replay_before) / seconds,
             "tokens": [o.token_ids for o in outs]}
 
@@ -119,7 +135,7 @@ def main():
               "new_tokens": args.new_tokens, "packed_verify": packed, "exact": args.exact, "rows": []}
     plain_tokens = {}
     print(f"{'method':>10} {'batch':>5} {'pass1 tok/s':>12} {'pass2 tok/s':>12} {'1/2':>6} {'captures 1, 2':>14} "
-          f"{'start-up s':>10} equals plain", flush=True)
+          f"{'start-up s':>10} {'loads 1, 2':>10} equals plain", flush=True)
     for method in args.methods.split(","):
         t0 = time.perf_counter()
         start_captures = captures
@@ -132,6 +148,7 @@ def main():
             row = {"method": method, "batch": batch, "startup_s": startup, "startup_captures": startup_captures,
                    "pass1_tok_s": first["tok_s"], "pass2_tok_s": second["tok_s"],
                    "pass1_captures": first["captures"], "pass2_captures": second["captures"],
+                   "pass1_kernel_loads": first["kernel_loads"], "pass2_kernel_loads": second["kernel_loads"],
                    "pass2_replay_host_share": second["replay_share"],
                    "same_tokens": first["tokens"] == second["tokens"]}
             if method == "none":
@@ -141,7 +158,8 @@ def main():
             report["rows"].append(row)
             print(f"{method:>10} {batch:>5} {first['tok_s']:>12.1f} {second['tok_s']:>12.1f} "
                   f"{first['tok_s'] / second['tok_s']:>6.2f} {first['captures']:>6}, {second['captures']:<6} "
-                  f"{startup:>10.1f} {row.get('equals_plain', '')}", flush=True)
+                  f"{startup:>10.1f} {first['kernel_loads']:>4}, {second['kernel_loads']:<4} {row.get('equals_plain', '')}",
+                  flush=True)
             Path(args.out).write_text(json.dumps(report, indent=1))  # so far, if a later method runs out of time
         del llm
         torch.cuda.empty_cache()
