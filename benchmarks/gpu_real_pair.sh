@@ -36,7 +36,7 @@ from flashtree.bench.datasets import load_prompts
 tokenizer = LLM(sys.argv[1]).tokenizer
 for dataset, name in (("humaneval", "humaneval"), ("sharegpt-heldout", "sharegpt")):
     with open(f"{sys.argv[2]}/{name}_ids.jsonl", "w") as out:
-        for prompt in load_prompts(dataset, 32):
+        for prompt in load_prompts(dataset, 64):
             out.write(json.dumps({"prompt_ids": prompt.encode(tokenizer)}) + "\n")
 PY
     ls -l "$HERE" ;;
