@@ -71,15 +71,9 @@ def method_engine(method: str, target: Path, drafter: Path, **common) -> LLM:
     return LLM(str(target), spec="ddtree", draft=str(drafter), budget=budget, adaptive_spec=False, **common)
 
 
-def replay_host_seconds(llm: LLM) -> float:
-    """Host seconds spent in CUDA-graph replay() calls so far (the launches)."""
-    graphs = llm.engine.runner.graphs
-    return 0.0 if graphs is None else graphs.replay_host_seconds
-
-
 def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     global captures
-    before, loads_before, replay_before = captures, kernel_loads, replay_host_seconds(llm)
+    before, loads_before, replay_before = captures, kernel_loads, llm.engine.graph_replays[1]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -88,7 +82,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tok_s": tokens / seconds, "seconds": seconds, "captures": captures - before,
             "kernel_loads": kernel_loads - loads_before,
-            "replay_share": (replay_host_seconds(llm) - replay_before) / seconds,
+            "replay_share": (llm.engine.graph_replays[1] - replay_before) / seconds,
             "tokens": [o.token_ids for o in outs]}
 
 

@@ -174,12 +174,6 @@ def engine_plan(profile: bool, batches: list[int], per_batch: bool) -> list[tupl
     return [(flag, group) for flag in ((False, True) if profile else (False,)) for group in groups]
 
 
-def graph_replays(engine: LLMEngine) -> tuple[int, float]:
-    """(graphs replayed, host seconds in their replay() calls) so far; (0, 0) without graphs."""
-    graphs = engine.runner.graphs
-    return (0, 0.0) if graphs is None else (graphs.replays, graphs.replay_host_seconds)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/gpu_rounds.json")
@@ -242,9 +236,9 @@ def main():
                                                max_round_tokens=engine_batches[0] * (int(option) + 1) if option else None,
                                                triton_tree=args.triton_tree, triton_attention={"auto": None, "triton": True, "sdpa": False}[args.attention]))
             for batch in engine_batches:
-                before, replays_before = engine.graph_counts, graph_replays(engine)
+                before, replays_before = engine.graph_counts, engine.graph_replays
                 ms, stages = time_steps(engine, batch, args.context, args.steps)
-                after, replays_after = engine.graph_counts, graph_replays(engine)
+                after, replays_after = engine.graph_counts, engine.graph_replays
                 row = {"method": method, "batch": batch, "profiled": profile, "ms_per_round": ms, "stages_ms": stages,
                        "graph_captures_and_eager_rounds_while_measured": [a - b for a, b in zip(after, before)]}
                 if replays_after[0] > replays_before[0]:  # the host's replay() call per graph (a tenth of the round at most: #39)

@@ -152,6 +152,12 @@ class LLMEngine:
         graphs = self.runner.graphs
         return (0, 0) if graphs is None else (graphs.captures - self._captures_at_start, graphs.eager_runs)
 
+    @property
+    def graph_replays(self) -> tuple[int, float]:
+        """(CUDA graphs replayed, host seconds their replay() calls took: the launches) since the engine began."""
+        graphs = self.runner.graphs
+        return (0, 0.0) if graphs is None else (graphs.replays, graphs.replay_host_seconds)
+
     def _capture_graphs(self) -> float:
         """With CUDA graphs and ``cuda_graph_max_tokens``: capture now every round graph the engine
         may need (``ModelRunner.graph_keys``), with a progress bar, so that none is captured while

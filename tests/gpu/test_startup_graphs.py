@@ -31,6 +31,8 @@ def test_no_capture_while_serving(tmp_path, spec, adaptive, packed):
             want = [o.token_ids for o in plain.generate(PROMPTS[:rows], params)]
             assert [o.token_ids for o in llm.generate(PROMPTS[:rows], params)] == want, (params, rows)
     assert engine.graph_counts == (0, 0)
+    replays, replay_seconds = engine.graph_replays  # every round above replayed a start-up graph
+    assert replays > 0 and replay_seconds > 0.0
     with_logprobs = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
     want = [o.token_ids for o in plain.generate(PROMPTS[:2], with_logprobs)]
     assert [o.token_ids for o in llm.generate(PROMPTS[:2], with_logprobs)] == want
