@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, write_config  # noqa: E402
+from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, SMOLLM2_135M, write_config  # noqa: E402
 
 from flashtree import LLM, SamplingParams  # noqa: E402
 
@@ -42,18 +42,26 @@ def _counting_capture_begin(self, *args, **kwargs):
 
 torch.cuda.CUDAGraph.capture_begin = _counting_capture_begin
 
-kernel_loads = 0  # Triton kernel variants compiled or read from the disk cache (a first call of a new specialization)
+kernel_loads: list[dict] = []  # Triton kernel variants compiled or read from the disk cache (a first call of a new
+# specialization): the kernel and its specialization, and the seconds the load took
+_load_began = [0.0]
 
 
 def _counting_jit_hook(**kwargs) -> bool:
-    global kernel_loads
-    kernel_loads += 1
+    kernel_loads.append({"kernel": kwargs.get("repr", "?"), "seconds": None})
+    _load_began[0] = time.perf_counter()
     return False  # (go on compiling)
+
+
+def _timing_post_compile_hook(**kwargs) -> None:
+    if kernel_loads and kernel_loads[-1]["seconds"] is None:
+        kernel_loads[-1]["seconds"] = time.perf_counter() - _load_began[0]
 
 
 try:
     import triton.knobs
     triton.knobs.runtime.jit_cache_hook = _counting_jit_hook
+    triton.knobs.runtime.jit_post_compile_hook = _timing_post_compile_hook
 except (ImportError, AttributeError):  # a Triton without knobs: no count
     pass
 
@@ -73,7 +81,7 @@ def method_engine(method: str, target: Path, drafter: Path, **common) -> LLM:
 
 def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     global captures
-    before, loads_before, replay_before = captures, kernel_loads, llm.engine.graph_replays[1]
+    before, loads_before, replay_before = captures, len(kernel_loads), llm.engine.graph_replays[1]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -81,7 +89,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tok_s": tokens / seconds, "seconds": seconds, "captures": captures - before,
-            "kernel_loads": kernel_loads - loads_before,
+            "kernel_loads": kernel_loads[loads_before:],
             "replay_share": (llm.engine.graph_replays[1] - replay_before) / seconds,
             "tokens": [o.token_ids for o in outs]}
 
@@ -99,11 +107,26 @@ def main():
     parser.add_argument("--packed-verify", choices=("auto", "on", "off"), default="auto",
                         help="KernelConfig.packed_verify (auto: None)")
     parser.add_argument("--exact", action="store_true", help="KernelConfig.exact: the shape-invariant kernels (#29)")
+    parser.add_argument("--warm-up", choices=("auto", "on", "off"), default="auto",
+                        help="KernelConfig.warm_up: start-up prefill steps that load their kernels (auto: None)")
+    parser.add_argument("--random-smollm2", action="store_true",
+                        help="without --target: SmolLM2-135M's shape with random weights and the shipped drafter, "
+                             "on --prompts (what kernels a real run loads, without its GGUF)")
+    parser.add_argument("--passes", type=int, default=2, help="timed passes per batch size (from the third: "
+                        "pass3_tok_s, ...)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     packed = {"auto": None, "on": True, "off": False}[args.packed_verify]
-    if args.target is None:
+    if args.random_smollm2:
+        if args.target is not None or args.prompts is None:
+            parser.error("--random-smollm2 takes --prompts and no --target")
+        target = write_config(Path(tempfile.mkdtemp()) / "target", SMOLLM2_135M)
+        drafter = Path(__file__).resolve().parents[1] / "flashtree/assets/smollm2-dflash"
+        prompts = [json.loads(line)["prompt_ids"] for line in args.prompts.read_text().splitlines() if line.strip()]
+        params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+        shape, model_keywords = "SmolLM2-135M (random bf16) + shipped drafter", dict(random_weights=True)
+    elif args.target is None:
         work = Path(tempfile.mkdtemp())
         target = write_config(work / "target", QWEN3_8B)
         drafter = write_config(work / "drafter", QWEN3_8B_DFLASH)
@@ -123,29 +146,36 @@ def main():
         params = SamplingParams(max_tokens=args.new_tokens)
         shape, model_keywords = f"{target.name} + {drafter.name} ({args.dtype})", {}
     longest = max(len(p) for p in prompts[:max(batches)])
-    common = dict(model_keywords, dtype=args.dtype, packed_verify=packed, exact=args.exact, max_running=max(batches),
+    warm_up = {"auto": None, "on": True, "off": False}[args.warm_up]
+    common = dict(model_keywords, dtype=args.dtype, packed_verify=packed, exact=args.exact, warm_up=warm_up,
+                  max_running=max(batches),
                   max_context=longest + args.new_tokens + 64)
     report = {"device": torch.cuda.get_device_name(), "shape": shape,
               "prompt_tokens": [len(p) for p in prompts[:max(batches)]],
-              "new_tokens": args.new_tokens, "packed_verify": packed, "exact": args.exact, "rows": []}
+              "new_tokens": args.new_tokens, "packed_verify": packed, "exact": args.exact, "warm_up": warm_up,
+              "rows": []}
     plain_tokens = {}
     print(f"{'method':>10} {'batch':>5} {'pass1 tok/s':>12} {'pass2 tok/s':>12} {'1/2':>6} {'captures 1, 2':>14} "
           f"{'start-up s':>10} {'loads 1, 2':>10} equals plain", flush=True)
     for method in args.methods.split(","):
         t0 = time.perf_counter()
-        start_captures = captures
+        start_captures, start_loads = captures, len(kernel_loads)
         llm = method_engine(method, target, drafter, **common)
         startup = time.perf_counter() - t0
-        startup_captures = captures - start_captures
+        startup_captures, startup_loads = captures - start_captures, len(kernel_loads) - start_loads
         for batch in batches:
             first = timed_pass(llm, prompts[:batch], params)
             second = timed_pass(llm, prompts[:batch], params)
+            later = [timed_pass(llm, prompts[:batch], params) for _ in range(args.passes - 2)]
             row = {"method": method, "batch": batch, "startup_s": startup, "startup_captures": startup_captures,
+                   "startup_kernel_loads": startup_loads, "warm_up_s": llm.engine.warm_up_seconds,
                    "pass1_tok_s": first["tok_s"], "pass2_tok_s": second["tok_s"],
                    "pass1_captures": first["captures"], "pass2_captures": second["captures"],
-                   "pass1_kernel_loads": first["kernel_loads"], "pass2_kernel_loads": second["kernel_loads"],
+                   "pass1_kernel_loads": len(first["kernel_loads"]), "pass2_kernel_loads": len(second["kernel_loads"]),
+                   "pass1_kernels_loaded": first["kernel_loads"], "pass2_kernels_loaded": second["kernel_loads"],
                    "pass2_replay_host_share": second["replay_share"],
-                   "same_tokens": first["tokens"] == second["tokens"]}
+                   "same_tokens": all(p["tokens"] == first["tokens"] for p in [second, *later]),
+                   **{f"pass{i}_tok_s": p["tok_s"] for i, p in enumerate(later, 3)}}
             if method == "none" and batch not in plain_tokens:  # (a later plain engine is compared with the first)
                 plain_tokens[batch] = first["tokens"]
             elif batch in plain_tokens:
@@ -155,7 +185,7 @@ def main():
             report["rows"].append(row)
             print(f"{method:>10} {batch:>5} {first['tok_s']:>12.1f} {second['tok_s']:>12.1f} "
                   f"{first['tok_s'] / second['tok_s']:>6.2f} {first['captures']:>6}, {second['captures']:<6} "
-                  f"{startup:>10.1f} {first['kernel_loads']:>4}, {second['kernel_loads']:<4} {row.get('equals_plain', '')}",
+                  f"{startup:>10.1f} {len(first['kernel_loads']):>4}, {len(second['kernel_loads']):<4} {row.get('equals_plain', '')}",
                   flush=True)
             Path(args.out).write_text(json.dumps(report, indent=1))  # so far, if a later method runs out of time
         del llm

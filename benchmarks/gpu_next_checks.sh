@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..11 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..20 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -60,6 +60,11 @@
 #   GPU tests the packed path touches (fused kernels, graphs, tree attention with counts), then rounds at the 8B shape,
 #   batch 16 and 32: padded (trees of N per row) against packed (rows x (N + 1) tokens from trees of min(B, S x N), S 2
 #   and 4), N 4 / 8 / 16 with a budget of 32: the round's ms at equal verified tokens, and the plain step beside them.
+# CALL=20 (~9 min, #39): the start-up warm-up of prefill kernels (engine/warm_up.py): the GPU tests of start-up
+#   graphs and of no kernel compiled while serving, then the first plain and DDTree-16 engines of a process (an empty
+#   Triton cache each) on SmolLM2-135M's shape with random weights and the HumanEval prompt ids (carry
+#   benchmarks/out/real_pair/humaneval_ids.jsonl from PART=prepare of gpu_real_pair.sh), exact and fast, warm-up on
+#   and off: each pass's Triton kernel loads by name and the first pass against the second.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -178,6 +183,18 @@ case "${CALL:-1}" in
           --no-profile --tree-budgets "" --packed-verify ${mode%:*} --packed-span ${mode#*:} \
           --out "$OUT/gpu_rounds_packed_${mode/:/_}.json" > /tmp/rp.txt 2>&1
       echo "rounds packed=$mode rc=$?"; grep -E '^\{|Error' /tmp/rp.txt | cut -c1-140
+    done ;;
+  20)
+    timeout 90 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_startup_graphs.py \
+        -k "compiled_while_serving or no_capture_while_serving" > "$OUT/tests_warm_up.txt" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^E |passed|failed" "$OUT/tests_warm_up.txt" | tail -6 | cut -c1-300
+    for run in ${RUNS:-exact:on fast:on exact:off fast:off}; do
+      mode=${run%:*} warm=${run#*:}
+      TRITON_CACHE_DIR=$(mktemp -d) timeout 110 python benchmarks/gpu_first_pass.py --random-smollm2 \
+          --prompts benchmarks/out/real_pair/humaneval_ids.jsonl --methods none,ddtree:16 --batches 1,16,64 \
+          --new-tokens 128 $([ $mode = exact ] && echo --exact) --warm-up $warm \
+          --out "$OUT/gpu_first_pass_warm_up_${warm}_${mode}.json" > /tmp/fp_$run.txt 2>&1
+      echo "first pass $mode warm-up $warm rc=$?"; grep -vE "Warn|warn|capturing|warming" /tmp/fp_$run.txt | tail -7 | cut -c1-130
     done ;;
   18)
     python -c "import sys; sys.path.insert(0, 'benchmarks'); from qwen3_8b_shape import QWEN3_8B, write_config; write_config('/tmp/qwen3-8b', QWEN3_8B)"

@@ -32,7 +32,7 @@ def prompts(llm: LLM, system_tokens: int, count: int) -> list[list[int]]:
     if llm.tokenizer is None:
         gen = torch.Generator().manual_seed(0)
         system = torch.randint(0, llm.engine.model.config.vocab_size, (system_tokens,), generator=gen).tolist()
-        return [system + [i + 1, i + 2, i + 3] for i in range(count)]
+        return [system + [i + 1, i + 2, i + 3] for i in range(1, count + 1)]
     system = llm.tokenizer.encode(PARAGRAPH * (system_tokens // 30 + 1))[:system_tokens]
     return [system + llm.tokenizer.encode(f" Question {i}: what does function number {i} return?")
             for i in range(count)]
@@ -58,12 +58,21 @@ def first_token_times(llm: LLM, batch: list[list[int]]) -> list[float]:
 def run(args, caching: bool) -> dict:
     llm = LLM(args.model, device=args.device, random_weights=args.random_weights, max_running=args.requests,
               max_context=args.system_tokens + 64, prefill_chunk=args.prefill_chunk,
-              max_prefill_tokens=args.prefill_chunk, prefix_caching=caching)
-    batch = prompts(llm, args.system_tokens, args.requests + 1)
+              max_prefill_tokens=args.prefill_chunk, prefix_caching=caching, triton_attention=args.triton_attention)
+    batch = prompts(llm, args.system_tokens, 2 * args.requests)
     first_token_times(llm, [batch[-1][:8]])  # warm-up on an unrelated short prompt
     first = first_token_times(llm, batch[:1])[0]
     rest = first_token_times(llm, batch[1:args.requests])
+    again = first_token_times(llm, batch[args.requests:2 * args.requests - 1])  # other questions: the same shapes
+    if args.profile and caching:  # the kernels of a third such batch's steps up to their first tokens
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            first_token_times(llm, [p[:-1] + [p[-1] + 7] for p in batch[args.requests:2 * args.requests - 1]])
+        Path(args.profile).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25) +
+                                      prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     return {"prefix_caching": caching, "first_s": first, "rest_s": rest, "rest_mean_s": statistics.mean(rest),
+            "again_mean_s": statistics.mean(again),
             "rest_max_s": max(rest), "rest_mean_over_first": statistics.mean(rest) / first,
             "cached_tokens": llm.engine.prefix_cache.hit_tokens if caching else 0}
 
@@ -76,8 +85,12 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--triton-attention", choices=("auto", "on"), default="auto",
+                        help="KernelConfig.triton_attention: on, prompt chunks attend through the paged kernel too")
+    parser.add_argument("--profile", help="write the kernel and host-op tables of a third batch (caching on) here")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    args.triton_attention = {"auto": None, "on": True}[args.triton_attention]
     results = [run(args, caching) for caching in (True, False)]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else platform.processor()
     out = {"device": device or platform.machine(), "model": args.model, "system_tokens": args.system_tokens,
@@ -87,7 +100,7 @@ def main() -> None:
     for r in results:
         print(f"prefix caching {'on ' if r['prefix_caching'] else 'off'}: first {r['first_s'] * 1000:.0f} ms, "
               f"requests 2..{args.requests} mean {r['rest_mean_s'] * 1000:.0f} ms (max {r['rest_max_s'] * 1000:.0f}), "
-              f"{r['rest_mean_over_first']:.3f}x the first")
+              f"{r['rest_mean_over_first']:.3f}x the first; {r['again_mean_s'] * 1000:.0f} ms for {args.requests - 1} other questions after them")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,15 @@ QWEN3_8B_DFLASH = {
 }
 
 
+# HuggingFaceTB/SmolLM2-135M-Instruct, the shipped drafter's target (flashtree/assets/smollm2-dflash)
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True, "eos_token_id": 2,
+}
+
+
 def write_config(directory: str | Path, config: dict) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)

@@ -214,8 +214,8 @@ class KernelConfig:
     # <= 32 tokens in one C++ call (same values as layer by layer)
     triton_attention: bool | None = None  # with gpu_kernels: the Triton paged attention (reads K/V through
     # the block tables: no gather, one graph for every context length) instead of SDPA over gathered pages;
-    # None: in decode forwards (plain steps, chains, trees, drafter blocks), prefill keeps SDPA; True: in
-    # every forward; False: never
+    # None: in decode forwards (plain steps, chains, trees, drafter blocks) and prompt chunks of up to 64 tokens
+    # a row (models/transformer.py SHORT_PREFILL_TOKENS), longer chunks keep SDPA; True: in every forward; False: never
     triton_tree: bool = True  # with gpu_kernels: DDTree tree work in Triton kernels (same trees, walks, cache)
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs (CUDA only)
     # the graphs of rounds of up to this many tokens (rows x (nodes + 1)) are captured at start-up and
@@ -232,6 +232,9 @@ class KernelConfig:
     packed_verify: bool | None = None
     feature_sink: bool = True  # a plain round's drafter features are written by the fused norm, not copied after
     planless_prefill: bool = True  # CUDA prefill attention with kernels that build no per-shape plan
+    # start-up runs throwaway prefill steps of the widths and row counts first requests bring, so that the
+    # kernels they need are compiled before serving (engine/warm_up.py); None: on CUDA (Triton compiles there)
+    warm_up: bool | None = None
     # CUDA: the target's forwards (prefill, plain steps, chains, trees) with shape-invariant kernels
     # (kernels/gpu/exact.py): speculative tokens equal plain ones bit for bit in bf16 / fp16, and a
     # request's tokens do not depend on the batch it shares (issue #29)
@@ -241,7 +244,7 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         _check_bools(self, *(f.name for f in dataclasses.fields(self)
-                             if f.name not in ("triton_attention", "cuda_graph_max_tokens", "packed_verify")))
+                             if f.name not in ("triton_attention", "cuda_graph_max_tokens", "packed_verify", "warm_up")))
         if self.cuda_graph_max_tokens is not None:
             _check_positive_ints(self, "cuda_graph_max_tokens")
         if self.triton_attention not in (None, True, False):
@@ -250,6 +253,8 @@ class KernelConfig:
         if self.packed_verify not in (None, True, False):
             raise ConfigError(f"packed_verify must be True, False or None (None: packed on a CPU only), "
                               f"got {self.packed_verify!r}")
+        if self.warm_up not in (None, True, False):
+            raise ConfigError(f"warm_up must be True, False or None (None: on CUDA), got {self.warm_up!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,7 +133,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
             "CPU GGUF models: every decoder layer of a decode step or small tree in one C++ call (same values)")
     _on_off(kernels, "triton_attention", KernelConfig.triton_attention,
             "CUDA: attention with the Triton kernel that reads the KV pages through the block tables (no gather; "
-            "one CUDA graph for every context length) instead of SDPA; None: in decode rounds, prefill keeps SDPA")
+            "one CUDA graph for every context length) instead of SDPA; None: in decode rounds and prompt chunks of up to 64 "
+            "tokens a row, longer chunks keep SDPA")
     _on_off(kernels, "triton_tree", KernelConfig.triton_tree,
             "CUDA: DDTree tree work (kept lists, node selection, accept walk, KV commit) in Triton kernels (same trees)")
     _on_off(kernels, "cuda_graphs", KernelConfig.cuda_graphs, "CUDA: replay decode rounds as CUDA graphs")
@@ -152,6 +153,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
             "a plain round's drafter features are written by the fused norm kernel (same tokens)")
     _on_off(kernels, "planless_prefill", KernelConfig.planless_prefill,
             "CUDA: prefill attention with kernels that build no per-shape plan (same tokens)")
+    _on_off(kernels, "warm_up", KernelConfig.warm_up,
+            "start-up runs throwaway prefill steps of the widths first requests bring, so their kernels are "
+            "compiled before serving; None: on CUDA")
     _on_off(kernels, "exact", KernelConfig.exact,
             "CUDA: the target's forwards with shape-invariant kernels: speculative tokens equal plain ones bit "
             "for bit in bf16, and a request's tokens do not depend on what else is in the batch")

@@ -12,7 +12,8 @@ smallest tree would cap every tree's score by the policy's monotone round times)
 The CUDA graphs of every round the policy may choose (rows bucket x node count x sampling variant,
 up to ``cuda_graph_max_tokens`` tokens a round) are captured at start-up, and none while serving: a
 round with no graph (log-probabilities, adjusted logits, a fixed tree past the cap) runs eagerly.
-With lazy capture (``cuda_graph_max_tokens=None``) a capture costs tens of plain rounds or more,
+Prefill steps run eagerly; start-up runs throwaway ones first (``engine/warm_up.py``), so that no Triton
+kernel compiles while serving either. With lazy capture (``cuda_graph_max_tokens=None``) a capture costs tens of plain rounds or more,
 so a neighbour probe whose round has no captured graph is declined unless its option could beat
 the best one (``Policy.worth_a_graph``); the round runs the best option instead, and the policy
 waits longer before the next probe.
@@ -45,6 +46,7 @@ from flashtree.engine.stage_timer import StageTimer
 from flashtree.engine.token_state import SlotTokenState
 from flashtree.engine.tp_executor import TensorParallelExecutor
 from flashtree.engine.traces import PolicyTracer, RecentTrees, StepTracer, TreeTracer
+from flashtree.engine.warm_up import warm_up_steps
 from flashtree.errors import ConfigError, RequestError
 from flashtree.grammar.backends import Grammars
 from flashtree.kernels import gpu as gpu_kernels
@@ -85,6 +87,7 @@ class LLMEngine:
                                       else self.executor.target)
         self.proposer = make_proposer(config, self.model, self.tokenizer)
         self.lag = self.proposer.lag
+        self.warm_up_seconds = self._warm_up()  # (before the real pool: its pages are what is left afterwards)
         self.activation_reserve = ActivationReserve(0, 0, 0)  # measured when the pool's size depends on it
         self.pages = self._make_pages()
         self.cache = self._make_cache(self.pages)
@@ -219,18 +222,11 @@ class LLMEngine:
         """The activations of the engine's widest work (``engine/memory_profile.py``), each run once on
         pad rows of a provisional cache that holds only the pad slot and ``peak(device, run)`` measured;
         the proposer's context cache is left on the provisional pages (attach it to the real ones)."""
-        config, kernels = self.config, self.config.kernels
-        chunk = min(config.scheduler.prefill_chunk, prefill_tokens_for(config.scheduler, self.device.type))
-        pages = self._make_pages(requests=pages_for(chunk, config.cache.page_size))
-        cache = self._make_cache(pages)
-        self.proposer.attach_pages(pages)
-        self.model.setup_rope(cache.spec.capacity + 1)
-        timer = StageTimer(self.device, kernels.profile_stages)
-        runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=config.scheduler.max_running,
-                             packed=self._fixed_packed_rounds())
-        prefill = Prefill(self.model, cache, self.proposer, timer, planless=kernels.planless_prefill)
+        chunk = self._longest_prefill_chunk()
+        runner, prefill = self._provisional_work(chunk)
         graphed, widest = self._widest_round_keys(runner)
-        prompts = self._widest_prefill(chunk)
+        prompts = self._pad_prefill_rows(max(1, prefill_tokens_for(self.config.scheduler, self.device.type) // chunk),
+                                         chunk)
         try:
             return ActivationReserve(
                 graphed_round=max((peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in graphed),
@@ -257,12 +253,51 @@ class LLMEngine:
         # captured while serving (or no graphs): any round but one with log-probabilities
         return [key for key in widest if key[1].logprobs is None] if runner.graphs is not None else [], widest
 
-    def _widest_prefill(self, chunk: int) -> list[Request]:
-        """The rows of the widest prefill step, ``chunk`` tokens each, all on the pad slot."""
-        rows = max(1, prefill_tokens_for(self.config.scheduler, self.device.type) // chunk)
+    def _longest_prefill_chunk(self) -> int:
+        """The most prompt tokens a row brings to one prefill step."""
+        scheduling = self.config.scheduler
+        return min(scheduling.prefill_chunk, prefill_tokens_for(scheduling, self.device.type))
+
+    def _provisional_work(self, chunk: int) -> tuple[ModelRunner, Prefill]:
+        """A round runner and a prefill on a provisional cache whose pool holds only the pad slot's pages and
+        ``chunk`` prompt tokens more, for the work start-up runs before it sizes the real pool (the memory
+        profile, the warm-up); the proposer's context cache is left on the provisional pages (attach it to the
+        real ones)."""
+        config, kernels = self.config, self.config.kernels
+        pages = self._make_pages(requests=pages_for(chunk, config.cache.page_size))
+        cache = self._make_cache(pages)
+        self.proposer.attach_pages(pages)
+        self.model.setup_rope(cache.spec.capacity + 1)
+        timer = StageTimer(self.device, kernels.profile_stages)
+        runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=config.scheduler.max_running,
+                             packed=self._fixed_packed_rounds())
+        return runner, Prefill(self.model, cache, self.proposer, timer, planless=kernels.planless_prefill)
+
+    def _pad_prefill_rows(self, rows: int, width: int) -> list[Request]:
+        """``rows`` prompts of ``width`` tokens, all on the pad slot: a throwaway prefill step."""
         pad = self.config.scheduler.max_running
-        return [Request(prompt_ids=[0] * chunk, params=SamplingParams(max_tokens=1), stop_token_ids=frozenset(),
+        return [Request(prompt_ids=[0] * width, params=SamplingParams(max_tokens=1), stop_token_ids=frozenset(),
                         slot=pad) for _ in range(rows)]
+
+    def _warm_up(self) -> float:
+        """Run the warm-up prefill steps (``engine/warm_up.py``) when ``KernelConfig.warm_up`` asks (None: on
+        CUDA; not with tensor-parallel workers, whose forwards run on their own); returns the seconds it took."""
+        wanted = self.config.kernels.warm_up
+        if not (wanted if wanted is not None else self.device.type == "cuda") or self.executor is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        chunk = self._longest_prefill_chunk()
+        steps = warm_up_steps(chunk, self.config.scheduler.max_running,
+                              prefill_tokens_for(self.config.scheduler, self.device.type))
+        _, prefill = self._provisional_work(chunk)
+        for width, rows in tqdm(steps, desc="warming up prefill kernels", unit="step", leave=False):
+            prefill(self._pad_prefill_rows(rows, width), width)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        seconds = time.perf_counter() - t0
+        log.info("flashtree: warmed up %d prefill shapes in %.1f s", len(steps), seconds)
+        return seconds
 
     def _make_cache(self, pages: PageTable) -> KVCache:
         """The target's KV cache: a slot per running request and the pad slot, each with room for the
@@ -494,14 +529,15 @@ class LLMEngine:
         cached prefix and start after it (``kv/prefix_cache.py``)."""
         if self.prefix_cache is None:
             return
-        hits = []
+        hits, mappings = [], []
         for req in rows:
             pages = self.prefix_cache.match(req.prompt_ids)
             if pages:
-                self.pages.share(req.slot, pages)
+                mappings.append((req.slot, pages))
                 req.prefilled = req.cached_tokens = len(pages) * self.pages.page_size
                 hits.append(req)
         if hits:
+            self.pages.share_many(mappings)
             host = torch.tensor([[r.slot for r in hits], [r.prefilled for r in hits]])  # [2, R]
             slots, lengths = to_device(host, self.device).unbind(0)
             self.cache.lengths[slots] = lengths

@@ -12,6 +12,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from flashtree.device_copy import to_device
 from flashtree.engine.constraint import GrammarRound
 from flashtree.engine.request import Request
 from flashtree.engine.stage_timer import StageTimer
@@ -101,7 +102,7 @@ class Prefill:
         return [None if r is None else r[0] for r in records]
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)  # (queued behind a round in flight)
 
     def _hand_features(self, rows: Sequence[Request], slots: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor,
                        starts: torch.Tensor, defer: Sequence[bool] | None) -> None:

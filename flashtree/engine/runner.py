@@ -227,13 +227,14 @@ class ModelRunner:
 
     def _plain_step(self, rows: int, pads: int) -> torch.Tensor:
         """``[8, rows + pads]``: what a plain round adds to a real row's inputs (starts, generated
-        and lags + 1), nothing to a pad row's; cached per batch layout."""
+        and lags + 1), nothing to a pad row's; cached per batch layout (sent without waiting for the rounds
+        queued on the device: a new layout comes whenever a row finishes)."""
         key = (rows, pads)
         step = self._plain_steps.get(key)
         if step is None:
             step = torch.zeros(INT_FIELDS, rows + pads, dtype=torch.long)
             step[[2, 4, 7], :rows] = 1  # RoundInputs rows: starts, generated, lags
-            step = self._plain_steps[key] = step.to(self.device)
+            step = self._plain_steps[key] = to_device(step, self.device)
         return step
 
     # ------------------------------------------------------------------ graphs captured at start-up

@@ -165,13 +165,21 @@ class PageTable:
 
     def share(self, slot: int, pages: Sequence[int]) -> None:
         """Map ``pages`` (in use by other slots, or evictable) as the first pages of the empty ``slot``."""
-        if self._pages[slot]:
-            raise ValueError(f"slot {slot} already maps {len(self._pages[slot])} pages; only an empty slot shares")
-        if not pages:
-            return
-        self.pool.retain(pages)
-        self._pages[slot] = list(pages)
-        self._write([slot] * len(pages), list(range(len(pages))), list(pages))
+        self.share_many([(slot, pages)])
+
+    def share_many(self, mappings: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """:meth:`share` for each (slot, pages) of ``mappings``, the table entries sent in one copy."""
+        rows, cols, mapped = [], [], []
+        for slot, pages in mappings:
+            if self._pages[slot]:
+                raise ValueError(f"slot {slot} already maps {len(self._pages[slot])} pages; only an empty slot shares")
+            self.pool.retain(pages)
+            self._pages[slot] = list(pages)
+            rows += [slot] * len(pages)
+            cols += range(len(pages))
+            mapped += pages
+        if rows:
+            self._write(rows, cols, mapped)
 
     def release(self, slots: Sequence[int]) -> None:
         """Unmap every page of ``slots`` (back to the pool unless another slot shares them)."""

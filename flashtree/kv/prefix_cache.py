@@ -42,10 +42,12 @@ class PrefixCache:
         self.hit_tokens = 0  # prompt tokens served from cached pages
         pool.on_evict = self._forget
 
-    def _keys(self, tokens: Sequence[int], pages: int) -> list[tuple[int, int, tuple[int, ...]]]:
-        """(key, parent key, tokens) of the first ``pages`` full pages of ``tokens``."""
-        out, parent = [], ROOT_KEY
-        for i in range(pages):
+    def _keys(self, tokens: Sequence[int], pages: int, first: int = 0, parent: int = ROOT_KEY
+              ) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(key, parent key, tokens) of full pages ``first`` .. ``pages - 1`` of ``tokens``; ``parent``: the key
+        of page ``first - 1``."""
+        out = []
+        for i in range(first, pages):
             chunk = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
             key = hash((parent, chunk))
             out.append((key, parent, chunk))
@@ -69,7 +71,11 @@ class PrefixCache:
     def register(self, prompt: Sequence[int], computed: int, pages: Sequence[int]) -> None:
         """Make the full pages of the first ``computed`` prompt tokens findable; ``pages``: the
         slot's pages in order. A key the cache already holds keeps its page."""
-        for i, (key, parent, chunk) in enumerate(self._keys(prompt, computed // self.page_size)):
+        full, known, parent = computed // self.page_size, 0, ROOT_KEY
+        while known < full and pages[known] in self._key_of_page:  # found or registered before: their keys
+            parent = self._key_of_page[pages[known]]  # name this prompt's prefix (a mapped page is never evicted)
+            known += 1
+        for i, (key, parent, chunk) in enumerate(self._keys(prompt, full, known, parent), known):
             if key in self._by_key or pages[i] in self._key_of_page:
                 continue
             self._by_key[key] = CachedPage(pages[i], parent, chunk)

@@ -38,6 +38,12 @@ from flashtree.models.config import ModelConfig
 from flashtree.models.moe import SparseMoE
 from flashtree.models.rope import RotaryTable, apply_rotary
 
+# With the paged attention in decode forwards only (``triton_attention`` None), prompt chunks of up to this many
+# tokens a row attend through it too: a short chunk after a long cached prefix (a question after a shared system
+# prompt) would otherwise gather every row's context pages for SDPA (on an H100 at the Qwen3-8B shape, 31 rows of
+# 3 tokens over 2k cached tokens spent 23.5 of the step's ~45 ms gathering). Longer chunks keep SDPA.
+SHORT_PREFILL_TOKENS = 64
+
 
 def product(kernels):
     """The linear a model's layers call: the backend's (the exact backend's is row-invariant), else
@@ -290,18 +296,20 @@ class FusedKernelSwitch:
 
     kernels = None  # the backend module, or None
     fused_attention = False  # the backend's attention replaces SDPA (for the widths it handles)
-    kernel_attention_prefill: bool = True  # ... in prefill forwards too (else only in decode forwards)
+    kernel_attention_prefill: bool | None = True  # ... in prefill forwards too (None: prompt chunks of up to
+    # SHORT_PREFILL_TOKENS tokens a row; False: only in decode forwards)
 
     def use_fused_kernels(self, gpu: bool, cpu: bool, attention: bool | None = False, exact: bool = False) -> bool:
         """The Triton kernels where they run (``attention``: their paged attention too; None: for
-        decode forwards, not prefill; ``exact``: the exact backend), else the C++ ones where they run;
+        decode forwards and short prompt chunks; ``exact``: the exact backend), else the C++ ones where they run;
         returns whether either is on."""
         return self.use_gpu_kernels(gpu, attention, exact) or self.use_cpu_kernels(cpu)
 
     def use_gpu_kernels(self, enabled: bool = True, attention: bool | None = False, exact: bool = False) -> bool:
         """Switch the Triton kernels on where they can run (CUDA with Triton, a power-of-two
         head_dim); returns whether they are on. ``attention`` also swaps SDPA over gathered pages
-        for the Triton paged attention (None: in decode forwards only, prefill keeps SDPA). ``exact``:
+        for the Triton paged attention (None: in decode forwards and prompt chunks of up to
+        ``SHORT_PREFILL_TOKENS`` tokens a row; longer chunks keep SDPA). ``exact``:
         the exact backend (kernels/gpu/exact.py) in every forward, prefill included; an error where it
         cannot run."""
         head_dim = self.config.head_dim
@@ -311,7 +319,7 @@ class FusedKernelSwitch:
             self._use_exact_kernels(on)
             return True
         self._set_kernels(gpu_fused if on else None, on and attention is not False and attention_kernel_fits(self.config))
-        self.kernel_attention_prefill = attention is True
+        self.kernel_attention_prefill = attention
         return on
 
     def _use_exact_kernels(self, usable: bool) -> None:
@@ -338,8 +346,9 @@ class FusedKernelSwitch:
     def uses_kernel_attention(self, new_tokens: int, prefill: bool = False) -> bool:
         """A forward of ``new_tokens`` per row (a prompt chunk's: ``prefill``) attends with the
         backend's kernel (it needs no mask, key range or gathered pages) rather than SDPA."""
+        short = self.kernel_attention_prefill is None and new_tokens <= SHORT_PREFILL_TOKENS
         return (self.fused_attention and self.kernels.handles_attention(new_tokens, prefill)
-                and (self.kernel_attention_prefill or not prefill))
+                and (not prefill or self.kernel_attention_prefill is True or short))
 
     def _set_kernels(self, kernels, attention: bool) -> None:
         self.kernels, self.fused_attention = kernels, attention

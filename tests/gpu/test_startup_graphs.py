@@ -49,3 +49,32 @@ def test_lazy_capture_when_asked(tmp_path):
     assert not llm.engine.runner.graphs.frozen and llm.engine.runner.graphs.captures == 0
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     assert llm.engine.graph_counts[0] > 0
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_no_kernel_is_compiled_while_serving(tmp_path, exact):
+    """Start-up warms up the prefill kernels (engine/warm_up.py): prompts of assorted lengths, alone, together
+    and in chunks, load no Triton kernel afterwards. (A vocabulary no other test uses: the LM head's products are
+    new to this process.)"""
+    triton = pytest.importorskip("triton")
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=48, block_size=5)
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, device="cuda", dtype="bfloat16",
+              exact=exact, max_running=16, max_context=512, prefill_chunk=128)
+    assert llm.engine.warm_up_seconds > 0
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 48, (n,), generator=gen).tolist()
+               for n in (1, 2, 6, 11, 16, 23, 37, 48, 64, 77, 100, 129, 150, 200, 256, 300)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    loads = []
+    hook = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kwargs: loads.append(kwargs.get("repr")) or False
+    try:
+        for prompt in prompts:
+            llm.generate([prompt], params)
+        llm.generate(prompts, params)
+        llm.generate(prompts[3:8], params)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = hook
+    assert loads == []

@@ -46,3 +46,29 @@ def test_shared_pages_outlive_their_first_slot_and_are_evicted_last_released_las
     table.ensure([0], [16])  # 4 pages: the 3 free ones first (the third held the partial page), then pages[1]
     assert pages[1] in table.pages_of(0) and cache.cached_pages == 1
     assert cache.match(prompt) == pages[:1]
+
+
+def test_a_hit_extended_registers_its_new_pages_under_the_whole_prefix():
+    """A request that mapped cached pages registers only the pages after them, keyed by the whole prompt: a
+    later prompt finds all of them, and a prompt that differs in the mapped part finds none of the new ones."""
+    system = list(range(1, 9))  # 2 full pages of 4
+    table, cache = _registered(system + [50])
+    table.share_many([(1, cache.match(system + [60, 61, 62, 63, 64]))])
+    table.ensure([1], [13])  # the request's own pages after the shared two
+    cache.register(system + [60, 61, 62, 63, 64], 13, table.pages_of(1))
+    assert cache.cached_pages == 3 and table.pages_of(1)[:2] == table.pages_of(0)[:2]
+    assert cache.match(system + [60, 61, 62, 63, 99]) == table.pages_of(1)[:3]
+    assert cache.match([0] + system[1:] + [60, 61, 62, 63, 99]) == []
+    assert set(cache._by_key) == {key for key, _, _ in cache._keys(system + [60, 61, 62, 63, 64], 3)}  # (whole-prompt keys)
+
+
+def test_share_many_maps_each_slot_and_refuses_a_slot_that_maps_pages():
+    import pytest
+
+    table, cache = _registered(list(range(9)))
+    pages = cache.match(list(range(9)))
+    table.share_many([(1, pages), (2, pages[:1])])
+    assert table.pages_of(1) == pages and table.pages_of(2) == pages[:1]
+    assert table.block_table[1, :2].tolist() == pages and table.pool.refcounts[pages[0]] == 3
+    with pytest.raises(ValueError, match="slot 1 already maps 2 pages"):
+        table.share_many([(1, pages)])
