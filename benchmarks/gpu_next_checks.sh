@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..20 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..21 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -65,6 +65,10 @@
 #   Triton cache each) on SmolLM2-135M's shape with random weights and the HumanEval prompt ids (carry
 #   benchmarks/out/real_pair/humaneval_ids.jsonl from PART=prepare of gpu_real_pair.sh), exact and fast, warm-up on
 #   and off: each pass's Triton kernel loads by name and the first pass against the second.
+# CALL=21 (~6 min, #39): session 36's prefix-cache TTFT at the 8B shape moved 2x between machines (0.25-0.46x): five
+#   system prompts in one engine each, short prompt chunks through the paged attention (64) against every chunk
+#   through SDPA over gathered pages (0); then the page pool's overshoot of gpu_memory_utilization after the widest
+#   eager rounds (gpu_pool_headroom.py; session 36: 210-238 MiB over with 10% headroom, warm-up on or off).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -195,6 +199,17 @@ case "${CALL:-1}" in
           --new-tokens 128 $([ $mode = exact ] && echo --exact) --warm-up $warm \
           --out "$OUT/gpu_first_pass_warm_up_${warm}_${mode}.json" > /tmp/fp_$run.txt 2>&1
       echo "first pass $mode warm-up $warm rc=$?"; grep -vE "Warn|warn|capturing|warming" /tmp/fp_$run.txt | tail -7 | cut -c1-130
+    done ;;
+  21)
+    python -c "import sys; sys.path.insert(0, 'benchmarks'); from qwen3_8b_shape import QWEN3_8B, write_config; write_config('/tmp/qwen3-8b', QWEN3_8B)"
+    for short in 64 0; do
+      timeout 150 python benchmarks/prefix_cache_ttft.py --model /tmp/qwen3-8b --random-weights --device cuda --repeats 5 \
+          --short-prefill-tokens $short --out "$OUT/prefix_cache_ttft_qwen3_8b_shape_short_$short.json" > /tmp/p_$short.txt 2>&1
+      echo "prefix ttft, short chunks <= $short paged, rc=$?"; grep -E "prefix caching|Error" /tmp/p_$short.txt | cut -c1-300
+    done
+    for warm in on off; do
+      timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
+          --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
   18)
     python -c "import sys; sys.path.insert(0, 'benchmarks'); from qwen3_8b_shape import QWEN3_8B, write_config; write_config('/tmp/qwen3-8b', QWEN3_8B)"
