@@ -13,7 +13,9 @@ The CUDA graphs of every round the policy may choose (rows bucket x node count x
 up to ``cuda_graph_max_tokens`` tokens a round) are captured at start-up, and none while serving: a
 round with no graph (log-probabilities, adjusted logits, a fixed tree past the cap) runs eagerly.
 Prefill steps run eagerly; start-up runs throwaway ones first (``engine/warm_up.py``), so that no Triton
-kernel compiles while serving either. With lazy capture (``cuda_graph_max_tokens=None``) a capture costs tens of plain rounds or more,
+kernel compiles while serving either.
+
+With lazy capture (``cuda_graph_max_tokens=None``) a capture costs tens of plain rounds or more,
 so a neighbour probe whose round has no captured graph is declined unless its option could beat
 the best one (``Policy.worth_a_graph``); the round runs the best option instead, and the policy
 waits longer before the next probe.
@@ -222,8 +224,10 @@ class LLMEngine:
         """The activations of the engine's widest work (``engine/memory_profile.py``), each run once on
         pad rows of a provisional cache that holds only the pad slot and ``peak(device, run)`` measured;
         the proposer's context cache is left on the provisional pages (attach it to the real ones)."""
-        chunk = self._longest_prefill_chunk()
-        runner, prefill = self._provisional_work(chunk)
+        config, chunk = self.config, self._longest_prefill_chunk()
+        prefill = self._provisional_prefill(chunk)
+        runner = ModelRunner(self.model, prefill.cache, self.proposer, prefill.timer, config.kernels,
+                             pad_slot=config.scheduler.max_running, packed=self._fixed_packed_rounds())
         graphed, widest = self._widest_round_keys(runner)
         prompts = self._pad_prefill_rows(max(1, prefill_tokens_for(self.config.scheduler, self.device.type) // chunk),
                                          chunk)
@@ -258,20 +262,17 @@ class LLMEngine:
         scheduling = self.config.scheduler
         return min(scheduling.prefill_chunk, prefill_tokens_for(scheduling, self.device.type))
 
-    def _provisional_work(self, chunk: int) -> tuple[ModelRunner, Prefill]:
-        """A round runner and a prefill on a provisional cache whose pool holds only the pad slot's pages and
-        ``chunk`` prompt tokens more, for the work start-up runs before it sizes the real pool (the memory
-        profile, the warm-up); the proposer's context cache is left on the provisional pages (attach it to the
-        real ones)."""
-        config, kernels = self.config, self.config.kernels
-        pages = self._make_pages(requests=pages_for(chunk, config.cache.page_size))
+    def _provisional_prefill(self, chunk: int) -> Prefill:
+        """A prefill on a provisional cache whose pool holds only the pad slot's pages and ``chunk`` prompt
+        tokens more, for the work start-up runs before it sizes the real pool (the memory profile, the warm-up);
+        the proposer's context cache is left on the provisional pages (attach it to the real ones)."""
+        kernels = self.config.kernels
+        pages = self._make_pages(requests=pages_for(chunk, self.config.cache.page_size))
         cache = self._make_cache(pages)
         self.proposer.attach_pages(pages)
         self.model.setup_rope(cache.spec.capacity + 1)
         timer = StageTimer(self.device, kernels.profile_stages)
-        runner = ModelRunner(self.model, cache, self.proposer, timer, kernels, pad_slot=config.scheduler.max_running,
-                             packed=self._fixed_packed_rounds())
-        return runner, Prefill(self.model, cache, self.proposer, timer, planless=kernels.planless_prefill)
+        return Prefill(self.model, cache, self.proposer, timer, planless=kernels.planless_prefill)
 
     def _pad_prefill_rows(self, rows: int, width: int) -> list[Request]:
         """``rows`` prompts of ``width`` tokens, all on the pad slot: a throwaway prefill step."""
@@ -289,7 +290,7 @@ class LLMEngine:
         chunk = self._longest_prefill_chunk()
         steps = warm_up_steps(chunk, self.config.scheduler.max_running,
                               prefill_tokens_for(self.config.scheduler, self.device.type))
-        _, prefill = self._provisional_work(chunk)
+        prefill = self._provisional_prefill(chunk)
         for width, rows in tqdm(steps, desc="warming up prefill kernels", unit="step", leave=False):
             prefill(self._pad_prefill_rows(rows, width), width)
         if self.device.type == "cuda":

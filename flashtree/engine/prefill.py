@@ -12,7 +12,6 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from flashtree.device_copy import to_device
 from flashtree.engine.constraint import GrammarRound
 from flashtree.engine.request import Request
 from flashtree.engine.stage_timer import StageTimer
@@ -102,7 +101,7 @@ class Prefill:
         return [None if r is None else r[0] for r in records]
 
     def _tensor(self, values) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=torch.long), self.device)  # (queued behind a round in flight)
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _hand_features(self, rows: Sequence[Request], slots: torch.Tensor, hidden: torch.Tensor, counts: torch.Tensor,
                        starts: torch.Tensor, defer: Sequence[bool] | None) -> None:

@@ -4,8 +4,7 @@ Triton compiles a kernel once per specialization, the first time a launch needs 
 mode's products pick their tile by row count, its attention a tile by new tokens per row) and per integer
 argument that is 1, a multiple of 16, or neither. Start-up captures the rounds' CUDA graphs, which compiles
 the rounds' kernels; prefill steps run eagerly, in a width and a row count the requests decide, so without a
-warm-up the first requests of a process pay for those compiles (on an H100 with an empty Triton cache the
-first plain pass of a process ran at 0.06x its second in exact mode at batch 1, 0.70-0.94x in fast mode).
+warm-up the first requests of a process pay for those compiles (about a second each with an empty Triton cache).
 
 The engine runs, before it makes its page pool, a prefill step of each (width, rows) of :func:`warm_up_steps`
 on the pad slot of a provisional cache, as its memory profile does (``engine/memory_profile.py``); the
@@ -40,6 +39,7 @@ def warm_up_rows(width: int, max_rows: int, max_tokens: int) -> list[int]:
 
 
 def warm_up_steps(longest: int, max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
-    """(width, rows) of every warm-up prefill step, the widest first."""
+    """(width, rows) of every warm-up prefill step, the most tokens first (the blocks the allocator caches for
+    it then serve every narrower step)."""
     steps = [(width, rows) for width in warm_up_widths(longest) for rows in warm_up_rows(width, max_rows, max_tokens)]
     return sorted(steps, key=lambda step: step[0] * step[1], reverse=True)

@@ -3,6 +3,8 @@ prompt token left to compute, evictable pages forgotten when an allocation takes
 
 from __future__ import annotations
 
+import pytest
+
 from flashtree.kv.pages import PagePool, PageTable
 from flashtree.kv.prefix_cache import PrefixCache
 
@@ -63,8 +65,6 @@ def test_a_hit_extended_registers_its_new_pages_under_the_whole_prefix():
 
 
 def test_share_many_maps_each_slot_and_refuses_a_slot_that_maps_pages():
-    import pytest
-
     table, cache = _registered(list(range(9)))
     pages = cache.match(list(range(9)))
     table.share_many([(1, pages), (2, pages[:1])])
