@@ -40,7 +40,10 @@ PROMPTS = ["Write a short story about a robot who learns to paint.",
            "What is the difference between a list and a tuple in Python?",
            "Give me a recipe for a simple tomato soup.",
            "Summarize the plot of a detective story in five sentences."]
+# flashtree_again: plain decoding once more, not in the default systems: with --systems
+# flashtree,flashtree_again,flashtree_default its ratio to flashtree is the run's own noise floor (the same work twice)
 SYSTEMS = ("flashtree", "flashtree_default", "llama.cpp")
+EXTRA_SYSTEMS = ("flashtree_again",)
 QUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # --requantize
 
 
@@ -145,14 +148,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--pp-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated, of: " + ", ".join(SYSTEMS + EXTRA_SYSTEMS))
     parser.add_argument("--requantize", choices=tuple(QUANT_TYPES),
                         help="compare on the GGUF's twin of this type (made with llama.cpp's quantizer)")
     parser.add_argument("--policy-memory", help="the default mode's policy memory directory (default: the "
                                                 "user's, as `flashtree generate` reads it; a fresh directory "
                                                 "makes the run's first default process explore)")
     parser.add_argument("--out")
-    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=SYSTEMS + EXTRA_SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--prompt", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model = args.gguf  # what flashtree loads (smollm2: the embedded model, with its drafter)
@@ -162,7 +166,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
+    systems = tuple(s for s in SYSTEMS + EXTRA_SYSTEMS if s in args.systems.split(","))
     runs = []
     for repeat in range(args.repeats):
         for prompt in [-1, *range(len(PROMPTS))]:

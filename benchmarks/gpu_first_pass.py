@@ -79,10 +79,18 @@ def method_engine(method: str, target: Path, drafter: Path, **common) -> LLM:
     return LLM(str(target), spec="ddtree", draft=str(drafter), budget=budget, adaptive_spec=False, **common)
 
 
+def allocator_calls() -> dict[str, int]:
+    """The caching allocator's cudaMalloc / cudaFree calls and its retries after a failed cudaMalloc (which free
+    every cached block first) so far: work a pass does for want of cached blocks."""
+    stats = torch.cuda.memory_stats()
+    return {name: stats.get(name, 0) for name in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
 def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     global captures
     before, loads_before, replay_before = captures, len(kernel_loads), llm.engine.graph_replays[1]
     torch.cuda.synchronize()
+    allocator_before = allocator_calls()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
@@ -90,6 +98,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tok_s": tokens / seconds, "seconds": seconds, "captures": captures - before,
             "kernel_loads": kernel_loads[loads_before:],
+            "allocator": {name: count - allocator_before[name] for name, count in allocator_calls().items()},
             "replay_share": (llm.engine.graph_replays[1] - replay_before) / seconds,
             "tokens": [o.token_ids for o in outs]}
 
@@ -112,6 +121,9 @@ def main():
     parser.add_argument("--random-smollm2", action="store_true",
                         help="without --target: SmolLM2-135M's shape with random weights and the shipped drafter, "
                              "on --prompts (what kernels a real run loads, without its GGUF)")
+    parser.add_argument("--prime-allocator-mib", type=int, default=0,
+                        help="after each engine's start-up, one block of this size allocated and freed: the caching "
+                             "allocator keeps it and splits it for later activations (no cudaMalloc in the passes)")
     parser.add_argument("--passes", type=int, default=2, help="timed passes per batch size (from the third: "
                         "pass3_tok_s, ...)")
     parser.add_argument("--out", required=True)
@@ -152,16 +164,18 @@ def main():
                   max_context=longest + args.new_tokens + 64)
     report = {"device": torch.cuda.get_device_name(), "shape": shape,
               "prompt_tokens": [len(p) for p in prompts[:max(batches)]],
-              "new_tokens": args.new_tokens, "packed_verify": packed, "exact": args.exact, "warm_up": warm_up,
+              "new_tokens": args.new_tokens, "packed_verify": packed, "exact": args.exact, "warm_up": warm_up, "prime_allocator_mib": args.prime_allocator_mib,
               "rows": []}
     plain_tokens = {}
     print(f"{'method':>10} {'batch':>5} {'pass1 tok/s':>12} {'pass2 tok/s':>12} {'1/2':>6} {'captures 1, 2':>14} "
-          f"{'start-up s':>10} {'loads 1, 2':>10} equals plain", flush=True)
+          f"{'start-up s':>10} {'loads 1, 2':>10} {'mallocs 1, 2':>12} equals plain", flush=True)
     for method in args.methods.split(","):
         t0 = time.perf_counter()
         start_captures, start_loads = captures, len(kernel_loads)
         llm = method_engine(method, target, drafter, **common)
         startup = time.perf_counter() - t0
+        if args.prime_allocator_mib:
+            torch.empty(args.prime_allocator_mib << 20, dtype=torch.uint8, device="cuda")
         startup_captures, startup_loads = captures - start_captures, len(kernel_loads) - start_loads
         for batch in batches:
             first = timed_pass(llm, prompts[:batch], params)
@@ -174,6 +188,7 @@ def main():
                    "pass1_kernel_loads": len(first["kernel_loads"]), "pass2_kernel_loads": len(second["kernel_loads"]),
                    "pass1_kernels_loaded": first["kernel_loads"], "pass2_kernels_loaded": second["kernel_loads"],
                    "pass2_replay_host_share": second["replay_share"],
+                   "pass1_allocator": first["allocator"], "pass2_allocator": second["allocator"],
                    "same_tokens": all(p["tokens"] == first["tokens"] for p in [second, *later]),
                    **{f"pass{i}_tok_s": p["tok_s"] for i, p in enumerate(later, 3)}}
             if method == "none" and batch not in plain_tokens:  # (a later plain engine is compared with the first)
@@ -185,7 +200,9 @@ def main():
             report["rows"].append(row)
             print(f"{method:>10} {batch:>5} {first['tok_s']:>12.1f} {second['tok_s']:>12.1f} "
                   f"{first['tok_s'] / second['tok_s']:>6.2f} {first['captures']:>6}, {second['captures']:<6} "
-                  f"{startup:>10.1f} {len(first['kernel_loads']):>4}, {len(second['kernel_loads']):<4} {row.get('equals_plain', '')}",
+                  f"{startup:>10.1f} {len(first['kernel_loads']):>4}, {len(second['kernel_loads']):<4} "
+                  f"{first['allocator']['num_device_alloc']:>5}, {second['allocator']['num_device_alloc']:<5} "
+                  f"{row.get('equals_plain', '')}",
                   flush=True)
             Path(args.out).write_text(json.dumps(report, indent=1))  # so far, if a later method runs out of time
         del llm

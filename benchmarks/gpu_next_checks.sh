@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..21 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..23 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -69,6 +69,15 @@
 #   system prompts in one engine each, short prompt chunks through the paged attention (64) against every chunk
 #   through SDPA over gathered pages (0); then the page pool's overshoot of gpu_memory_utilization after the widest
 #   eager rounds (gpu_pool_headroom.py; session 36: 210-238 MiB over with 10% headroom, warm-up on or off).
+# CALL=22 (~6 min, #39): fast-mode first passes ran 0.84-1.04x the second with no Triton load and no capture
+#   (session 36): CUDA's lazy module loading (cuBLAS / cuDNN kernels loaded at first use, per new GEMM shape) against
+#   CUDA_MODULE_LOADING=EAGER, plain and DDTree-16 at batch 1 / 16 / 64, three passes each, warm-up on (carry
+#   benchmarks/out/real_pair/humaneval_ids.jsonl as CALL=20). Each pass counts the caching allocator's cudaMalloc calls;
+#   PRIMES="0 4096" also runs each engine with one 4 GiB block allocated and freed after start-up (the allocator splits it).
+# CALL=23 (~7 min, #39): the activation reserve with the widest graphed rounds captured and dropped on the provisional
+#   cache (their pool, and their launch data times the graphs start-up captures), the widest eager round run twice,
+#   one warm-up stream per device: the page pool against gpu_memory_utilization (gpu_pool_headroom.py, session 37
+#   before: 210-238 MiB over), then the GPU tests of the pool, start-up graphs and graph replay.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -210,6 +219,25 @@ case "${CALL:-1}" in
     for warm in on off; do
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
+    done ;;
+  23)
+    for warm in on off; do
+      timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
+          --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-900
+    done
+    timeout ${TESTS_S:-300} python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_paged_kv.py \
+        tests/gpu/test_startup_graphs.py tests/gpu/test_cuda_graphs.py > "$OUT/tests_pool_graphs.txt" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^E |passed|failed" "$OUT/tests_pool_graphs.txt" | tail -8 | cut -c1-300 ;;
+  22)
+    for loading in ${LOADINGS:-LAZY EAGER}; do
+      for prime in ${PRIMES:-0}; do
+        CUDA_MODULE_LOADING=$loading TRITON_CACHE_DIR=$(mktemp -d) timeout 150 python benchmarks/gpu_first_pass.py \
+            --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl --methods none,ddtree:16 \
+            --batches 1,16,64 --new-tokens 128 --warm-up on --passes 3 --prime-allocator-mib $prime \
+            --out "$OUT/gpu_first_pass_fast_module_loading_${loading,,}_prime_$prime.json" > /tmp/fp_$loading.txt 2>&1
+        echo "first pass fast, module loading $loading, allocator primed with $prime MiB rc=$?"
+        grep -vE "Warn|warn|capturing|warming" /tmp/fp_$loading.txt | tail -7 | cut -c1-150
+      done
     done ;;
   18)
     python -c "import sys; sys.path.insert(0, 'benchmarks'); from qwen3_8b_shape import QWEN3_8B, write_config; write_config('/tmp/qwen3-8b', QWEN3_8B)"

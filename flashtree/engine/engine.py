@@ -36,7 +36,8 @@ from tqdm import tqdm
 from flashtree.config import EngineConfig, prefill_tokens_for
 from flashtree.device_copy import to_device
 from flashtree.engine.constraint import advance_grammar
-from flashtree.engine.memory_profile import ActivationReserve, peak_bytes
+from flashtree.engine.graphs import GraphCache
+from flashtree.engine.memory_profile import ActivationReserve, held_bytes, peak_bytes
 from flashtree.engine.output import StepEvent, TextTracker, append_tokens
 from flashtree.engine.overlap import QueuedRounds
 from flashtree.engine.prefill import FirstToken, Prefill
@@ -221,21 +222,24 @@ class LLMEngine:
 
     def measure_activation_reserve(self, peak: Callable[[torch.device, Callable[[], object]], int]
                                    ) -> ActivationReserve:
-        """The activations of the engine's widest work (``engine/memory_profile.py``), each run once on
-        pad rows of a provisional cache that holds only the pad slot and ``peak(device, run)`` measured;
-        the proposer's context cache is left on the provisional pages (attach it to the real ones)."""
+        """The memory of the engine's widest work (``engine/memory_profile.py``) on pad rows of a provisional
+        cache that holds only the pad slot: the widest graphed rounds captured and dropped (``held_bytes``), the
+        widest round (twice in a row) and prefill step each run with ``peak(device, run)`` measured; the
+        proposer's context cache is left on the provisional pages (attach it to the real ones)."""
         config, chunk = self.config, self._longest_prefill_chunk()
         prefill = self._provisional_prefill(chunk)
         runner = ModelRunner(self.model, prefill.cache, self.proposer, prefill.timer, config.kernels,
                              pad_slot=config.scheduler.max_running, packed=self._fixed_packed_rounds())
-        graphed, widest = self._widest_round_keys(runner)
+        graphed, widest, graphs = self._widest_round_keys(runner)
         prompts = self._pad_prefill_rows(max(1, prefill_tokens_for(self.config.scheduler, self.device.type) // chunk),
                                          chunk)
         try:
+            pool, launch_data = (held_bytes(self.device, lambda: _capture_and_take(runner, graphed)) if graphed
+                                 else (0, 0))
             return ActivationReserve(
-                graphed_round=max((peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in graphed),
-                                  default=0),
-                widest_round=max(peak(self.device, lambda k=key: runner.run_on_pad_rows(k)) for key in widest),
+                graphed_round=pool, graph_memory=launch_data * graphs // max(1, len(graphed)),
+                widest_round=max(peak(self.device, lambda k=key: (runner.run_on_pad_rows(k), runner.run_on_pad_rows(k)))
+                                 for key in widest),
                 prefill=peak(self.device, lambda: prefill(prompts, chunk)))
         except torch.cuda.OutOfMemoryError:
             width, shape = widest[0]
@@ -244,8 +248,9 @@ class LLMEngine:
                 f"x {shape.nodes + 1} tokens or a prefill step of {len(prompts)} x {chunk} tokens; lower --max-running, "
                 f"--budget or --max-prefill-tokens (or keep --adaptive-spec on)") from None
 
-    def _widest_round_keys(self, runner: ModelRunner) -> tuple[list[tuple], list[tuple]]:
-        """(the widest graphed rounds' keys, the widest round's keys in each sampling variant) the policy may run."""
+    def _widest_round_keys(self, runner: ModelRunner) -> tuple[list[tuple], list[tuple], int]:
+        """(the widest graphed rounds' keys, the widest round's keys in each sampling variant) the policy may run,
+        and how many graphs start-up captures (those graphed keys' count when graphs are captured while serving)."""
         config, max_rows = self.config, self.config.scheduler.max_running
         graph_tokens = config.kernels.cuda_graph_max_tokens if runner.graphs is not None else None
         round_tokens = config.scheduler.max_round_tokens
@@ -253,9 +258,11 @@ class LLMEngine:
                              graph_tokens, max_round_tokens=round_tokens)
         widest = runner.round_variants(*policy.widest_round(max_rows))
         if graph_tokens is not None:  # captured at start-up: up to graph_tokens verified tokens
-            return runner.widest_graphed_rounds(policy.ladder, max_rows, graph_tokens, round_tokens), widest
+            graphed = runner.widest_graphed_rounds(policy.ladder, max_rows, graph_tokens, round_tokens)
+            return graphed, widest, len(runner.graph_keys(policy.ladder, max_rows, graph_tokens, round_tokens))
         # captured while serving (or no graphs): any round but one with log-probabilities
-        return [key for key in widest if key[1].logprobs is None] if runner.graphs is not None else [], widest
+        graphed = [key for key in widest if key[1].logprobs is None] if runner.graphs is not None else []
+        return graphed, widest, len(graphed)
 
     def _longest_prefill_chunk(self) -> int:
         """The most prompt tokens a row brings to one prefill step."""
@@ -615,3 +622,10 @@ def verified_width(tree_sizes: Sequence[int], packed: bool) -> int:
     if packed:
         return -(-(sum(tree_sizes) + len(tree_sizes)) // max(len(tree_sizes), 1))
     return max(tree_sizes, default=0) + 1
+
+
+def _capture_and_take(runner: ModelRunner, keys: list[tuple]) -> GraphCache:
+    """The graphs of ``keys`` captured on ``runner``, taken from it (the runner keeps no graph cache)."""
+    runner.capture_graphs(keys)
+    graphs, runner.graphs = runner.graphs, None
+    return graphs

@@ -36,8 +36,6 @@ class GraphCache:
         self.max_graphs = max_graphs
         self.graphs: dict[Hashable, _Captured] = {}  # least recently used first
         self.pool = None
-        self.warm_up_stream = None  # one side stream for every capture's warm-up run (the allocator caches
-        # blocks per stream: a stream per capture would keep every warm-up's activations cached on its own)
         self.captures = 0  # graphs captured so far (a capturing call is much slower than a replay)
         self.frozen = False  # no more captures: a missing key runs eagerly (see freeze)
         self.eager_runs = 0  # calls that ran eagerly because the cache was frozen without their key
@@ -78,9 +76,7 @@ class GraphCache:
 
     def _capture(self, fn: Callable, inputs: Sequence[torch.Tensor]) -> _Captured:
         static = tuple(t.clone() for t in inputs)
-        if self.warm_up_stream is None:
-            self.warm_up_stream = torch.cuda.Stream()
-        stream = self.warm_up_stream
+        stream = warm_up_stream(static[0].device if static else torch.device("cuda"))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn(*static)  # warm up kernels and the allocator outside the capture
@@ -90,6 +86,19 @@ class GraphCache:
             output = fn(*static)
         self.pool = graph.pool()
         return _Captured(graph, static, output)
+
+
+_WARM_UP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream of the process on ``device`` for every capture's warm-up run. One, because the
+    allocator caches blocks per stream and cuBLAS keeps a workspace per stream for good: a stream per capture
+    (or per engine) would keep each one's blocks and workspace, memory start-up's profile never saw."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _WARM_UP_STREAMS:
+        _WARM_UP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARM_UP_STREAMS[device]
 
 
 @contextlib.contextmanager

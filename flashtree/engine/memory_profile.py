@@ -4,18 +4,26 @@ With ``gpu_memory_utilization`` the page pool takes the device's memory up to th
 total. The work that runs afterwards allocates on top of it: a round's logits for every verified
 token, the sampler's sort, attention's partial sums, a prefill step's MLP activations; and the CUDA
 graphs captured at start-up keep the widest graphed round's activations in their pool for good.
-Like vLLM's profile run, the engine measures this before it sizes the pool: it runs its widest work
-once on pad rows of a provisional cache that holds only the pad slot, and reserves
+Like vLLM's profile run, the engine measures this before it sizes the pool, on pad rows of a provisional
+cache that holds only the pad slot, and reserves
 
-    the widest graphed round's peak (held by the graphs' pool)
+    what the graphs of the widest graphed rounds hold, captured there once and dropped: their pool (the
+    rounds' activations) and each graph's own device memory (its launch data), the latter times the
+    graphs start-up captures
   + the larger of the widest round's and the widest prefill step's peaks (the allocator's cache: rounds
-    with no graph and prefill steps run outside the graphs' pool).
+    with no graph and prefill steps run outside the graphs' pool). The widest round runs twice in a row,
+    as serving repeats it: the second run may want blocks that the first run's freed blocks do not fit.
+
+The throwaway capture also pays, before the pool is sized, what a process's first capture costs once
+(the capture stream's and the warm-up stream's cuBLAS workspaces: graphs.warm_up_stream is one stream
+per device for that reason).
 
 Glossary: a *peak* is the most memory the work held at once beyond what was held before (after emptying
 the allocator's cache): the larger of the caching allocator's reserved growth (which counts its block
 rounding) and its allocated growth (the tensors themselves, whatever room the allocator found for them:
 on an H100 the tiny engine of tests/gpu/test_paged_kv.py measured 2-4 MiB of reserved growth for rounds
-whose logits alone are 135 MB).
+whose logits alone are 135 MB). What a thing *holds* is what dropping it gives back to the device, of the
+allocator's reserved memory and outside it.
 """
 
 from __future__ import annotations
@@ -26,14 +34,15 @@ import torch
 
 
 class ActivationReserve(NamedTuple):
-    graphed_round: int  # bytes: the widest graphed round's peak (0 without start-up graphs)
-    widest_round: int  # bytes: the widest round the engine may run (eagerly or graphed)
-    prefill: int  # bytes: the widest prefill step
+    graphed_round: int  # bytes: the graphs' pool, held for the widest graphed rounds (0 without graphs)
+    widest_round: int  # bytes: the peak of the widest round the engine may run (eagerly or graphed), twice
+    prefill: int  # bytes: the widest prefill step's peak
+    graph_memory: int = 0  # bytes: the graphs' own device memory outside their pool, all of them
 
     @property
     def bytes(self) -> int:
-        """What the pool leaves free for the work: the graphs' pool plus the allocator's own peak."""
-        return self.graphed_round + max(self.widest_round, self.prefill)
+        """What the pool leaves free for the work: the graphs plus the allocator's own peak."""
+        return self.graphed_round + self.graph_memory + max(self.widest_round, self.prefill)
 
 
 def peak_bytes(device: torch.device, run: Callable[[], object]) -> int:
@@ -45,3 +54,17 @@ def peak_bytes(device: torch.device, run: Callable[[], object]) -> int:
     run()
     torch.cuda.synchronize(device)
     return max(0, torch.cuda.max_memory_reserved(device) - reserved, torch.cuda.max_memory_allocated(device) - allocated)
+
+
+def held_bytes(device: torch.device, make: Callable[[], object]) -> tuple[int, int]:
+    """(bytes of the allocator's reserved memory, other bytes of the device) that what ``make()`` returns holds
+    (see the glossary); ``make`` must return the only reference."""
+    held = make()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, reserved = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
+    del held
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    pool = max(0, reserved - torch.cuda.memory_reserved(device))
+    return pool, max(0, torch.cuda.mem_get_info(device)[0] - free - pool)

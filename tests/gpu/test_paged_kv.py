@@ -46,12 +46,13 @@ def test_gpu_memory_utilization_sizes_the_pool(tmp_path):
 def test_pool_leaves_room_for_the_widest_rounds(tmp_path):
     """A DDTree engine sized by gpu_memory_utilization stays within that fraction through start-up's
     captures and wide sampled rounds with log-probabilities (the activation reserve,
-    engine/memory_profile.py)."""
+    engine/memory_profile.py). Its widest rounds need about 6.5 GiB (64 rows x 33 tokens x 32,000 logits,
+    sorted for top-p, in the graphs' pool and again eagerly): 10% of the device leaves them room and pages."""
     from tests.dflash_helpers import tiny_pair
 
     pair = tiny_pair(tmp_path, vocab=32000, block_size=16)
     free, total = torch.cuda.mem_get_info()
-    target = (total - free) / total + 0.03
+    target = (total - free) / total + 0.1
     llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=32, adaptive_spec=False, device="cuda",
               dtype="bfloat16", gpu_memory_utilization=target, max_context=512, max_running=64)
     reserve = llm.engine.activation_reserve

@@ -32,16 +32,19 @@ def test_profile_runs_the_widest_work_and_leaves_the_tokens_alone(tmp_path, monk
 
     reserve = llm.engine.measure_activation_reserve(counting_peak)
     llm.engine.proposer.attach_pages(llm.engine.pages)  # (the profile left it on its provisional pages)
-    # no graphs on a CPU: three widest rounds (greedy, sampled with top-p, with log-probabilities), then the prefill
+    # no graphs on a CPU: three widest rounds (greedy, sampled with top-p, with log-probabilities), each twice in a
+    # row (one peak each), then the prefill
     assert [(width, shape.nodes, shape.any_sampled, shape.logprobs) for width, shape in keys] == [
-        (3, 8, False, None), (3, 8, True, None), (3, 8, True, MAX_LOGPROBS)]
+        (3, 8, False, None), (3, 8, False, None), (3, 8, True, None), (3, 8, True, None),
+        (3, 8, True, MAX_LOGPROBS), (3, 8, True, MAX_LOGPROBS)]
     assert reserve == ActivationReserve(graphed_round=0, widest_round=300, prefill=400) and reserve.bytes == 400
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
 
 
-def test_reserve_adds_the_graphs_pool_to_the_larger_eager_peak():
+def test_reserve_adds_the_graphs_to_the_larger_eager_peak():
     assert ActivationReserve(graphed_round=5, widest_round=7, prefill=3).bytes == 12
     assert ActivationReserve(graphed_round=0, widest_round=2, prefill=9).bytes == 9
+    assert ActivationReserve(graphed_round=5, widest_round=7, prefill=3, graph_memory=4).bytes == 16
 
 
 def test_the_widest_round_is_the_widest_the_policy_may_choose():
