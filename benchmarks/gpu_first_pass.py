@@ -86,13 +86,32 @@ def allocator_calls() -> dict[str, int]:
     return {name: stats.get(name, 0) for name in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
-def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
+def profile_table(prof, rows: int = 25) -> dict[str, list]:
+    """The profiled ops and kernels with the most self CPU time and the most self device time:
+    [name, calls, self CPU ms, self device ms] each."""
+    events = prof.key_averages()
+
+    def top(key: str) -> list:
+        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]
+        return [[e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 2), round(e.self_device_time_total / 1e3, 2)]
+                for e in ranked]
+
+    return {"by_cpu": top("self_cpu_time_total"), "by_device": top("self_device_time_total")}
+
+
+def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams, profile: bool = False) -> dict:
     global captures
     before, loads_before, replay_before = captures, len(kernel_loads), llm.engine.graph_replays[1]
     torch.cuda.synchronize()
     allocator_before = allocator_calls()
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA]) if profile else None
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    if profiler is not None:
+        with profiler:
+            outs = llm.generate(prompts, params)
+    else:
+        outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
@@ -100,7 +119,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
             "kernel_loads": kernel_loads[loads_before:],
             "allocator": {name: count - allocator_before[name] for name, count in allocator_calls().items()},
             "replay_share": (llm.engine.graph_replays[1] - replay_before) / seconds,
-            "tokens": [o.token_ids for o in outs]}
+            "tokens": [o.token_ids for o in outs], **({"profile": profile_table(profiler)} if profile else {})}
 
 
 def main():
@@ -124,6 +143,9 @@ def main():
     parser.add_argument("--prime-allocator-mib", type=int, default=0,
                         help="after each engine's start-up, one block of this size allocated and freed: the caching "
                              "allocator keeps it and splits it for later activations (no cudaMalloc in the passes)")
+    parser.add_argument("--profile-batch", type=int, default=0,
+                        help="at this batch size, passes 1 and 2 run under torch.profiler: their top ops and kernels "
+                             "by self CPU and device time in the JSON (what the first pass does that the second does not)")
     parser.add_argument("--passes", type=int, default=2, help="timed passes per batch size (from the third: "
                         "pass3_tok_s, ...)")
     parser.add_argument("--out", required=True)
@@ -178,8 +200,9 @@ def main():
             torch.empty(args.prime_allocator_mib << 20, dtype=torch.uint8, device="cuda")
         startup_captures, startup_loads = captures - start_captures, len(kernel_loads) - start_loads
         for batch in batches:
-            first = timed_pass(llm, prompts[:batch], params)
-            second = timed_pass(llm, prompts[:batch], params)
+            profiled = batch == args.profile_batch
+            first = timed_pass(llm, prompts[:batch], params, profiled)
+            second = timed_pass(llm, prompts[:batch], params, profiled)
             later = [timed_pass(llm, prompts[:batch], params) for _ in range(args.passes - 2)]
             row = {"method": method, "batch": batch, "startup_s": startup, "startup_captures": startup_captures,
                    "startup_kernel_loads": startup_loads, "warm_up_s": llm.engine.warm_up_seconds,
@@ -189,6 +212,7 @@ def main():
                    "pass1_kernels_loaded": first["kernel_loads"], "pass2_kernels_loaded": second["kernel_loads"],
                    "pass2_replay_host_share": second["replay_share"],
                    "pass1_allocator": first["allocator"], "pass2_allocator": second["allocator"],
+                   **({"pass1_profile": first["profile"], "pass2_profile": second["profile"]} if profiled else {}),
                    "same_tokens": all(p["tokens"] == first["tokens"] for p in [second, *later]),
                    **{f"pass{i}_tok_s": p["tok_s"] for i, p in enumerate(later, 3)}}
             if method == "none" and batch not in plain_tokens:  # (a later plain engine is compared with the first)
