@@ -14,6 +14,8 @@
 #   WHEELS=dir TOKENIZER=dir [REQUESTS=32 MAX_TOKENS=128 METHODS="none dflash ddtree" LEVELS="1 4 16 32"
 #   EXTRA="--trace-policy FILE"] bash benchmarks/gpu_load.sh OUT_DIR
 # CLIENT_PROCESSES=N shares each level's streams out over N client processes (load_test.py --client-processes).
+# REAL_MODEL / REAL_DRAFT serve a real pair instead (no TOKENIZER then); PROMPTS=FILE sends its conversations
+# (load_test.py --prompts); MAX_RUNNING (32) and NAME (qwen3_8b_shape, in the output names) as named.
 # A method may be SPEC@LABEL: that --spec with the extra serve flags in $FLAGS_LABEL (see start_server).
 # PAIRED=1 starts every method's server at once (ports PORT, PORT+1, ...) and measures them in
 # alternation with benchmarks/load_paired.py (REPEATS repeats, PAIRED_REQUESTS and WAVES per pass),
@@ -43,9 +45,16 @@ if [[ -n "${WHEELS:-}" ]]; then  # every wheel there, without resolving (the dev
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-MODEL=/tmp/flashtree-load/qwen3-8b-shape
-DRAFT=/tmp/flashtree-load/qwen3-8b-dflash-shape
-python3 - "$MODEL" "$DRAFT" "${TOKENIZER:?TOKENIZER=dir with the SmolLM2 tokenizer files}" <<'EOF'
+NAME=${NAME:-qwen3_8b_shape}  # in the output files' names
+MAX_RUNNING=${MAX_RUNNING:-32}
+PROMPT_FLAGS=()
+[[ -n "${PROMPTS:-}" ]] && PROMPT_FLAGS=(--prompts "$PROMPTS")
+if [[ -n "${REAL_MODEL:-}" ]]; then  # a real pair (REAL_MODEL a GGUF or HF folder, REAL_DRAFT its drafter), e.g.
+  # the SmolLM2 GGUF joined by gpu_real_pair.sh PART=2 and PROMPTS=benchmarks/out/real_pair/humaneval_messages.jsonl
+  MODEL=$REAL_MODEL DRAFT=${REAL_DRAFT:?REAL_DRAFT=the drafter of REAL_MODEL} WEIGHTS=()
+else
+  MODEL=/tmp/flashtree-load/qwen3-8b-shape DRAFT=/tmp/flashtree-load/qwen3-8b-dflash-shape WEIGHTS=(--random-weights)
+  python3 - "$MODEL" "$DRAFT" "${TOKENIZER:?TOKENIZER=dir with the SmolLM2 tokenizer files}" <<'EOF'
 import json, os, shutil, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
@@ -56,6 +65,7 @@ write_served_pair(model, draft, small)
 for f in Path(tokenizer).iterdir():
     shutil.copy(f, Path(model) / f.name)
 EOF
+fi
 
 start_server() {  # start_server METHOD PORT: a server in the background, its pid in $server
   # METHOD is a --spec value, or SPEC@LABEL: that method with the extra serve flags in $FLAGS_LABEL
@@ -65,8 +75,8 @@ start_server() {  # start_server METHOD PORT: a server in the background, its pi
   [[ $spec != none ]] && draft_flags=(--draft "$DRAFT" --budget "$BUDGET")
   [[ -n "${TRACE_DIR:-}" ]] && draft_flags+=(--trace-policy "$TRACE_DIR/policy_$method.jsonl")
   [[ -n "${STEP_TRACE_DIR:-}" ]] && draft_flags+=(--trace-steps "$STEP_TRACE_DIR/steps_$method.jsonl")
-  python3 -m flashtree.cli serve --model "$MODEL" --random-weights --spec "$spec" "${draft_flags[@]}" "${label_flags[@]}" \
-    --max-running 32 --max-context 1024 --port "$port" --log-level warning $EXTRA \
+  python3 -m flashtree.cli serve --model "$MODEL" "${WEIGHTS[@]}" --spec "$spec" "${draft_flags[@]}" "${label_flags[@]}" \
+    --max-running "$MAX_RUNNING" --max-context 1024 --port "$port" --log-level warning $EXTRA \
     >"${LOG_DIR:-$OUT_DIR}/serve_$method.log" 2>&1 &
   server=$!
 }
@@ -94,7 +104,7 @@ if [[ -n "${PAIRED:-}" ]]; then  # every server up at once, measured in alternat
   done
   python3 benchmarks/load_paired.py "${servers[@]}" --model "$MODEL" --concurrency $LEVELS \
     --requests "${PAIRED_REQUESTS:-12}" --waves "${WAVES:-8}" --max-tokens "$MAX_TOKENS" --ignore-eos \
-    --repeats "$REPEATS" --client-processes "${CLIENT_PROCESSES:-1}" --out "$OUT_DIR/load_paired_h200_qwen3_8b_shape" 2>&1 \
+    --repeats "$REPEATS" --client-processes "${CLIENT_PROCESSES:-1}" "${PROMPT_FLAGS[@]}" --out "$OUT_DIR/load_paired_$NAME" 2>&1 \
     | tee "$OUT_DIR/load_paired_progress.txt" | tail -40  # (the progress file keeps what a timed-out run printed)
   kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null || true
   exit 0
@@ -105,7 +115,6 @@ for method in $METHODS; do
   wait_healthy "$method" "$PORT" "$server"
   python3 benchmarks/load_test.py --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
     --concurrency $LEVELS --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --ignore-eos $WARMUP --repeats "$REPEATS" \
-    --client-processes "${CLIENT_PROCESSES:-1}" \
-    --out "$OUT_DIR/load_h200_qwen3_8b_shape_$method" 2>&1 | tee "$OUT_DIR/load_progress_$method.txt" | tail -8
+    --client-processes "${CLIENT_PROCESSES:-1}" "${PROMPT_FLAGS[@]}" --out "$OUT_DIR/load_${NAME}_$method" 2>&1 | tee "$OUT_DIR/load_progress_$method.txt" | tail -8
   kill $server; wait $server 2>/dev/null || true
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..24 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..25 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -81,6 +81,9 @@
 # CALL=24 (~3 min, #39, not yet run): fast-mode plain first passes at batch 16 / 64 still ran 0.91-0.94x the second
 #   with no compile, capture, lazy module load (CUDA_MODULE_LOADING=EAGER alike) or cudaMalloc (CALL=22, session 37):
 #   passes 1 and 2 at batch 16 under torch.profiler, their top ops and kernels by self CPU and device time.
+# CALL=25 (~5 min, #29, not yet run): exact mode over 4,096 new tokens at batch 1 / 16 / 64 in bf16, DFlash and
+#   DDTree-16 / 64 / 256 against plain (tests/gpu/test_exact_mode.py, tiny pair); the real pair's DDTree-256 is
+#   gpu_real_pair.sh PART=2 METHODS=none,ddtree:256 EXTRA=--exact TAG=_exact_256 (two calls: the GGUF's parts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -223,6 +226,10 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
+  25)
+    timeout ${TESTS_S:-400} python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
+        -k "4096" > "$OUT/tests_exact_4096.txt" 2>&1
+    echo "exact 4,096-token tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests_exact_4096.txt" | tail -6 ;;
   24)
     TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python benchmarks/gpu_first_pass.py --random-smollm2 \
         --prompts benchmarks/out/real_pair/humaneval_ids.jsonl --methods none --batches 1,16 --new-tokens 128 \

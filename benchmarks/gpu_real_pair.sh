@@ -36,8 +36,12 @@ from flashtree.bench.datasets import load_prompts
 tokenizer = LLM(sys.argv[1]).tokenizer
 for dataset, name in (("humaneval", "humaneval"), ("sharegpt-heldout", "sharegpt")):
     with open(f"{sys.argv[2]}/{name}_ids.jsonl", "w") as out:
-        for prompt in load_prompts(dataset, 64):
+        prompts = load_prompts(dataset, 64)
+        for prompt in prompts:
             out.write(json.dumps({"prompt_ids": prompt.encode(tokenizer)}) + "\n")
+    with open(f"{sys.argv[2]}/{name}_messages.jsonl", "w") as out:  # the same conversations for the served runs
+        for prompt in prompts:
+            out.write(json.dumps({"messages": prompt.messages}) + "\n")
 PY
     ls -l "$HERE" ;;
   1)

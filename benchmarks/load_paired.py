@@ -30,7 +30,8 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import add_client_processes_arg, one_request, run_level, write_report  # noqa: E402
+from load_test import (add_client_processes_arg, add_prompts_arg, conversations, one_request, run_level,  # noqa: E402
+                       write_report)
 
 
 def parse_servers(entries: list[str]) -> dict[str, str]:
@@ -112,7 +113,7 @@ async def run(args, servers: dict[str, str]) -> dict:
                for n, u in servers.items()}
     try:
         for name in names:
-            await one_request(clients[name], level_args(args, servers[name], 1), "Hello")
+            await one_request(clients[name], level_args(args, servers[name], 1), [{"role": "user", "content": "Hello"}])
         for concurrency in args.concurrency:  # warm-up: graph captures and policy exploration happen here
             await one_pass(clients, servers, args, concurrency, names)
         print("warm-up done (every level on every server once, unmeasured)", flush=True)
@@ -150,8 +151,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--repeats", type=int, default=4)
     add_client_processes_arg(parser)
+    add_prompts_arg(parser)
     parser.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
+    args.conversations = conversations(args.prompts) if args.prompts else None
     if args.repeats < 1 or args.requests < 1 or args.waves < 1 or args.client_processes < 1:
         parser.error("--repeats, --requests, --waves and --client-processes must be >= 1")
     return args

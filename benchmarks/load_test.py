@@ -75,7 +75,7 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.completion_tokens - 1)
 
 
-async def one_request(client: openai.AsyncOpenAI, args, prompt: str) -> RequestResult:
+async def one_request(client: openai.AsyncOpenAI, args, messages: list[dict]) -> RequestResult:
     start = time.perf_counter()
     first = last = None
     itls: list[float] = []
@@ -83,7 +83,7 @@ async def one_request(client: openai.AsyncOpenAI, args, prompt: str) -> RequestR
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     try:
         stream = await client.chat.completions.create(
-            model=args.model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+            model=args.model, messages=messages, max_tokens=args.max_tokens,
             temperature=args.temperature, stream=True, stream_options={"include_usage": True}, extra_body=extra)
         async for chunk in stream:
             now = time.perf_counter()
@@ -107,7 +107,8 @@ async def one_request(client: openai.AsyncOpenAI, args, prompt: str) -> RequestR
 async def run_level(client: openai.AsyncOpenAI, args, concurrency: int) -> dict:
     """Keep ``concurrency`` requests in flight until max(``args.requests``, concurrency) are done;
     with ``args.client_processes`` > 1 they are shared out over that many client processes."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.requests, concurrency))]
+    source = getattr(args, "conversations", None) or [[{"role": "user", "content": p}] for p in PROMPTS]
+    prompts = [source[i % len(source)] for i in range(max(args.requests, concurrency))]  # each a message list
     before = await rounds_by_nodes(args.base_url)
     if getattr(args, "client_processes", 1) > 1:
         results, start, end = await _drive_in_processes(args, prompts, concurrency)
@@ -121,7 +122,7 @@ async def run_level(client: openai.AsyncOpenAI, args, concurrency: int) -> dict:
     return level
 
 
-async def _drive(client: openai.AsyncOpenAI, args, prompts: list[str], concurrency: int
+async def _drive(client: openai.AsyncOpenAI, args, prompts: list[list[dict]], concurrency: int
                  ) -> tuple[list[RequestResult], float, float]:
     """``prompts`` sent with ``concurrency`` in flight; the results and the start and end times."""
     queue: asyncio.Queue[str] = asyncio.Queue()
@@ -160,7 +161,7 @@ def split_evenly(items: list, parts: int) -> list[list]:
     return [items[i::parts] for i in range(parts)]
 
 
-async def _drive_in_processes(args, prompts: list[str], concurrency: int) -> tuple[list[RequestResult], float, float]:
+async def _drive_in_processes(args, prompts: list[list[dict]], concurrency: int) -> tuple[list[RequestResult], float, float]:
     """:func:`_drive` shared out over ``args.client_processes`` processes: each keeps its share of
     ``concurrency`` in flight over its share of ``prompts``, all starting at one moment (the
     monotonic clock is the machine's, so the processes' times compare)."""
@@ -175,7 +176,7 @@ async def _drive_in_processes(args, prompts: list[str], concurrency: int) -> tup
     return ([r for results, _, _ in parts for r in results], min(p[1] for p in parts), max(p[2] for p in parts))
 
 
-def _process_share(settings: dict, prompts: list[str], concurrency: int, start_at: float
+def _process_share(settings: dict, prompts: list[list[dict]], concurrency: int, start_at: float
                    ) -> tuple[list[RequestResult], float, float]:
     """In a client process: wait for ``start_at``, then :func:`_drive` its share."""
     global _WORKER_LOOP
@@ -344,9 +345,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "CUDA graphs and settled its speculation policy; a fresh one has not)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="measured passes over the levels; each level reports its median-throughput pass")
+    add_prompts_arg(parser)
     add_client_processes_arg(parser)
     parser.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.md")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.conversations = conversations(args.prompts) if args.prompts else None
+    return args
+
+
+def add_prompts_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", help="the conversations to send, in turn: humaneval, sharegpt-heldout or a .jsonl "
+                                          "of {\"prompt\"} / {\"messages\"} lines (default: a few built-in questions)")
+
+
+def conversations(dataset: str) -> list[list[dict]]:
+    """The message lists of ``dataset`` (flashtree.bench.datasets.load_prompts); SystemExit naming the file when a
+    line holds token ids, which a chat request cannot carry."""
+    from flashtree.bench.datasets import load_prompts
+    from flashtree.errors import ConfigError
+
+    try:
+        prompts = load_prompts(dataset, 10**6)
+    except ConfigError as err:
+        raise SystemExit(f"--prompts: {err}") from None
+    if any(p.messages is None for p in prompts):
+        raise SystemExit(f"--prompts {dataset}: every line needs 'prompt' or 'messages' (token ids cannot be sent "
+                         f"through the chat API)")
+    return [p.messages for p in prompts]
 
 
 def add_client_processes_arg(parser: argparse.ArgumentParser) -> None:

@@ -1,13 +1,15 @@
 """CUDA only: the exact mode (issue #29) in float32 and bfloat16. The exact attention gives a tree node what a
 plain step at its position gets and a row what it gets alone; the exact model's logits are the unfused model's
 up to rounding; plain decoding, the DFlash chain and DDTree give the same greedy tokens, alone and in a batch;
-plain decoding repeats pass to pass and copy to copy at batch 1, 16 and 64."""
+plain decoding repeats pass to pass and copy to copy at batch 1, 16 and 64; over 4,096 new tokens at batch 1, 16
+and 64, DFlash and DDTree-16 / 64 / 256 give plain decoding's bf16 tokens."""
 
 import pytest
 import torch
 
 from tests.support.exact_attention_checks import check as check_attention
-from tests.support.exact_mode_checks import EXACT_FAMILIES, compare_exact_engine, plain_repeatability
+from tests.support.exact_mode_checks import (EXACT_FAMILIES, compare_exact_engine, methods_over_many_tokens,
+                                             plain_repeatability)
 from tests.support.kernel_checks import _check, compare
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -35,4 +37,11 @@ def test_speculative_tokens_equal_plain_tokens(dtype, tmp_path):
 @pytest.mark.parametrize("batch", [1, 16, 64])
 def test_plain_decoding_repeats_in_bf16(batch, tmp_path):
     differing = plain_repeatability("cuda", str(tmp_path), "bfloat16", batch)
+    assert not any(differing.values()), differing
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_every_method_equals_plain_over_4096_tokens_in_bf16(batch, tmp_path):
+    differing = methods_over_many_tokens("cuda", str(tmp_path), "bfloat16", batch)
+    assert differing.pop("tokens_compared") == 4096 // batch * batch
     assert not any(differing.values()), differing

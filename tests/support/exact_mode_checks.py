@@ -3,7 +3,8 @@ greedy tokens, each prompt gets the same tokens alone and in a batch (beside oth
 of itself), and plain decoding gives the same tokens pass after pass. Run on CUDA in float32 and bfloat16 by
 tests/gpu/test_exact_mode.py, and as ``python -m tests.support.exact_mode_checks WORKDIR`` under
 ``TRITON_INTERPRET=1`` on CPU tensors (float32) by tests/integration/test_exact_attention.py; returns (prints)
-counts of differing token lists, all 0 when the mode holds."""
+counts of differing token lists, all 0 when the mode holds. ``methods_over_many_tokens``: DFlash and DDTree-16 /
+64 / 256 against plain decoding over 4,096 new tokens at a batch size (issue #29's long check)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ EXACT_FAMILIES = ("qwen3_qknorm",)  # the tiny families whose head_dim (16) the 
 PROMPTS = [[3, 14, 15, 9, 2, 6], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4], [3, 14, 15, 9, 2, 6]]  # the last: a copy
 
 
-def _llm(pair, spec: str, device: str, dtype: str, max_running: int):
+def _llm(pair, spec: str, device: str, dtype: str, max_running: int, budget: int = 6, max_context: int = 64):
     from flashtree import LLM
 
-    return LLM(str(pair.target), spec=spec, draft=str(pair.drafter) if spec != "none" else None, budget=6,
+    return LLM(str(pair.target), spec=spec, draft=str(pair.drafter) if spec != "none" else None, budget=budget,
                device=device, dtype=dtype, exact=True, adaptive_spec=False, max_running=max_running,
-               max_context=64)
+               max_context=max_context)
 
 
 def compare_exact_engine(device: str, workdir: str, dtype: str = "float32", max_tokens: int = 16,
@@ -44,6 +45,33 @@ def compare_exact_engine(device: str, workdir: str, dtype: str = "float32", max_
         diffs[f"{spec}/vs_plain_batch_4"] = sum(a != b for a, b in zip(batched, together))
         diffs[f"{spec}/vs_plain_batch_1"] = float(single != together[2])
     return {k: float(v) for k, v in diffs.items()}
+
+
+def methods_over_many_tokens(device: str, workdir: str, dtype: str, batch: int, tokens: int = 4096,
+                             methods: tuple[str, ...] = ("dflash", "ddtree:16", "ddtree:64", "ddtree:256")
+                             ) -> dict[str, float]:
+    """Exact-mode greedy decoding of ``batch`` distinct prompts, ``tokens`` new tokens in all (``tokens // batch``
+    each), by plain decoding and by each method (``dflash`` or ``ddtree:BUDGET``): the token lists of each method
+    that differ from plain's, and the tokens compared."""
+    import torch
+
+    from flashtree import SamplingParams
+    from tests.dflash_helpers import tiny_pair
+
+    pair = tiny_pair(workdir + "/many", vocab=64, block_size=5, drafter_layers=1, tokenizer=False)
+    gen = torch.Generator().manual_seed(1000 + batch)
+    prompts = [torch.randint(1, 64, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(batch)]
+    each = tokens // batch
+    params = SamplingParams(max_tokens=each, ignore_eos=True)
+    context = max(len(p) for p in prompts) + each + 8
+    plain = [o.token_ids for o in _llm(pair, "none", device, dtype, batch, max_context=context).generate(prompts, params)]
+    diffs = {"tokens_compared": float(sum(len(t) for t in plain))}
+    for method in methods:
+        spec, _, budget = method.partition(":")
+        llm = _llm(pair, spec, device, dtype, batch, budget=int(budget or 6), max_context=context)
+        diffs[method] = float(sum(o.token_ids != t for o, t in zip(llm.generate(prompts, params), plain)))
+    return diffs
 
 
 def plain_repeatability(device: str, workdir: str, dtype: str, batch: int, max_tokens: int = 24) -> dict[str, float]:
