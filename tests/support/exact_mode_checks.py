@@ -23,6 +23,15 @@ def _llm(pair, spec: str, device: str, dtype: str, max_running: int, budget: int
                max_context=max_context)
 
 
+def _random_prompts(count: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of 2-39 ids from the tiny pair's 64-token vocabulary (ids 1-63), drawn from ``seed``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 64, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(count)]
+
+
 def compare_exact_engine(device: str, workdir: str, dtype: str = "float32", max_tokens: int = 16,
                          specs: tuple[str, ...] = ("dflash", "ddtree")) -> dict[str, float]:
     from flashtree import SamplingParams
@@ -53,15 +62,11 @@ def methods_over_many_tokens(device: str, workdir: str, dtype: str, batch: int, 
     """Exact-mode greedy decoding of ``batch`` distinct prompts, ``tokens`` new tokens in all (``tokens // batch``
     each), by plain decoding and by each method (``dflash`` or ``ddtree:BUDGET``): the token lists of each method
     that differ from plain's, and the tokens compared."""
-    import torch
-
     from flashtree import SamplingParams
     from tests.dflash_helpers import tiny_pair
 
     pair = tiny_pair(workdir + "/many", vocab=64, block_size=5, drafter_layers=1, tokenizer=False)
-    gen = torch.Generator().manual_seed(1000 + batch)
-    prompts = [torch.randint(1, 64, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(batch)]
+    prompts = _random_prompts(batch, seed=1000 + batch)
     each = tokens // batch
     params = SamplingParams(max_tokens=each, ignore_eos=True)
     context = max(len(p) for p in prompts) + each + 8
@@ -77,15 +82,11 @@ def methods_over_many_tokens(device: str, workdir: str, dtype: str, batch: int, 
 def plain_repeatability(device: str, workdir: str, dtype: str, batch: int, max_tokens: int = 24) -> dict[str, float]:
     """Exact-mode plain decoding of ``batch`` prompts (each in two copies when batch > 1) twice on one engine:
     token lists differing pass to pass, copy from copy, and for two prompts decoded alone."""
-    import torch
-
     from flashtree import SamplingParams
     from tests.dflash_helpers import tiny_pair
 
     pair = tiny_pair(workdir + "/repeat", vocab=64, block_size=5, drafter_layers=1, tokenizer=False)
-    gen = torch.Generator().manual_seed(batch)
-    distinct = [torch.randint(1, 64, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
-                for _ in range(max(1, batch // 2))]
+    distinct = _random_prompts(max(1, batch // 2), seed=batch)
     prompts = (distinct * 2)[:batch]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm = _llm(pair, "none", device, dtype, max_running=batch)
