@@ -210,7 +210,7 @@ def main():
                    "pass1_captures": first["captures"], "pass2_captures": second["captures"],
                    "pass1_kernel_loads": len(first["kernel_loads"]), "pass2_kernel_loads": len(second["kernel_loads"]),
                    "pass1_kernels_loaded": first["kernel_loads"], "pass2_kernels_loaded": second["kernel_loads"],
-                   "pass2_replay_host_share": second["replay_share"],
+                   "pass1_replay_host_share": first["replay_share"], "pass2_replay_host_share": second["replay_share"],
                    "pass1_allocator": first["allocator"], "pass2_allocator": second["allocator"],
                    **({"pass1_profile": first["profile"], "pass2_profile": second["profile"]} if profiled else {}),
                    "same_tokens": all(p["tokens"] == first["tokens"] for p in [second, *later]),
