@@ -148,6 +148,10 @@ def main():
                              "by self CPU and device time in the JSON (what the first pass does that the second does not)")
     parser.add_argument("--passes", type=int, default=2, help="timed passes per batch size (from the third: "
                         "pass3_tok_s, ...)")
+    parser.add_argument("--fresh-prompts", action="store_true",
+                        help="after the passes, two more over the next batch of prompts (new prompt lengths, so new "
+                             "prefill shapes, on the same batch size): fresh1_tok_s, fresh2_tok_s. A per-shape cost "
+                             "shows as fresh1 < fresh2; a per-batch-size one as fresh1 == fresh2")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -166,7 +170,7 @@ def main():
         drafter = write_config(work / "drafter", QWEN3_8B_DFLASH)
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 150000, (args.prompt_tokens,), generator=gen).tolist()
-                   for _ in range(max(batches))]
+                   for _ in range(2 * max(batches))]
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
         shape, model_keywords = "qwen3-8b (random bf16)", dict(random_weights=True)
     else:
@@ -179,7 +183,7 @@ def main():
             parser.error(f"--prompts {args.prompts} holds {len(prompts)} prompts; --batches needs {max(batches)}")
         params = SamplingParams(max_tokens=args.new_tokens)
         shape, model_keywords = f"{target.name} + {drafter.name} ({args.dtype})", {}
-    longest = max(len(p) for p in prompts[:max(batches)])
+    longest = max(len(p) for p in prompts[:max(batches) * (2 if args.fresh_prompts else 1)])
     warm_up = {"auto": None, "on": True, "off": False}[args.warm_up]
     common = dict(model_keywords, dtype=args.dtype, packed_verify=packed, exact=args.exact, warm_up=warm_up,
                   max_running=max(batches),
@@ -215,6 +219,11 @@ def main():
                    **({"pass1_profile": first["profile"], "pass2_profile": second["profile"]} if profiled else {}),
                    "same_tokens": all(p["tokens"] == first["tokens"] for p in [second, *later]),
                    **{f"pass{i}_tok_s": p["tok_s"] for i, p in enumerate(later, 3)}}
+            if args.fresh_prompts:
+                fresh = prompts[batch:2 * batch]
+                if len(fresh) < batch:
+                    parser.error(f"--fresh-prompts at batch {batch} needs {2 * batch} prompts, got {len(prompts)}")
+                row.update({f"fresh{i}_tok_s": timed_pass(llm, fresh, params)["tok_s"] for i in (1, 2)})
             if method == "none" and batch not in plain_tokens:  # (a later plain engine is compared with the first)
                 plain_tokens[batch] = first["tokens"]
             elif batch in plain_tokens:

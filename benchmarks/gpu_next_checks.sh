@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..25 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..26 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -78,12 +78,18 @@
 #   cache (their pool, and their launch data times the graphs start-up captures), the widest eager round run twice,
 #   one warm-up stream per device: the page pool against gpu_memory_utilization (gpu_pool_headroom.py, session 37
 #   before: 210-238 MiB over), then the GPU tests of the pool, start-up graphs and graph replay.
-# CALL=24 (~3 min, #39, not yet run): fast-mode plain first passes at batch 16 / 64 still ran 0.91-0.94x the second
+# CALL=24 (~3 min, #39, run 12-07: the profiler's own first-pass cost hid the gap): fast-mode plain first passes at batch 16 / 64 still ran 0.91-0.94x the second
 #   with no compile, capture, lazy module load (CUDA_MODULE_LOADING=EAGER alike) or cudaMalloc (CALL=22, session 37):
 #   passes 1 and 2 at batch 16 under torch.profiler, their top ops and kernels by self CPU and device time.
-# CALL=25 (~5 min, #29, not yet run): exact mode over 4,096 new tokens at batch 1 / 16 / 64 in bf16, DFlash and
+# CALL=25 (~5 min, #29, run 12-07: passed): exact mode over 4,096 new tokens at batch 1 / 16 / 64 in bf16, DFlash and
 #   DDTree-16 / 64 / 256 against plain (tests/gpu/test_exact_mode.py, tiny pair); the real pair's DDTree-256 is
 #   gpu_real_pair.sh PART=2 METHODS=none,ddtree:256 EXTRA=--exact TAG=_exact_256 (two calls: the GGUF's parts).
+# CALL=26 (~3 min, #39, not yet run): the first-pass gap (0.943 at batch 16 on random SmolLM2, 12-07; uploading
+#   each graph at capture gave 0.948, no change, so not the graphs' first launches) is per shape or per batch size?
+#   torch.mm's first and second call at 15 new row counts per product shape (gpu_gemm_first_call.py), then
+#   gpu_first_pass.py --fresh-prompts: after passes 1-2, two passes over the next 16 / 32 prompts (carry
+#   benchmarks/out/real_pair/humaneval_ids.jsonl). fresh1 < fresh2 means a cost per new prompt length, which a
+#   served process pays in every request with a new length (then: prefill widths in buckets the warm-up meets).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -226,6 +232,14 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
+  26)
+    timeout 60 python benchmarks/gpu_gemm_first_call.py --out "$OUT/gpu_gemm_first_call.json" 2>&1 | tail -7
+    timeout 200 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \
+        --methods none --batches 16,32 --new-tokens 256 --passes 2 --fresh-prompts \
+        --out "$OUT/gpu_first_pass_random_smollm2_fresh_prompts.json" > /tmp/fp26.txt 2>&1
+    echo "first pass with fresh prompts rc=$?"
+    python -c "import json, sys; [print({k: round(v) for k, v in r.items() if k.endswith('tok_s')}) for r in json.load(open(sys.argv[1]))['rows']]" \
+        "$OUT/gpu_first_pass_random_smollm2_fresh_prompts.json" ;;
   25)
     timeout ${TESTS_S:-400} python -m pytest -v -rfE -p no:cacheprovider --tb=short tests/gpu/test_exact_mode.py \
         -k "4096" > "$OUT/tests_exact_4096.txt" 2>&1
