@@ -44,7 +44,9 @@
 #   but generated/ and nv_internal/, the *_backend/csrc folders); remake: unzip the wheels into a folder, delete those,
 #   tar -cJ. PART=2 (carry it) unpacks into /root/stash/site, builds the kernel and times every shape; PART=3 (no
 #   carry, same warm machine) times them again, or finishes when PART=2's build took its whole call.
-# CALL=17 (~6 min, not yet run: session 32's device time ran out in refused starts): gpu_reserve_probe.py prints
+# CALL=17 (~4 min; run 12-07 before session 38's reserve change: the 8B pool at 1,024 rows, DDTree-16, left the device
+#   0.919 in use against 0.9, the graphs' pool 8.42 GiB against 5.16 measured for the widest rounds; the reserve now
+#   captures every start-up graph; rerun it): gpu_reserve_probe.py prints
 #   the allocator's allocated and reserved growth of each profiled run of the tiny
 #   engine's activation reserve, the pool GPU tests (session 32's CALL=13: the reserve measured 2-4 MiB of reserved
 #   growth for a round of 135 MB of logits; peaks now take the larger of allocated and reserved growth), then the

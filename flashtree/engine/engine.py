@@ -223,21 +223,21 @@ class LLMEngine:
     def measure_activation_reserve(self, peak: Callable[[torch.device, Callable[[], object]], int]
                                    ) -> ActivationReserve:
         """The memory of the engine's widest work (``engine/memory_profile.py``) on pad rows of a provisional
-        cache that holds only the pad slot: the widest graphed rounds captured and dropped (``held_bytes``), the
+        cache that holds only the pad slot: start-up's graphs captured and dropped (``held_bytes``), the
         widest round (twice in a row) and prefill step each run with ``peak(device, run)`` measured; the
         proposer's context cache is left on the provisional pages (attach it to the real ones)."""
         config, chunk = self.config, self._longest_prefill_chunk()
         prefill = self._provisional_prefill(chunk)
         runner = ModelRunner(self.model, prefill.cache, self.proposer, prefill.timer, config.kernels,
                              pad_slot=config.scheduler.max_running, packed=self._fixed_packed_rounds())
-        graphed, widest, graphs = self._widest_round_keys(runner)
+        captured, widest = self._profiled_rounds(runner)
         prompts = self._pad_prefill_rows(max(1, prefill_tokens_for(self.config.scheduler, self.device.type) // chunk),
                                          chunk)
         try:
-            pool, launch_data = (held_bytes(self.device, lambda: _capture_and_take(runner, graphed)) if graphed
+            pool, launch_data = (held_bytes(self.device, lambda: _capture_and_take(runner, captured)) if captured
                                  else (0, 0))
             return ActivationReserve(
-                graphed_round=pool, graph_memory=launch_data * graphs // max(1, len(graphed)),
+                graphed_round=pool, graph_memory=launch_data,
                 widest_round=max(peak(self.device, lambda k=key: (runner.run_on_pad_rows(k), runner.run_on_pad_rows(k)))
                                  for key in widest),
                 prefill=peak(self.device, lambda: prefill(prompts, chunk)))
@@ -248,9 +248,10 @@ class LLMEngine:
                 f"x {shape.nodes + 1} tokens or a prefill step of {len(prompts)} x {chunk} tokens; lower --max-running, "
                 f"--budget or --max-prefill-tokens (or keep --adaptive-spec on)") from None
 
-    def _widest_round_keys(self, runner: ModelRunner) -> tuple[list[tuple], list[tuple], int]:
-        """(the widest graphed rounds' keys, the widest round's keys in each sampling variant) the policy may run,
-        and how many graphs start-up captures (those graphed keys' count when graphs are captured while serving)."""
+    def _profiled_rounds(self, runner: ModelRunner) -> tuple[list[tuple], list[tuple]]:
+        """(the graph keys the reserve captures: every graph start-up captures, in its order, or where graphs are
+        captured while serving, the widest round's variants a graph may hold; the widest round's keys in each
+        sampling variant, whose eager peak the reserve measures)."""
         config, max_rows = self.config, self.config.scheduler.max_running
         graph_tokens = config.kernels.cuda_graph_max_tokens if runner.graphs is not None else None
         round_tokens = config.scheduler.max_round_tokens
@@ -258,11 +259,9 @@ class LLMEngine:
                              graph_tokens, max_round_tokens=round_tokens)
         widest = runner.round_variants(*policy.widest_round(max_rows))
         if graph_tokens is not None:  # captured at start-up: up to graph_tokens verified tokens
-            graphed = runner.widest_graphed_rounds(policy.ladder, max_rows, graph_tokens, round_tokens)
-            return graphed, widest, len(runner.graph_keys(policy.ladder, max_rows, graph_tokens, round_tokens))
+            return runner.graph_keys(policy.ladder, max_rows, graph_tokens, round_tokens), widest
         # captured while serving (or no graphs): any round but one with log-probabilities
-        graphed = [key for key in widest if key[1].logprobs is None] if runner.graphs is not None else []
-        return graphed, widest, len(graphed)
+        return ([key for key in widest if key[1].logprobs is None] if runner.graphs is not None else []), widest
 
     def _longest_prefill_chunk(self) -> int:
         """The most prompt tokens a row brings to one prefill step."""

@@ -3,13 +3,14 @@
 With ``gpu_memory_utilization`` the page pool takes the device's memory up to that fraction of its
 total. The work that runs afterwards allocates on top of it: a round's logits for every verified
 token, the sampler's sort, attention's partial sums, a prefill step's MLP activations; and the CUDA
-graphs captured at start-up keep the widest graphed round's activations in their pool for good.
+graphs captured at start-up keep their rounds' activations in their pool for good.
 Like vLLM's profile run, the engine measures this before it sizes the pool, on pad rows of a provisional
 cache that holds only the pad slot, and reserves
 
-    what the graphs of the widest graphed rounds hold, captured there once and dropped: their pool (the
-    rounds' activations) and each graph's own device memory (its launch data), the latter times the
-    graphs start-up captures
+    what the graphs start-up captures hold, captured there once in start-up's order and dropped: their
+    pool (the rounds' activations, and what captures of different shapes lose to the pool's fragmentation:
+    at the Qwen3-8B shape with 1,024 rows and DDTree-16, 8.4 GiB against the widest round's 5.2) and the
+    graphs' own device memory (their launch data)
   + the larger of the widest round's and the widest prefill step's peaks (the allocator's cache: rounds
     with no graph and prefill steps run outside the graphs' pool). The widest round runs twice in a row,
     as serving repeats it: the second run may want blocks that the first run's freed blocks do not fit.
@@ -34,7 +35,7 @@ import torch
 
 
 class ActivationReserve(NamedTuple):
-    graphed_round: int  # bytes: the graphs' pool, held for the widest graphed rounds (0 without graphs)
+    graphed_round: int  # bytes: the graphs' pool, held for all the graphed rounds (0 without graphs)
     widest_round: int  # bytes: the peak of the widest round the engine may run (eagerly or graphed), twice
     prefill: int  # bytes: the widest prefill step's peak
     graph_memory: int = 0  # bytes: the graphs' own device memory outside their pool, all of them

@@ -247,9 +247,9 @@ class ModelRunner:
         sampled with top-p / top-k (not with log-probabilities or adjusted logits: those rounds run
         eagerly); then the drafter's catch-up at every padded row count. Widest rounds first: the graphs
         share one memory pool, and a narrower capture reuses the blocks a wider one freed (captured the
-        other way, each wider round adds its own blocks and the pool grows past the widest round's peak,
-        which is what the activation reserve holds for it). Empty when a graph cannot serve every context
-        length (attention over gathered pages keys graphs by length)."""
+        other way, each wider round adds its own blocks and the pool grows far past the widest round's
+        peak; the activation reserve captures these keys once to measure the pool). Empty when a graph
+        cannot serve every context length (attention over gathered pages keys graphs by length)."""
         if self.graphs is None or self.pad_slot is None:
             return []
         if not all(self.model.uses_kernel_attention(nodes + 1) for nodes in node_options):
@@ -281,15 +281,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the warm-up runs' cached blocks: the pool's size left room for the graphs only
         self.graphs.freeze()
-
-    def widest_graphed_rounds(self, node_options: Sequence[int], max_rows: int, max_tokens: int,
-                              max_round_tokens: int | None = None) -> list[tuple]:
-        """The graph keys (of :meth:`graph_keys`) of the rounds that verify the most tokens: their activations bound
-        the graphs' pool (``engine/memory_profile.py``)."""
-        graphed = [key for key in self.graph_keys(node_options, max_rows, max_tokens, max_round_tokens)
-                   if key[0] != "catch_up"]
-        most = max((verified_tokens(*key) for key in graphed), default=0)
-        return [key for key in graphed if verified_tokens(*key) == most]
 
     def round_variants(self, rows: int, nodes: int) -> list[tuple]:
         """(padded rows, RoundShape) keys of a round of ``rows`` rows and ``nodes`` nodes at full context: greedy,

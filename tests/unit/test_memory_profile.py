@@ -41,6 +41,37 @@ def test_profile_runs_the_widest_work_and_leaves_the_tokens_alone(tmp_path, monk
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
 
 
+def test_the_profile_captures_every_graph_start_up_captures_in_its_order(tmp_path, monkeypatch):
+    """With graphs (a pass-through cache on the CPU), the profile captures the keys start-up captures, in its
+    order, and reserves what dropping them gives back: the graphs' pool as start-up's captures leave it, what
+    captures of different shapes lose to fragmentation included (the widest round alone fell 3.3 GiB short at
+    the Qwen3-8B shape)."""
+    import flashtree.engine.engine as engine_module
+    from tests.dflash_helpers import PassThroughGraphs, tiny_pair
+
+    pair = tiny_pair(tmp_path, vocab=32, block_size=6)
+    llm = LLM(str(pair.target), spec="ddtree", draft=str(pair.drafter), budget=8, adaptive_spec=False, device="cpu",
+              dtype="float32", max_running=3, max_context=128)
+    captured = []
+    init, capture = ModelRunner.__init__, ModelRunner.capture_graphs
+
+    def with_graphs(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.graphs = PassThroughGraphs()
+
+    monkeypatch.setattr(ModelRunner, "__init__", with_graphs)
+    monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, keys: captured.append(list(keys)) or capture(self, keys))
+    monkeypatch.setattr(engine_module, "held_bytes", lambda device, make: make() and (7, 3))
+    reserve = llm.engine.measure_activation_reserve(lambda device, run: (run(), 100)[1])
+    engine = llm.engine
+    engine.proposer.attach_pages(engine.pages)
+    engine.runner.graphs = PassThroughGraphs()
+    start_up = engine.runner.graph_keys(engine.policy.ladder, 3, engine.config.kernels.cuda_graph_max_tokens,
+                                        engine.config.scheduler.max_round_tokens)
+    assert len(start_up) > 3 and captured == [start_up]  # every round and catch-up graph, widest first
+    assert reserve == ActivationReserve(graphed_round=7, widest_round=100, prefill=100, graph_memory=3)
+
+
 def test_reserve_adds_the_graphs_to_the_larger_eager_peak():
     assert ActivationReserve(graphed_round=5, widest_round=7, prefill=3).bytes == 12
     assert ActivationReserve(graphed_round=0, widest_round=2, prefill=9).bytes == 9
