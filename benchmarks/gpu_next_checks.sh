@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..26 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..27 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -92,6 +92,9 @@
 #   gpu_first_pass.py --fresh-prompts: after passes 1-2, two passes over the next 16 / 32 prompts (carry
 #   benchmarks/out/real_pair/humaneval_ids.jsonl). fresh1 < fresh2 means a cost per new prompt length, which a
 #   served process pays in every request with a new length (then: prefill widths in buckets the warm-up meets).
+# CALL=27 (~6 min, #29 / #39, not yet run): the lossless fuzz on CUDA (tests/gpu/test_lossless_fuzz_cuda.py: random
+#   speculative setups and engine settings, with start-up graphs, fp32 and bf16 exact; all at once and with arrivals
+#   and aborts), then the pool tests after session 38's reserve change (every start-up graph captured in the profile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -234,6 +237,13 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
+  27)
+    timeout ${TESTS_S:-420} python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_lossless_fuzz_cuda.py \
+        > "$OUT/tests_lossless_fuzz_cuda.txt" 2>&1
+    echo "lossless fuzz rc=$?"; grep -E "^E |passed|failed" "$OUT/tests_lossless_fuzz_cuda.txt" | tail -8 | cut -c1-300
+    timeout 120 python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_paged_kv.py -k "utilization or widest" \
+        > "$OUT/tests_pool.txt" 2>&1
+    echo "pool tests rc=$?"; grep -E "^E |passed|failed" "$OUT/tests_pool.txt" | tail -4 | cut -c1-300 ;;
   26)
     timeout 60 python benchmarks/gpu_gemm_first_call.py --out "$OUT/gpu_gemm_first_call.json" 2>&1 | tail -7
     timeout 200 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \

@@ -1,0 +1,127 @@
+"""Seeded random draws for the lossless fuzz tests (tests/integration/test_lossless_fuzz.py on the CPU,
+tests/gpu/test_lossless_fuzz_cuda.py on CUDA): a speculative setup (method, budget, adaptive or fixed, block
+size, packed verification, round-size bound, sometimes a drafter that copies the target), the engine settings
+both engines share (rows, page size, prefill chunk and step size, prefix caching, a page pool small enough to
+make requests wait, queued plain rounds), and a batch of requests (random prompts, about half sharing a
+prefix; lengths, stop tokens, penalties, minimum lengths, log-probabilities), and the two runs they are checked
+by: all at once, and arriving between steps with some aborted."""
+
+from __future__ import annotations
+
+import random
+
+from flashtree import LLM, SamplingParams
+from tests.dflash_helpers import use_copying_proposer
+
+VOCAB = 24
+MAX_CONTEXT = 96
+
+
+def draw_settings(rng: random.Random, device: str = "cpu", dtype: str = "float32") -> dict:
+    """The engine settings both engines share."""
+    page_size = rng.choice([1, 4, 5, 16])
+    chunk = rng.choice([1, 3, 8, 32])
+    settings = dict(device=device, dtype=dtype, max_context=MAX_CONTEXT, page_size=page_size,
+                    max_running=rng.choice([1, 2, 3, 8]), prefill_chunk=chunk,
+                    max_prefill_tokens=rng.choice([None, chunk, 2 * chunk]),
+                    prefix_caching=rng.random() < 0.5, queue_plain_rounds=rng.choice([None, True, False]))
+    if rng.random() < 0.3:  # room for about two requests at full context: the others wait for pages
+        settings["kv_pages"] = 2 * -(-(MAX_CONTEXT + 64) // page_size) + 1
+    return settings
+
+
+def draw_speculation(rng: random.Random) -> dict:
+    """The speculative engine's own settings (``copying_depth``: see :func:`drafted_engine`)."""
+    method = rng.choice(["dflash", "ddtree"])
+    speculation = dict(spec=method, adaptive_spec=rng.random() < 0.4, block_size=rng.choice([None, None, 2, 4]),
+                       packed_verify=rng.choice([None, True, False]), max_round_tokens=rng.choice([None, None, 64]))
+    if method == "ddtree":
+        speculation["budget"] = rng.choice([1, 2, 3, 5, 8, 16, 40])
+    if rng.random() < 0.35:
+        speculation["copying_depth"] = rng.choice([2, 5])
+    return speculation
+
+
+def draw_requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
+    """2-9 requests: prompts of 1-40 tokens, about half extending a shared prefix, each with a max_tokens limit,
+    and now and then a stop token, the tokenizer's own stop tokens, a penalty, a minimum length or
+    log-probabilities."""
+    shared = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 24))]
+    requests = []
+    for _ in range(rng.randint(2, 9)):
+        tail = [rng.randrange(VOCAB) for _ in range(rng.randint(0 if rng.random() < 0.5 else 1, 16))]
+        prompt = (shared[:rng.randint(1, len(shared))] + tail) if rng.random() < 0.5 else tail or [rng.randrange(VOCAB)]
+        stop = (rng.randrange(VOCAB),) if rng.random() < 0.3 else ()
+        extras = {}
+        if rng.random() < 0.25:  # logits the output changes: the tree's nodes must see their own path's output
+            extras = rng.choice([dict(repetition_penalty=1.3), dict(presence_penalty=0.7),
+                                 dict(frequency_penalty=0.4, presence_penalty=0.2)])
+        max_tokens = rng.randint(1, 40)
+        if rng.random() < 0.15:
+            extras["min_tokens"] = rng.randint(1, min(8, max_tokens))
+        if rng.random() < 0.15:
+            extras["logprobs"] = rng.choice([0, 2])  # (rounds with log-probabilities run eagerly)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.7, stop_token_ids=stop, **extras)
+        requests.append((prompt, params))
+    return requests
+
+
+def drafted_engine(pair, monkeypatch, speculation: dict, settings: dict) -> LLM:
+    """The speculative engine of the draw; with ``copying_depth``, its proposer drafts the target's own greedy
+    continuation that deep (a chain for DFlash, the best tree of a near one-hot distribution for DDTree): long
+    accepted paths, commits across pages and whole blocks. Build the plain engine first (this may patch the
+    proposer of every engine built afterwards)."""
+    speculation = dict(speculation)
+    depth = speculation.pop("copying_depth", None)
+    made = use_copying_proposer(monkeypatch, depth, speculation.get("budget")) if depth else None
+    llm = LLM(str(pair.target), draft=str(pair.drafter), **speculation, **settings)
+    if made:
+        made[-1].attach(llm.engine)
+    return llm
+
+
+def outcomes(llm: LLM, requests) -> list[tuple[list[int], str]]:
+    outs = llm.generate([prompt for prompt, _ in requests], [params for _, params in requests])
+    return [(o.token_ids, o.finish_reason) for o in outs]
+
+
+def described(settings: dict, speculation: dict, requests, **more) -> dict:
+    """The whole draw, for a failing assertion's message."""
+    return dict(settings=settings, speculation=speculation, requests=[(p, vars(q)) for p, q in requests], **more)
+
+
+def check_all_at_once(pair, monkeypatch, seed: int, device: str = "cpu", dtype: str = "float32") -> None:
+    """The draw's requests all at once, twice on one speculative engine (its prefix cache and policy have state
+    the second time): plain decoding's tokens and finish reasons with the same settings, both times."""
+    rng = random.Random(seed)
+    settings, speculation, requests = draw_settings(rng, device, dtype), draw_speculation(rng), draw_requests(rng)
+    plain = outcomes(LLM(str(pair.target), **settings), requests)
+    drafted = drafted_engine(pair, monkeypatch, speculation, settings)
+    draw = described(settings, speculation, requests)
+    assert outcomes(drafted, requests) == plain, draw
+    assert outcomes(drafted, requests) == plain, draw
+
+
+def check_arrivals_and_aborts(pair, monkeypatch, seed: int, device: str = "cpu", dtype: str = "float32") -> None:
+    """The draw's requests arriving between the engine's steps, some aborted while they wait, prefill or decode:
+    every other request gets plain decoding's tokens (alone in its own batch), the aborted ones finish "abort"."""
+    rng = random.Random(10_000 + seed)
+    settings, speculation, requests = draw_settings(rng, device, dtype), draw_speculation(rng), draw_requests(rng)
+    plain_llm = LLM(str(pair.target), **settings)
+    engine = drafted_engine(pair, monkeypatch, speculation, settings).engine
+    pending, live, aborted = list(enumerate(requests)), {}, set()
+    while pending or engine.has_work:
+        while pending and (rng.random() < 0.4 or not engine.has_work):
+            index, (prompt, params) = pending.pop(0)
+            live[index] = engine.add_request(prompt, params)
+        engine.step()
+        running = [index for index, req in live.items() if not req.finished and index not in aborted]
+        if running and rng.random() < 0.15:
+            index = rng.choice(running)
+            engine.abort(live[index].request_id)
+            aborted.add(index)
+    kept = [index for index in live if index not in aborted]
+    plain = outcomes(plain_llm, [requests[index] for index in kept])
+    draw = described(settings, speculation, requests, aborted=sorted(aborted))
+    assert [(live[index].output_ids, live[index].finish_reason) for index in kept] == plain, draw
+    assert all(live[index].finish_reason == "abort" for index in aborted), draw
