@@ -3,8 +3,8 @@ tests/gpu/test_lossless_fuzz_cuda.py on CUDA): a speculative setup (method, budg
 size, packed verification, round-size bound, sometimes a drafter that copies the target), the engine settings
 both engines share (rows, page size, prefill chunk and step size, prefix caching, a page pool small enough to
 make requests wait, queued plain rounds), and a batch of requests (random prompts, about half sharing a
-prefix; lengths, stop tokens, penalties, minimum lengths, log-probabilities), and the two runs they are checked
-by: all at once, and arriving between steps with some aborted."""
+prefix; lengths, stop tokens, penalties, minimum lengths, log-probabilities, seeded sampling with top-p / top-k),
+and the two runs they are checked by: all at once, and arriving between steps with some aborted."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def draw_speculation(rng: random.Random) -> dict:
 
 def draw_requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
     """2-9 requests: prompts of 1-40 tokens, about half extending a shared prefix, each with a max_tokens limit,
-    and now and then a stop token, the tokenizer's own stop tokens, a penalty, a minimum length or
-    log-probabilities."""
+    and now and then a stop token, the tokenizer's own stop tokens, a penalty, a minimum length,
+    log-probabilities or seeded sampling (temperature, top-p, top-k)."""
     shared = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 24))]
     requests = []
     for _ in range(rng.randint(2, 9)):
@@ -61,6 +61,9 @@ def draw_requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
             extras["min_tokens"] = rng.randint(1, min(8, max_tokens))
         if rng.random() < 0.15:
             extras["logprobs"] = rng.choice([0, 2])  # (rounds with log-probabilities run eagerly)
+        if rng.random() < 0.3:  # sampled: a seed's keyed noise gives every method plain decoding's draws
+            extras.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1 << 31),
+                          **rng.choice([{}, dict(top_p=0.9), dict(top_k=5), dict(top_p=0.8, top_k=3)]))
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.7, stop_token_ids=stop, **extras)
         requests.append((prompt, params))
     return requests
