@@ -13,12 +13,25 @@
 #           PART=2 [PACKED="off on"] [DATASETS="humaneval sharegpt"] [BATCHES=1,16,32] [EXTRA=--exact TAG=_exact] \
 #               bash benchmarks/gpu_real_pair.sh OUT_DIR
 #           (joins the GGUF, checks its sha256, then gpu_first_pass.py per dataset and packed_verify setting)
+#   or call 2 serving (#39's served ratios): carry gguf.xz.b, the gguf wheel, humaneval_messages.jsonl and
+#           benchmarks/out/serve_wheels (benchmarks/README.md "Serving inputs", without uvloop: the carry is
+#           64 MiB), benchmarks/results still out of the index; then
+#           PART=join bash benchmarks/gpu_real_pair.sh && REAL_MODEL=/root/stash/smollm2.gguf \
+#             REAL_DRAFT=flashtree/assets/smollm2-dflash PROMPTS=benchmarks/out/real_pair/humaneval_messages.jsonl \
+#             WHEELS=benchmarks/out/serve_wheels NAME=smollm2_real MAX_RUNNING=64 LEVELS="1 16 64" \
+#             METHODS="none ddtree" bash benchmarks/gpu_load.sh OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PART=${PART:?PART=prepare, 1 or 2}
 HERE=benchmarks/out/real_pair
 STASH=${STASH:-/root/stash}
 SHA256=b179c9523d0e6a0f  # the first hex digits of SmolLM2-135M-Instruct.Q4_1.gguf's sha256
+join_gguf() {  # the gguf wheel into /tmp/site, the GGUF joined from part a (stashed) and part b into $STASH/smollm2.gguf
+  mkdir -p /tmp/site
+  pip install -q --no-deps --target /tmp/site "$HERE"/gguf-*.whl
+  cat "$STASH/gguf.xz.a" "$HERE/gguf.xz.b" | xz -d > "$STASH/smollm2.gguf"
+  sha256sum "$STASH/smollm2.gguf" | grep -q "^$SHA256" || { echo "the joined GGUF's sha256 is not $SHA256"; exit 1; }
+}
 case "$PART" in
   prepare)
     mkdir -p "$HERE" /tmp/real_pair_wheel
@@ -46,13 +59,13 @@ PY
     ls -l "$HERE" ;;
   1)
     mkdir -p "$STASH" && cp "$HERE/gguf.xz.a" "$STASH/" && ls -l "$STASH/gguf.xz.a" ;;
+  join)
+    join_gguf ;;
   2)
     OUT=${1:?usage: PART=2 gpu_real_pair.sh OUT_DIR}
-    mkdir -p "$OUT" /tmp/site
+    mkdir -p "$OUT"
+    join_gguf
     export PYTHONPATH=$PWD:/tmp/site
-    pip install -q --no-deps --target /tmp/site "$HERE"/gguf-*.whl
-    cat "$STASH/gguf.xz.a" "$HERE/gguf.xz.b" | xz -d > "$STASH/smollm2.gguf"
-    sha256sum "$STASH/smollm2.gguf" | grep -q "^$SHA256" || { echo "the joined GGUF's sha256 is not $SHA256"; exit 1; }
     for dataset in ${DATASETS:-humaneval sharegpt}; do
       for packed in ${PACKED:-off on}; do
         timeout "${EACH_S:-130}" python benchmarks/gpu_first_pass.py --target "$STASH/smollm2.gguf" \
