@@ -53,7 +53,9 @@ def main() -> None:
     parser.add_argument("--methods", default="dflash,ddtree:16,ddtree:64,ddtree:256")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--tokens", type=int, default=4096, help="generated tokens per (method, batch), at least")
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="new tokens per request (default: --tokens over the largest batch, at least 16, so "
+                             "that the largest batch's one pass makes --tokens)")
     parser.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cuda", help="cuda; cpu for a dry run of this script (with --no-exact)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -65,6 +67,7 @@ def main() -> None:
     if not args.model:
         parser.error("--model or --qwen3-8b-shape is required")
     batches = [int(b) for b in args.batches.split(",")]
+    args.max_tokens = args.max_tokens or max(16, args.tokens // max(batches))
     common = {"dtype": args.dtype, "device": args.device, "exact": args.exact, "random_weights": args.random_weights,
               "max_running": max(batches), "max_context": 1024, "adaptive_spec": False}
     plain = LLM(args.model, spec="none", **common)
