@@ -94,16 +94,17 @@ class GrammarRound:
 
 
 def advance_grammar(req: Request, tokens: Sequence[int]) -> list[int]:
-    """The request's matcher accepts its newly emitted tokens; returns those it accepted. Each one
-    was chosen under its mask, so all are, unless every token was masked (min_tokens forbidding the
-    stop tokens the grammar needs): then the rest is dropped and logged. After the grammar has
-    terminated, what follows is dropped by the stop check anyway."""
+    """The request's matcher accepts its newly emitted tokens; returns those it accepted, up to the one that
+    terminated the grammar (a stop token it ends with): the output is complete there, and the request ends
+    with it even where that token is not one of the request's stop tokens (``ignore_eos``). Each token was
+    chosen under its mask, so all are accepted, unless every token was masked (min_tokens forbidding the stop
+    tokens the grammar needs): then the rest is dropped and logged."""
     matcher = req.grammar
     if matcher is None:
         return list(tokens)
     for i, token in enumerate(tokens):
         if matcher.terminated:
-            break
+            return list(tokens[:i])
         if not matcher.accept(token):
             log.error("request %s: its grammar refused token %d (every token masked?); the request ends here",
                       req.request_id, token)

@@ -440,9 +440,12 @@ class LLMEngine:
         return events
 
     def _append(self, req: Request, tokens: list[int], logprobs) -> StepEvent:
-        """``tokens`` appended to ``req`` (stop conditions); a grammar that refuses one ends the request."""
+        """``tokens`` appended to ``req`` (stop conditions); a grammar that terminates ends the request ("stop",
+        by its last token), one that refuses a token ends it too ("abort")."""
         accepted = advance_grammar(req, tokens)
-        event = append_tokens(req, accepted, self.tracker, self.config.cache.max_context, logprobs)
+        completed = req.grammar is not None and req.grammar.terminated
+        event = append_tokens(req, accepted, self.tracker, self.config.cache.max_context, logprobs,
+                              stop_at_last=completed)
         if len(accepted) < len(tokens) and not req.finished:
             req.finish_reason, req.status = "abort", Status.FINISHED
             event = event._replace(finished=True)

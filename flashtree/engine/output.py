@@ -78,17 +78,18 @@ class TextTracker:
 
 
 def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_context: int,
-                  logprobs: list[TokenLogprob] | None = None) -> StepEvent:
+                  logprobs: list[TokenLogprob] | None = None, stop_at_last: bool = False) -> StepEvent:
     """Append ``tokens`` (and their ``logprobs``, when the request asked) to ``req`` until a stop
-    condition; returns the step's event."""
+    condition; returns the step's event. ``stop_at_last``: the last token is a stop token too (the one that
+    completed the request's grammar)."""
     params = req.params
     old_text = req.text
     added: list[int] = []
     text_final = False  # set when a stop string truncated the text
-    for token in tokens:
+    for i, token in enumerate(tokens):
         req.output_ids.append(token)
         added.append(token)
-        if token in req.stop_token_ids:
+        if token in req.stop_token_ids or (stop_at_last and i == len(tokens) - 1):
             _finish(req, "stop")
             req.stopped_by = token
             break

@@ -72,6 +72,20 @@ def test_outputs_follow_the_grammar(plain):
                 assert re.fullmatch(f"({'|'.join(HEADS)})({'|'.join(TAILS)}){{0,6}}", "".join(pieces)), pieces
 
 
+@pytest.mark.parametrize("method", [{}] + METHODS, ids=lambda m: "-".join(map(str, m.values())) or "plain")
+def test_a_completed_grammar_ends_the_request_even_with_ignore_eos(pair, plain, method):
+    """ignore_eos keeps a free request going past its stop tokens, but a grammar ends with one: the request
+    finishes there ("stop"), with the same tokens under every method, never with text past the grammar."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, structured=StructuredOutput("regex", REGEX))
+    llm = LLM(str(pair.target), draft=str(pair.drafter), **method, **ENGINE) if method else plain
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    for out in outs:
+        pieces = plain.tokenizer.convert_ids_to_tokens(out.token_ids)
+        assert out.finish_reason == "stop" and pieces[-1] in STOPS, pieces
+        assert re.fullmatch(REGEX, "".join(pieces[:-1])), pieces
+
+
 def _allowed_at(index: int) -> set[str]:
     """What REGEX allows as output token ``index``, token by token (the stop tokens once it may end)."""
     if index == 0:

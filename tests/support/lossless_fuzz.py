@@ -3,7 +3,8 @@ tests/gpu/test_lossless_fuzz_cuda.py on CUDA): a speculative setup (method, budg
 size, packed verification, round-size bound, sometimes a drafter that copies the target), the engine settings
 both engines share (rows, page size, prefill chunk and step size, prefix caching, a page pool small enough to
 make requests wait, queued plain rounds), and a batch of requests (random prompts, about half sharing a
-prefix; lengths, stop tokens, penalties, minimum lengths, log-probabilities, seeded sampling with top-p / top-k),
+prefix; lengths, stop tokens, penalties, minimum lengths, log-probabilities, structured output, seeded sampling
+with top-p / top-k),
 and the two runs they are checked by: all at once, and arriving between steps with some aborted."""
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import random
 
 from flashtree import LLM, SamplingParams
+from flashtree.structured import StructuredOutput
 from tests.dflash_helpers import use_copying_proposer
 
 VOCAB = 24
 MAX_CONTEXT = 96
+WORDS_REGEX = "(hello|world)(tree|flash|w1|w2){2,6}"  # words of the tiny tokenizer (dflash_helpers), concatenated
 
 
 def draw_settings(rng: random.Random, device: str = "cpu", dtype: str = "float32") -> dict:
@@ -42,10 +45,11 @@ def draw_speculation(rng: random.Random) -> dict:
     return speculation
 
 
-def draw_requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
+def draw_requests(rng: random.Random, structured: bool = True) -> list[tuple[list[int], SamplingParams]]:
     """2-9 requests: prompts of 1-40 tokens, about half extending a shared prefix, each with a max_tokens limit,
     and now and then a stop token, the tokenizer's own stop tokens, a penalty, a minimum length,
-    log-probabilities or seeded sampling (temperature, top-p, top-k)."""
+    log-probabilities, a regular expression to follow (with ``structured``) or seeded sampling (temperature,
+    top-p, top-k)."""
     shared = [rng.randrange(VOCAB) for _ in range(rng.randint(4, 24))]
     requests = []
     for _ in range(rng.randint(2, 9)):
@@ -61,6 +65,8 @@ def draw_requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
             extras["min_tokens"] = rng.randint(1, min(8, max_tokens))
         if rng.random() < 0.15:
             extras["logprobs"] = rng.choice([0, 2])  # (rounds with log-probabilities run eagerly)
+        if rng.random() < 0.12 and structured:  # structured output: trees hold only what the grammar allows
+            extras["structured"] = StructuredOutput("regex", WORDS_REGEX)
         if rng.random() < 0.3:  # sampled: a seed's keyed noise gives every method plain decoding's draws
             extras.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1 << 31),
                           **rng.choice([{}, dict(top_p=0.9), dict(top_k=5), dict(top_p=0.8, top_k=3)]))
@@ -69,11 +75,18 @@ def draw_requests(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
     return requests
 
 
+def draw_all(rng: random.Random, device: str, dtype: str) -> tuple[dict, dict, list]:
+    """(settings, speculation, requests) of one draw."""
+    settings, speculation = draw_settings(rng, device, dtype), draw_speculation(rng)
+    return settings, speculation, draw_requests(rng, structured="copying_depth" not in speculation)
+
+
 def drafted_engine(pair, monkeypatch, speculation: dict, settings: dict) -> LLM:
     """The speculative engine of the draw; with ``copying_depth``, its proposer drafts the target's own greedy
     continuation that deep (a chain for DFlash, the best tree of a near one-hot distribution for DDTree): long
-    accepted paths, commits across pages and whole blocks. Build the plain engine first (this may patch the
-    proposer of every engine built afterwards)."""
+    accepted paths, commits across pages and whole blocks. It drafts no grammar trees (it ignores ``refine``),
+    so its draws hold no structured requests. Build the plain engine first (this may patch the proposer of
+    every engine built afterwards)."""
     speculation = dict(speculation)
     depth = speculation.pop("copying_depth", None)
     made = use_copying_proposer(monkeypatch, depth, speculation.get("budget")) if depth else None
@@ -97,7 +110,7 @@ def check_all_at_once(pair, monkeypatch, seed: int, device: str = "cpu", dtype: 
     """The draw's requests all at once, twice on one speculative engine (its prefix cache and policy have state
     the second time): plain decoding's tokens and finish reasons with the same settings, both times."""
     rng = random.Random(seed)
-    settings, speculation, requests = draw_settings(rng, device, dtype), draw_speculation(rng), draw_requests(rng)
+    settings, speculation, requests = draw_all(rng, device, dtype)
     plain = outcomes(LLM(str(pair.target), **settings), requests)
     drafted = drafted_engine(pair, monkeypatch, speculation, settings)
     draw = described(settings, speculation, requests)
@@ -109,7 +122,7 @@ def check_arrivals_and_aborts(pair, monkeypatch, seed: int, device: str = "cpu",
     """The draw's requests arriving between the engine's steps, some aborted while they wait, prefill or decode:
     every other request gets plain decoding's tokens (alone in its own batch), the aborted ones finish "abort"."""
     rng = random.Random(10_000 + seed)
-    settings, speculation, requests = draw_settings(rng, device, dtype), draw_speculation(rng), draw_requests(rng)
+    settings, speculation, requests = draw_all(rng, device, dtype)
     plain_llm = LLM(str(pair.target), **settings)
     engine = drafted_engine(pair, monkeypatch, speculation, settings).engine
     pending, live, aborted = list(enumerate(requests)), {}, set()
