@@ -2,7 +2,7 @@
 random speculative setup and random engine settings, with a batch of random requests, give at temperature 0 and
 seeded sampling, in float32 on the CPU, exactly the tokens and finish reasons of plain decoding with the same
 settings, all at once and with requests arriving between steps while others are aborted; with a DFlash and a
-DFlash2 drafter. Each test id names its seed; a failure prints the whole draw."""
+DFlash2 drafter; and with two tensor-parallel ranks. Each test id names its seed; a failure prints the whole draw."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests.dflash_helpers import one_thread, tiny_pair  # noqa: F401 (one_thread: a fixture)
 from tests.support.dflash2_checkpoints import tiny_dflash2_pair
-from tests.support.lossless_fuzz import VOCAB, check_all_at_once, check_arrivals_and_aborts
+from tests.support.lossless_fuzz import VOCAB, check_all_at_once, check_arrivals_and_aborts, check_tensor_parallel
 
 SEEDS = {"dflash": range(32), "dflash2": range(100, 116)}
 
@@ -35,3 +35,8 @@ def test_speculation_gives_plain_tokens_under_random_settings(pairs, monkeypatch
 @pytest.mark.parametrize("arch,seed", [(arch, seed) for arch, seeds in SEEDS.items() for seed in seeds[:12]])
 def test_arrivals_and_aborts_leave_the_other_requests_tokens_alone(pairs, monkeypatch, arch, seed):
     check_arrivals_and_aborts(pairs[arch], monkeypatch, seed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_tensor_parallel_ranks_give_plain_tokens_under_random_settings(pairs, seed):
+    check_tensor_parallel(pairs["dflash"], seed)

@@ -141,3 +141,19 @@ def check_arrivals_and_aborts(pair, monkeypatch, seed: int, device: str = "cpu",
     draw = described(settings, speculation, requests, aborted=sorted(aborted))
     assert [(live[index].output_ids, live[index].finish_reason) for index in kept] == plain, draw
     assert all(live[index].finish_reason == "abort" for index in aborted), draw
+
+
+def check_tensor_parallel(pair, seed: int) -> None:
+    """The draw's requests all at once on a speculative engine with two tensor-parallel ranks (gloo on the
+    CPU): the single-process plain engine's tokens and finish reasons. No copying drafter (the workers build
+    their own proposers)."""
+    rng = random.Random(20_000 + seed)
+    settings = draw_settings(rng, "cpu", "float32")
+    speculation = {k: v for k, v in draw_speculation(rng).items() if k != "copying_depth"}
+    requests = draw_requests(rng)
+    plain = outcomes(LLM(str(pair.target), **settings), requests)
+    parallel = LLM(str(pair.target), draft=str(pair.drafter), tensor_parallel_size=2, **speculation, **settings)
+    try:
+        assert outcomes(parallel, requests) == plain, described(settings, speculation, requests)
+    finally:
+        parallel.engine.executor.close()
