@@ -8,9 +8,9 @@ Like vLLM's profile run, the engine measures this before it sizes the pool, on p
 cache that holds only the pad slot, and reserves
 
     what the graphs start-up captures hold, captured there once in start-up's order and dropped: their
-    pool (the rounds' activations, and what captures of different shapes lose to the pool's fragmentation:
-    at the Qwen3-8B shape with 1,024 rows and DDTree-16, 8.4 GiB against the widest round's 5.2) and the
-    graphs' own device memory (their launch data)
+    pool (the rounds' activations, and what captures of different shapes lose to the pool's fragmentation,
+    which can be a large share beside the widest round's own activations) and the graphs' own device
+    memory (their launch data)
   + the larger of the widest round's and the widest prefill step's peaks (the allocator's cache: rounds
     with no graph and prefill steps run outside the graphs' pool). The widest round runs twice in a row,
     as serving repeats it: the second run may want blocks that the first run's freed blocks do not fit.

@@ -1,6 +1,7 @@
 """CUDA only: the lossless fuzz of tests/integration/test_lossless_fuzz.py on the device, with start-up CUDA
 graphs and the Triton kernels: in float32, and in bfloat16 with the exact mode (issue #29), every draw's
-speculative tokens equal plain decoding's with the same settings, all at once and with arrivals and aborts."""
+speculative tokens equal plain decoding's with the same settings, all at once and with arrivals and aborts. No
+copying drafter: the test double reads the engine's requests on the host, inside what a CUDA graph captures."""
 
 import pytest
 import torch
@@ -17,27 +18,13 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("fuzz"), vocab=VOCAB, block_size=6)
 
 
-@pytest.fixture
-def exact_settings(monkeypatch, request):
-    """The mode's extra engine settings go into every draw's settings; no copying drafter (the test double reads
-    the engine's requests on the host, inside what a CUDA graph captures)."""
-    import tests.support.lossless_fuzz as fuzz
-
-    dtype, extra = request.param
-    settings, speculation = fuzz.draw_settings, fuzz.draw_speculation
-    monkeypatch.setattr(fuzz, "draw_settings", lambda rng, device, dtype: {**settings(rng, device, dtype), **extra})
-    monkeypatch.setattr(fuzz, "draw_speculation",
-                        lambda rng: {k: v for k, v in speculation(rng).items() if k != "copying_depth"})
-    return dtype
-
-
-@pytest.mark.parametrize("exact_settings", MODES, indirect=True, ids=["fp32", "bf16_exact"])
+@pytest.mark.parametrize("dtype,extra", MODES, ids=["fp32", "bf16_exact"])
 @pytest.mark.parametrize("seed", range(12))
-def test_speculation_gives_plain_tokens_under_random_settings_on_cuda(pair, monkeypatch, exact_settings, seed):
-    check_all_at_once(pair, monkeypatch, seed, device="cuda", dtype=exact_settings)
+def test_speculation_gives_plain_tokens_under_random_settings_on_cuda(pair, monkeypatch, dtype, extra, seed):
+    check_all_at_once(pair, monkeypatch, seed, device="cuda", dtype=dtype, extra=extra, copying=False)
 
 
-@pytest.mark.parametrize("exact_settings", MODES, indirect=True, ids=["fp32", "bf16_exact"])
+@pytest.mark.parametrize("dtype,extra", MODES, ids=["fp32", "bf16_exact"])
 @pytest.mark.parametrize("seed", range(6))
-def test_arrivals_and_aborts_on_cuda(pair, monkeypatch, exact_settings, seed):
-    check_arrivals_and_aborts(pair, monkeypatch, seed, device="cuda", dtype=exact_settings)
+def test_arrivals_and_aborts_on_cuda(pair, monkeypatch, dtype, extra, seed):
+    check_arrivals_and_aborts(pair, monkeypatch, seed, device="cuda", dtype=dtype, extra=extra, copying=False)

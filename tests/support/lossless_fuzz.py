@@ -4,8 +4,8 @@ size, packed verification, round-size bound, sometimes a drafter that copies the
 both engines share (rows, page size, prefill chunk and step size, prefix caching, a page pool small enough to
 make requests wait, queued plain rounds), and a batch of requests (random prompts, about half sharing a
 prefix; lengths, stop tokens, penalties, minimum lengths, log-probabilities, structured output, seeded sampling
-with top-p / top-k),
-and the two runs they are checked by: all at once, and arriving between steps with some aborted."""
+with top-p / top-k), and the runs they are checked by: all at once, arriving between steps with some aborted,
+and all at once on two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -75,9 +75,13 @@ def draw_requests(rng: random.Random, structured: bool = True) -> list[tuple[lis
     return requests
 
 
-def draw_all(rng: random.Random, device: str, dtype: str) -> tuple[dict, dict, list]:
-    """(settings, speculation, requests) of one draw."""
-    settings, speculation = draw_settings(rng, device, dtype), draw_speculation(rng)
+def draw_all(rng: random.Random, device: str, dtype: str, extra: dict | None = None,
+             copying: bool = True) -> tuple[dict, dict, list]:
+    """(settings, speculation, requests) of one draw; ``extra``: settings added to the drawn ones; ``copying``
+    False: never the copying drafter (where it cannot run: under CUDA graphs, in tensor-parallel workers)."""
+    settings, speculation = {**draw_settings(rng, device, dtype), **(extra or {})}, draw_speculation(rng)
+    if not copying:
+        speculation.pop("copying_depth", None)
     return settings, speculation, draw_requests(rng, structured="copying_depth" not in speculation)
 
 
@@ -106,23 +110,26 @@ def described(settings: dict, speculation: dict, requests, **more) -> dict:
     return dict(settings=settings, speculation=speculation, requests=[(p, vars(q)) for p, q in requests], **more)
 
 
-def check_all_at_once(pair, monkeypatch, seed: int, device: str = "cpu", dtype: str = "float32") -> None:
+def check_all_at_once(pair, monkeypatch, seed: int, device: str = "cpu", dtype: str = "float32", **draw) -> None:
     """The draw's requests all at once, twice on one speculative engine (its prefix cache and policy have state
-    the second time): plain decoding's tokens and finish reasons with the same settings, both times."""
+    the second time): plain decoding's tokens and finish reasons with the same settings, both times. ``draw``:
+    :func:`draw_all`'s ``extra`` and ``copying``."""
     rng = random.Random(seed)
-    settings, speculation, requests = draw_all(rng, device, dtype)
+    settings, speculation, requests = draw_all(rng, device, dtype, **draw)
     plain = outcomes(LLM(str(pair.target), **settings), requests)
     drafted = drafted_engine(pair, monkeypatch, speculation, settings)
-    draw = described(settings, speculation, requests)
-    assert outcomes(drafted, requests) == plain, draw
-    assert outcomes(drafted, requests) == plain, draw
+    message = described(settings, speculation, requests)
+    assert outcomes(drafted, requests) == plain, message
+    assert outcomes(drafted, requests) == plain, message
 
 
-def check_arrivals_and_aborts(pair, monkeypatch, seed: int, device: str = "cpu", dtype: str = "float32") -> None:
+def check_arrivals_and_aborts(pair, monkeypatch, seed: int, device: str = "cpu", dtype: str = "float32",
+                              **draw) -> None:
     """The draw's requests arriving between the engine's steps, some aborted while they wait, prefill or decode:
-    every other request gets plain decoding's tokens (alone in its own batch), the aborted ones finish "abort"."""
+    every other request gets plain decoding's tokens (alone in its own batch), the aborted ones finish "abort".
+    ``draw``: :func:`draw_all`'s ``extra`` and ``copying``."""
     rng = random.Random(10_000 + seed)
-    settings, speculation, requests = draw_all(rng, device, dtype)
+    settings, speculation, requests = draw_all(rng, device, dtype, **draw)
     plain_llm = LLM(str(pair.target), **settings)
     engine = drafted_engine(pair, monkeypatch, speculation, settings).engine
     pending, live, aborted = list(enumerate(requests)), {}, set()
@@ -138,19 +145,16 @@ def check_arrivals_and_aborts(pair, monkeypatch, seed: int, device: str = "cpu",
             aborted.add(index)
     kept = [index for index in live if index not in aborted]
     plain = outcomes(plain_llm, [requests[index] for index in kept])
-    draw = described(settings, speculation, requests, aborted=sorted(aborted))
-    assert [(live[index].output_ids, live[index].finish_reason) for index in kept] == plain, draw
-    assert all(live[index].finish_reason == "abort" for index in aborted), draw
+    message = described(settings, speculation, requests, aborted=sorted(aborted))
+    assert [(live[index].output_ids, live[index].finish_reason) for index in kept] == plain, message
+    assert all(live[index].finish_reason == "abort" for index in aborted), message
 
 
 def check_tensor_parallel(pair, seed: int) -> None:
     """The draw's requests all at once on a speculative engine with two tensor-parallel ranks (gloo on the
     CPU): the single-process plain engine's tokens and finish reasons. No copying drafter (the workers build
     their own proposers)."""
-    rng = random.Random(20_000 + seed)
-    settings = draw_settings(rng, "cpu", "float32")
-    speculation = {k: v for k, v in draw_speculation(rng).items() if k != "copying_depth"}
-    requests = draw_requests(rng)
+    settings, speculation, requests = draw_all(random.Random(20_000 + seed), "cpu", "float32", copying=False)
     plain = outcomes(LLM(str(pair.target), **settings), requests)
     parallel = LLM(str(pair.target), draft=str(pair.drafter), tensor_parallel_size=2, **speculation, **settings)
     try:

@@ -44,8 +44,7 @@ def test_profile_runs_the_widest_work_and_leaves_the_tokens_alone(tmp_path, monk
 def test_the_profile_captures_every_graph_start_up_captures_in_its_order(tmp_path, monkeypatch):
     """With graphs (a pass-through cache on the CPU), the profile captures the keys start-up captures, in its
     order, and reserves what dropping them gives back: the graphs' pool as start-up's captures leave it, what
-    captures of different shapes lose to fragmentation included (the widest round alone fell 3.3 GiB short at
-    the Qwen3-8B shape)."""
+    captures of different shapes lose to fragmentation included."""
     import flashtree.engine.engine as engine_module
     from tests.dflash_helpers import PassThroughGraphs, tiny_pair
 
