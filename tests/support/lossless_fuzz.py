@@ -9,6 +9,7 @@ and all at once on two tensor-parallel ranks."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 from flashtree import LLM, SamplingParams
@@ -45,6 +46,9 @@ def draw_speculation(rng: random.Random) -> dict:
     return speculation
 
 
+GRAMMAR_BACKEND_INSTALLED = importlib.util.find_spec("xgrammar") is not None
+
+
 def draw_requests(rng: random.Random, structured: bool = True) -> list[tuple[list[int], SamplingParams]]:
     """2-9 requests: prompts of 1-40 tokens, about half extending a shared prefix, each with a max_tokens limit,
     and now and then a stop token, the tokenizer's own stop tokens, a penalty, a minimum length,
@@ -78,11 +82,14 @@ def draw_requests(rng: random.Random, structured: bool = True) -> list[tuple[lis
 def draw_all(rng: random.Random, device: str, dtype: str, extra: dict | None = None,
              copying: bool = True) -> tuple[dict, dict, list]:
     """(settings, speculation, requests) of one draw; ``extra``: settings added to the drawn ones; ``copying``
-    False: never the copying drafter (where it cannot run: under CUDA graphs, in tensor-parallel workers)."""
+    False: never the copying drafter (where it cannot run: under CUDA graphs, in tensor-parallel workers).
+    Without xgrammar (the default grammar backend; the GPU machine has none) no request is structured; the
+    draws are otherwise the same."""
     settings, speculation = {**draw_settings(rng, device, dtype), **(extra or {})}, draw_speculation(rng)
     if not copying:
         speculation.pop("copying_depth", None)
-    return settings, speculation, draw_requests(rng, structured="copying_depth" not in speculation)
+    structured = "copying_depth" not in speculation and GRAMMAR_BACKEND_INSTALLED
+    return settings, speculation, draw_requests(rng, structured=structured)
 
 
 def drafted_engine(pair, monkeypatch, speculation: dict, settings: dict) -> LLM:
