@@ -164,7 +164,23 @@ def kernel_us(fn, reps: int) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda item: -item[1]))
 
 
-def layer_rows(model, tokens: list[int], reps: int, bandwidth: float, expert: int, sweep: bool) -> list[dict]:
+def select_us_by_warps(fn, reps: int, choices: list[int]) -> dict[int, float]:
+    """The selection kernel's device us per call of ``fn()`` at each of ``choices`` warps."""
+    if not choices:
+        return {}
+    default = moe_kernels.SELECT_WARPS
+    times = {}
+    try:
+        for warps in choices:
+            moe_kernels.SELECT_WARPS = warps
+            times[warps] = kernel_us(fn, reps).get("_select_experts_kernel")
+    finally:
+        moe_kernels.SELECT_WARPS = default
+    return times
+
+
+def layer_rows(model, tokens: list[int], reps: int, bandwidth: float, expert: int, sweep: bool,
+               select_warps: list[int]) -> list[dict]:
     """The first MoE layer's fused call alone on N random tokens, graph-replayed: the experts its
     routing touches, ms, the floor (router + touched experts) and, with ``sweep``, ms by the tiles of
     each grouped product (the other at its default)."""
@@ -185,6 +201,7 @@ def layer_rows(model, tokens: list[int], reps: int, bandwidth: float, expert: in
         if graphed:
             try:
                 row["kernels_us"] = kernel_us(lambda: moe(x), reps)  # noqa: B023
+                row["select_us_by_warps"] = select_us_by_warps(lambda: moe(x), reps, select_warps)  # noqa: B023
             except Exception as err:  # noqa: BLE001 (a profiler that cannot read the device: the rest still runs)
                 row["kernels_us"] = {"error": repr(err)}
         for name, index in (("gate_up", 0), ("down", 1)):
@@ -218,9 +235,17 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s of the floor")
     parser.add_argument("--reference", action="store_true", help="also time the host-routed reference path")
     parser.add_argument("--sweep", action="store_true", help="time one MoE layer by the grouped products' tiles")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: the shape's; fewer fit a smaller GPU, per-layer figures alike)")
+    parser.add_argument("--select-warps", default="1,2,4", help="warps of the selection kernel to time per N")
+    parser.add_argument("--forward-kernels", default="1",
+                        help="N values whose whole forward gets a kernel table (device us per forward by kernel, "
+                             "eager calls; their sum against the graphed ms is the share of gaps); '' for none")
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = TINY if args.tiny else QWEN3_30B_A3B
+    if args.layers:
+        shape = dict(shape, num_hidden_layers=args.layers)
     tokens = [int(n) for n in args.tokens.split(",")]
     model_dir = write_config(Path(tempfile.mkdtemp()) / "qwen3-moe", shape)
     engine = LLMEngine(EngineConfig.of(model=str(model_dir), random_weights=True, max_running=1,
@@ -248,6 +273,9 @@ def main() -> None:
                "experts_touched_max": max(touched), "ms": ms, "floor_bytes": floor_bytes,
                "floor_ms": floor_bytes / args.bandwidth * 1000, "graphed": graphed and device.type == "cuda"}
         row["time_over_floor"] = ms / row["floor_ms"]
+        if row["graphed"] and str(n) in args.forward_kernels.split(","):
+            row["kernels_us"] = kernel_us(lambda: model(batch, cache), args.reps)  # noqa: B023
+            row["kernels_busy_ms"] = sum(row["kernels_us"].values()) / 1000
         if args.reference:
             reference_path(model, True)
             row["reference_eager_ms"] = timed_ms(lambda: model(batch, cache), max(1, args.reps // 5), False,  # noqa: B023
@@ -257,7 +285,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     layer = []
     if sparse_layers(model)[0].routes_on_device:  # (the fused kernels: CUDA, or Triton's interpreter)
-        layer = layer_rows(model, tokens, args.reps, args.bandwidth, expert, args.sweep)
+        layer = layer_rows(model, tokens, args.reps, args.bandwidth, expert, args.sweep,
+                           [int(w) for w in args.select_warps.split(",") if w])
     result = {**environment(device), "shape": "tiny" if args.tiny else "qwen3-30b-a3b", "config": shape,
               "dtype": str(model.lm_head.weight.dtype), "bandwidth": args.bandwidth, "context": args.context,
               "dense_bytes": dense, "expert_bytes": expert, "decode": decode, "forwards": rows,

@@ -33,8 +33,8 @@ from flashtree.kernels.gpu import next_power_of_2 as _next_power_of_2
 
 BLOCK_M, BLOCK_K = 16, 64  # every grouped product's rows per block and reduction step (a token's arithmetic)
 ROUTE_BLOCK_M = 16  # tokens per routing program
-ROUTER_BLOCK_E, ROUTER_BLOCK_K = 16, 256  # experts per router-logits program, its reduction step (few, long
-# steps: a lone token's router read is latency-bound)
+ROUTER_BLOCK_E, ROUTER_BLOCK_K = 16, 256  # experts and the K chunk of a router-partials program
+SELECT_WARPS = 4  # warps of a selecting program (one or two make it slower: gpu_moe.py --select-warps)
 SUM_BLOCK = 1024  # columns per program of the rank-order sum
 SORT_CHUNK = 1024  # pairs a grouping program reads at a time
 
@@ -80,13 +80,15 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
     to x's dtype first), its ``top_k`` largest by rank (the lower id on a tie), renormalized to sum
     1 when ``normalize``; each selecting program's row of counts says how many of its tokens' pairs
     each expert got (:func:`sort_by_expert` adds them up). ``plan`` (one token only, ``top_k``
-    blocks): filled with one block per pair, so no grouping is needed. Two kernels: the logits
-    (programs over tokens x experts, so one token's router read is spread out), the selection."""
+    blocks): filled with one block per pair, so no grouping is needed. Two kernels: the logits' K-chunk
+    partials (programs over tokens x experts x chunks, so one token's router read is spread out), then
+    their ordered sum and the selection."""
     t, hidden = x.shape
     experts = router.shape[0]
     e_pad = _experts_padded(experts)
     programs = -(-t // ROUTE_BLOCK_M)
-    logits = torch.empty(t, e_pad, dtype=torch.float32, device=x.device)
+    chunks = -(-hidden // ROUTER_BLOCK_K)
+    partials = torch.empty(chunks, t, e_pad, dtype=torch.float32, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     counts = torch.empty(programs, e_pad, dtype=torch.int32, device=x.device)
@@ -95,13 +97,13 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
                          f"got {t} tokens and {plan.block_experts.numel()} blocks")
     if t:
         triton_moe = _kernels()
-        triton_moe._router_logits_kernel[(programs, -(-experts // ROUTER_BLOCK_E))](
-            x, router, logits, t, experts, hidden, x.stride(0), router.stride(0), logits.stride(0),
+        triton_moe._router_partials_kernel[(programs, -(-experts // ROUTER_BLOCK_E), chunks)](
+            x, router, partials, t, experts, hidden, x.stride(0), router.stride(0), E_PAD=e_pad,
             BLOCK_M=ROUTE_BLOCK_M, BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K, IEEE=x.dtype == torch.float32)
         triton_moe._select_experts_kernel[(programs,)](
-            logits, weights, ids, counts, *(plan or (ids, ids, ids)), t, experts, logits.stride(0),
+            partials, x, weights, ids, counts, *(plan or (ids, ids, ids)), t, experts, chunks,
             TOP_K=top_k, TOP_K_PAD=_next_power_of_2(top_k), NORMALIZE=normalize, BLOCK_M=ROUTE_BLOCK_M,
-            E_PAD=e_pad, PLAN_M=BLOCK_M, PAIR_BLOCKS=plan is not None)
+            E_PAD=e_pad, PLAN_M=BLOCK_M, PAIR_BLOCKS=plan is not None, num_warps=SELECT_WARPS)
     return weights, ids, counts
 
 

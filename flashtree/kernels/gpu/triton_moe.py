@@ -10,43 +10,48 @@ import triton.language as tl
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, gate_ptr, logits_ptr, T, E, H, stride_x, stride_gate, stride_logits,
-                          BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """Router logits of BLOCK_M tokens for BLOCK_E experts, K in BLOCK_K steps from 0 up, float32
-    accumulation, rounded to x's dtype (as a linear layer returns them) and stored as float32."""
+def _router_partials_kernel(x_ptr, gate_ptr, part_ptr, T, E, H, stride_x, stride_gate, E_PAD: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_K-wide slice of K (chunk ``program_id(2)``) of the router logits of BLOCK_M tokens for BLOCK_E
+    experts, float32 from zero, stored to ``part [chunks, T, E_PAD]``; :func:`_select_experts_kernel` adds
+    the chunks in order. Spread over tokens x experts x chunks, a lone token's router read is many short
+    reads in parallel, not a few long ones in sequence."""
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
-    depth = tl.arange(0, BLOCK_K)  # [BK]
+    k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+    x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_x + k[None, :],
+                mask=(tokens[:, None] < T) & (k[None, :] < H), other=0.0)  # [BM, BK]
+    g = tl.load(gate_ptr + experts[:, None] * stride_gate + k[None, :],
+                mask=(experts[:, None] < E) & (k[None, :] < H), other=0.0)  # [BE, BK]
     acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + depth
-        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_x + k[None, :],
-                    mask=(tokens[:, None] < T) & (k[None, :] < H), other=0.0)  # [BM, BK]
-        g = tl.load(gate_ptr + experts[:, None] * stride_gate + k[None, :],
-                    mask=(experts[:, None] < E) & (k[None, :] < H), other=0.0)  # [BE, BK]
-        if IEEE:
-            acc = tl.dot(x, tl.trans(g), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(g), acc)
-    logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(logits_ptr + tokens[:, None] * stride_logits + experts[None, :], logits,
+    if IEEE:
+        acc = tl.dot(x, tl.trans(g), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(g), acc)
+    part = part_ptr + tl.program_id(2).to(tl.int64) * T * E_PAD
+    tl.store(part + tokens[:, None].to(tl.int64) * E_PAD + experts[None, :], acc,
              mask=(tokens[:, None] < T) & (experts[None, :] < E))
 
 
 @triton.jit
-def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, block_experts_ptr,
-                           block_rows_ptr, T, E, stride_logits, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+def _select_experts_kernel(part_ptr, x_ptr, weights_ptr, ids_ptr, counts_ptr, sorted_pairs_ptr, block_experts_ptr,
+                           block_rows_ptr, T, E, CHUNKS, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
                            NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                            PLAN_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """A float32 softmax over BLOCK_M tokens' router logits, the TOP_K most probable experts (the
-    lower id on a tie), renormalized to sum 1 when NORMALIZE; writes weights (float32) and ids
-    ``[T, TOP_K]``, by rank, and how many of these tokens' pairs each expert got (``counts
-    [programs, E_PAD]``, this program's row). PAIR_BLOCKS (one token: its experts are distinct)
-    also writes the plan of one block of PLAN_M slots per pair, in rank order."""
+    """BLOCK_M tokens' router logits (the chunk partials ``part [CHUNKS, T, E_PAD]`` added in chunk order
+    from zero, rounded to x's dtype as a linear layer returns them), their float32 softmax, the TOP_K
+    most probable experts (the lower id on a tie), renormalized to sum 1 when NORMALIZE; writes
+    weights (float32) and ids ``[T, TOP_K]``, by rank, and how many of these tokens' pairs each expert
+    got (``counts [programs, E_PAD]``, this program's row). PAIR_BLOCKS (one token: its experts are
+    distinct) also writes the plan of one block of PLAN_M slots per pair, in rank order."""
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     experts = tl.arange(0, E_PAD)  # [EP]
-    logits = tl.load(logits_ptr + tokens[:, None] * stride_logits + experts[None, :],
-                     mask=(tokens[:, None] < T) & (experts[None, :] < E), other=float("-inf"))  # [BM, EP]
+    valid = (tokens[:, None] < T) & (experts[None, :] < E)  # [BM, EP]
+    offsets = tokens[:, None].to(tl.int64) * E_PAD + experts[None, :]  # [BM, EP]
+    logits = tl.zeros((BLOCK_M, E_PAD), dtype=tl.float32)
+    for chunk in range(CHUNKS):
+        logits += tl.load(part_ptr + chunk * T * E_PAD + offsets, mask=valid, other=0.0)
+    logits = tl.where(valid, logits.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))  # [BM, EP]
     probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = probs / tl.sum(probs, axis=1)[:, None]
     probs = tl.where(experts[None, :] < E, probs, -1.0)  # (rows past T are all -inf: NaN, never stored)
