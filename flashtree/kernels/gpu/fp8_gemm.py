@@ -37,7 +37,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # at 68 / 272 / 1,040 rows and was the fastest 32-row tile there (1.1-1.5x the 64 x 128 tile's time at 272-1,040
 # rows). tests/gpu/test_fp8_gemm.py checks the table on the device. Decode rows (M <= 64) are what matters: a
 # one-row product streams the weight, in N / block_n programs times its K chunks (gemm.chunk_launch).
-TILES: tuple[tuple[int, Tile], ...] = ((16, Tile(16, 32, SCALE_BLOCK, warps=4, stages=6)),
+TILES: tuple[tuple[int, Tile], ...] = ((16, Tile(16, 32, SCALE_BLOCK, warps=4, stages=4)),
                                        (32, Tile(32, 32, SCALE_BLOCK, warps=4, stages=5)),
                                        (1 << 62, Tile(32, 64, SCALE_BLOCK, warps=4, stages=4)))
 
