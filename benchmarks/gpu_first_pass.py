@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qwen3_8b_shape import QWEN3_8B, QWEN3_8B_DFLASH, SMOLLM2_135M, write_config  # noqa: E402
@@ -99,9 +100,35 @@ def profile_table(prof, rows: int = 25) -> dict[str, list]:
     return {"by_cpu": top("self_cpu_time_total"), "by_device": top("self_device_time_total")}
 
 
+class ProductShapes(TorchDispatchMode):
+    """Every eager product (aten mm / addmm / bmm / baddbmm) the process runs, by op and operand shapes and
+    dtype: ``new`` lists those never seen before in the process, in order (``--product-shapes``; a cuBLAS call
+    at a shape new to the process can cost far more than the next one, gpu_gemm_first_call.py)."""
+
+    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set = set()
+        self.new: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.PRODUCTS:
+            key = (func.overloadpacket.__name__,) + tuple(
+                (tuple(a.shape), str(a.dtype)) for a in args if isinstance(a, torch.Tensor))
+            if key not in self.seen:
+                self.seen.add(key)
+                self.new.append(str(key))
+        return func(*args, **(kwargs or {}))
+
+
+product_shapes: ProductShapes | None = None
+
+
 def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams, profile: bool = False) -> dict:
     global captures
     before, loads_before, replay_before = captures, len(kernel_loads), llm.engine.graph_replays[1]
+    shapes_before = len(product_shapes.new) if product_shapes is not None else 0
     torch.cuda.synchronize()
     allocator_before = allocator_calls()
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -119,7 +146,8 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams, profi
             "kernel_loads": kernel_loads[loads_before:],
             "allocator": {name: count - allocator_before[name] for name, count in allocator_calls().items()},
             "replay_share": (llm.engine.graph_replays[1] - replay_before) / seconds,
-            "tokens": [o.token_ids for o in outs], **({"profile": profile_table(profiler)} if profile else {})}
+            "tokens": [o.token_ids for o in outs], **({"profile": profile_table(profiler)} if profile else {}),
+            **({"new_product_shapes": product_shapes.new[shapes_before:]} if product_shapes is not None else {})}
 
 
 def main():
@@ -148,12 +176,19 @@ def main():
                              "by self CPU and device time in the JSON (what the first pass does that the second does not)")
     parser.add_argument("--passes", type=int, default=2, help="timed passes per batch size (from the third: "
                         "pass3_tok_s, ...)")
+    parser.add_argument("--product-shapes", action="store_true",
+                        help="log the eager products' shapes from start-up on (ProductShapes; slows every pass, so "
+                             "its tok/s are not comparable with a run without it): pass*_new_product_shapes")
     parser.add_argument("--fresh-prompts", action="store_true",
                         help="after the passes, two more over the next batch of prompts (new prompt lengths, so new "
                              "prefill shapes, on the same batch size): fresh1_tok_s, fresh2_tok_s. A per-shape cost "
                              "shows as fresh1 < fresh2; a per-batch-size one as fresh1 == fresh2")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.product_shapes:
+        global product_shapes
+        product_shapes = ProductShapes()
+        product_shapes.__enter__()  # (for the whole run: start-up's products count as seen)
     batches = [int(b) for b in args.batches.split(",")]
     packed = {"auto": None, "on": True, "off": False}[args.packed_verify]
     if args.random_smollm2:
@@ -217,13 +252,19 @@ def main():
                    "pass1_replay_host_share": first["replay_share"], "pass2_replay_host_share": second["replay_share"],
                    "pass1_allocator": first["allocator"], "pass2_allocator": second["allocator"],
                    **({"pass1_profile": first["profile"], "pass2_profile": second["profile"]} if profiled else {}),
+                   **({"pass1_new_product_shapes": first["new_product_shapes"],
+                       "pass2_new_product_shapes": second["new_product_shapes"]} if product_shapes is not None else {}),
                    "same_tokens": all(p["tokens"] == first["tokens"] for p in [second, *later]),
                    **{f"pass{i}_tok_s": p["tok_s"] for i, p in enumerate(later, 3)}}
             if args.fresh_prompts:
                 fresh = prompts[batch:2 * batch]
                 if len(fresh) < batch:
                     parser.error(f"--fresh-prompts at batch {batch} needs {2 * batch} prompts, got {len(prompts)}")
-                row.update({f"fresh{i}_tok_s": timed_pass(llm, fresh, params)["tok_s"] for i in (1, 2)})
+                for i in (1, 2):
+                    fresh_pass = timed_pass(llm, fresh, params)
+                    row[f"fresh{i}_tok_s"] = fresh_pass["tok_s"]
+                    if product_shapes is not None:
+                        row[f"fresh{i}_new_product_shapes"] = fresh_pass["new_product_shapes"]
             if method == "none" and batch not in plain_tokens:  # (a later plain engine is compared with the first)
                 plain_tokens[batch] = first["tokens"]
             elif batch in plain_tokens:

@@ -86,15 +86,22 @@
 # CALL=25 (~5 min, #29, run 12-07: passed): exact mode over 4,096 new tokens at batch 1 / 16 / 64 in bf16, DFlash and
 #   DDTree-16 / 64 / 256 against plain (tests/gpu/test_exact_mode.py, tiny pair); the real pair's DDTree-256 is
 #   gpu_real_pair.sh PART=2 METHODS=none,ddtree:256 EXTRA=--exact TAG=_exact_256 (two calls: the GGUF's parts).
-# CALL=26 (~3 min, #39, not yet run): the first-pass gap (0.943 at batch 16 on random SmolLM2, 12-07; uploading
+# CALL=26 (~3 min, #39, run 12-07: fresh1 = fresh2 at batch 16, 0.96 at 32; a first torch.mm at a new M ~2.4 ms): the first-pass gap (0.943 at batch 16 on random SmolLM2, 12-07; uploading
 #   each graph at capture gave 0.948, no change, so not the graphs' first launches) is per shape or per batch size?
 #   torch.mm's first and second call at 15 new row counts per product shape (gpu_gemm_first_call.py), then
 #   gpu_first_pass.py --fresh-prompts: after passes 1-2, two passes over the next 16 / 32 prompts (carry
 #   benchmarks/out/real_pair/humaneval_ids.jsonl). fresh1 < fresh2 means a cost per new prompt length, which a
 #   served process pays in every request with a new length (then: prefill widths in buckets the warm-up meets).
-# CALL=27 (~6 min, #29 / #39, not yet run): the lossless fuzz on CUDA (tests/gpu/test_lossless_fuzz_cuda.py: random
+# CALL=27 (~6 min, #29 / #39, run 12-07: all 36 pass once structured draws need xgrammar; pool tests pass): the lossless fuzz on CUDA (tests/gpu/test_lossless_fuzz_cuda.py: random
 #   speculative setups and engine settings, with start-up graphs, fp32 and bf16 exact; all at once and with arrivals
 #   and aborts), then the pool tests after session 38's reserve change (every start-up graph captured in the profile).
+# CALL=28 (~2 min, H200 only: the 48-layer model needs ~61 GB; run with needs_h200): the Qwen3-30B-A3B shape's decode
+#   step and one-token forward with its kernel table (gpu_moe.py; session 39 measured 24 layers on an H100).
+# CALL=29 (~3 min, #39): is the first torch.mm at a new row count slow by itself or by its output's first allocation
+#   (gpu_gemm_first_call.py with and without --allocate), and the eager products new to the process in each pass
+#   (gpu_first_pass.py --product-shapes --fresh-prompts, batch 16 / 32; carry benchmarks/out/real_pair/humaneval_ids.jsonl).
+# Served real pair at 64 streams (#39) with the client spread over processes: gpu_real_pair.sh's serving call with
+#   CLIENT_PROCESSES=4 LEVELS="16 64" (session 39's one client process: plain 7,293 tok/s at 64, ~7.8 ms a step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
@@ -237,6 +244,19 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
+  29)
+    for alloc in "" --allocate; do
+      timeout 60 python benchmarks/gpu_gemm_first_call.py $alloc --out "$OUT/gpu_gemm_first_call${alloc:+_allocate}.json" 2>&1 | tail -6
+    done
+    timeout 240 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \
+        --methods none --batches 16,32 --new-tokens 256 --passes 2 --fresh-prompts --product-shapes \
+        --out "$OUT/gpu_first_pass_random_smollm2_product_shapes.json" > /tmp/fp29.txt 2>&1
+    echo "first pass with product shapes rc=$?"
+    python -c "import json, sys; [print(r['batch'], {k: len(v) for k, v in r.items() if k.endswith('new_product_shapes')}) for r in json.load(open(sys.argv[1]))['rows']]" \
+        "$OUT/gpu_first_pass_random_smollm2_product_shapes.json" ;;
+  28)
+    timeout 420 python benchmarks/gpu_moe.py --out "$OUT/gpu_moe_qwen3_30b_a3b_shape.json" --tokens 1,4,16,64,256 \
+        > "$OUT/gpu_moe.txt" 2>&1; echo "moe rc=$?"; tail -7 "$OUT/gpu_moe.txt" ;;
   27)
     timeout ${TESTS_S:-420} python -m pytest -q -rfE -p no:cacheprovider --tb=short tests/gpu/test_lossless_fuzz_cuda.py \
         > "$OUT/tests_lossless_fuzz_cuda.txt" 2>&1
