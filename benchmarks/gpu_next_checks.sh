@@ -100,6 +100,11 @@
 # CALL=29 (~3 min, #39): is the first torch.mm at a new row count slow by itself or by its output's first allocation
 #   (gpu_gemm_first_call.py with and without --allocate), and the eager products new to the process in each pass
 #   (gpu_first_pass.py --product-shapes --fresh-prompts, batch 16 / 32; carry benchmarks/out/real_pair/humaneval_ids.jsonl).
+# CALL=30 (~6 min, #39, no GGUF needed): is the served plain step at 64 streams (7.8 ms against 4.2-5.3 offline, session 39)
+#   bound by the server or by the client? Random SmolLM2-135M weights behind the SmolLM2 tokenizer, served plain
+#   and plain with --switch-interval-ms 0.5, paired, the client over 4 processes, with step traces (the gap
+#   before each engine step); then the offline plain first pass at batch 64 of the same shape. Carry
+#   benchmarks/out/serve_wheels, benchmarks/out/serve_tokenizer (README "Serving inputs") and humaneval_ids.jsonl.
 # Served real pair at 64 streams (#39) with the client spread over processes: gpu_real_pair.sh's serving call with
 #   CLIENT_PROCESSES=4 LEVELS="16 64" (session 39's one client process: plain 7,293 tok/s at 64, ~7.8 ms a step).
 set -uo pipefail
@@ -244,6 +249,14 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
+  30)
+    mkdir -p "$OUT/steps"
+    SHAPE_OVERRIDE='{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": true}' \
+      TOKENIZER=benchmarks/out/serve_tokenizer WHEELS=benchmarks/out/serve_wheels NAME=smollm2_random MAX_RUNNING=64 \
+      LEVELS=64 METHODS="none none@si" FLAGS_si="--switch-interval-ms 0.5" PAIRED=1 REPEATS=3 CLIENT_PROCESSES=4 \
+      STEP_TRACE_DIR="$OUT/steps" timeout 330 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -14
+    timeout 150 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \
+        --methods none --batches 64 --new-tokens 128 --passes 2 --out "$OUT/gpu_first_pass_random_smollm2_b64.json" 2>&1 | tail -2 ;;
   29)
     for alloc in "" --allocate; do
       timeout 60 python benchmarks/gpu_gemm_first_call.py $alloc --out "$OUT/gpu_gemm_first_call${alloc:+_allocate}.json" 2>&1 | tail -6
