@@ -127,7 +127,7 @@ def sweep_tiles(rows: int) -> list[Tile]:
 
 
 def product_rows(shape: dict, batches: list[int], bandwidth: float, device: str, dtype: torch.dtype,
-                 sweep: bool) -> list[dict]:
+                 sweep: bool, sweep_chunks: bool = False) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for name, (n, k) in linear_shapes(shape).items():
@@ -146,10 +146,38 @@ def product_rows(shape: dict, batches: list[int], bandwidth: float, device: str,
                    "bf16_fraction_of_floor": 2 * n * k / bandwidth * 1e6 / dense_us}
             if sweep:
                 row["sweep"] = sweep_row(fp8, x, m)
+            if sweep_chunks:
+                row["chunk_sweep"] = chunk_sweep_row(fp8, x)
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("sweep", "chunk_sweep")}), flush=True)
         del fp8, dense
     return rows
+
+
+CHUNK_SWEEP_TILES = (Tile(16, 16, SCALE_BLOCK, warps=2, stages=4), Tile(16, 32, SCALE_BLOCK, warps=4, stages=4),
+                     Tile(16, 64, SCALE_BLOCK, warps=4, stages=4), Tile(16, 128, SCALE_BLOCK, warps=8, stages=3))
+
+
+def chunk_sweep_row(fp8: list[Fp8Linear], x: torch.Tensor) -> list[dict]:
+    """How K is cut (``chunk``: every power-of-two multiple of the scale block from 512 up, and all of K) and
+    whether the chunks run in programs of their own (``split``), for a few tiles. The cut is a function of the
+    weight's shape in the engine (gemm.k_chunk), and it sets the product's bits; the split and the tile do not."""
+    k = fp8[0].in_features
+    chunks = sorted({c for c in (512 << i for i in range(8)) if c < k} | {k})
+    out = []
+    for tile in CHUNK_SWEEP_TILES:
+        for chunk in chunks:
+            for split in ((True, False) if chunk < k else (False,)):
+                try:
+                    us = time_calls_us([lambda w=w: fp8_linear(x, w.weight, w.scale, SCALE_BLOCK, tile=tile, chunk=chunk,
+                                                               split=split) for w in fp8], x.device.type)
+                except Exception as err:  # noqa: BLE001 (a tile that does not compile here)
+                    out.append({"tile": list(tile), "chunk": chunk, "split": split, "error": str(err)[:200]})
+                    continue
+                out.append({"tile": list(tile), "chunk": chunk, "split": split, "us": us})
+    best = min((r for r in out if "us" in r), key=lambda r: r["us"], default=None)
+    print(f"  chunk sweep m={x.shape[0]}: best {best}", flush=True)
+    return out
 
 
 def sweep_row(fp8: list[Fp8Linear], x: torch.Tensor, m: int) -> list[dict]:
@@ -312,6 +340,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--parts", default="products,steps,lossless")
     parser.add_argument("--sweep", action="store_true", help="time each candidate tile of the FP8 product")
+    parser.add_argument("--sweep-chunks", action="store_true",
+                        help="time the product by how K is cut and whether the chunks run apart (chunk_sweep_row)")
     parser.add_argument("--dry-run", action="store_true", help="a tiny shape on the CPU (with TRITON_INTERPRET=1)")
     args = parser.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",")]
@@ -332,7 +362,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
     if "products" in parts:
-        result["products"] = product_rows(shape, args.batch_list, bandwidth, device, dtype, args.sweep)
+        result["products"] = product_rows(shape, args.batch_list, bandwidth, device, dtype, args.sweep,
+                                          args.sweep_chunks)
         save()
     common = {"device": device, "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": device == "cuda",
               "max_running": max(args.batch_list), "max_context": max(args.context + args.steps, 256 + args.tokens) + 64,

@@ -100,6 +100,9 @@
 # CALL=29 (~3 min, #39): is the first torch.mm at a new row count slow by itself or by its output's first allocation
 #   (gpu_gemm_first_call.py with and without --allocate), and the eager products new to the process in each pass
 #   (gpu_first_pass.py --product-shapes --fresh-prompts, batch 16 / 32; carry benchmarks/out/real_pair/humaneval_ids.jsonl).
+# CALL=31 (~2 min, #38 FP8 <= 0.6x bf16; 0.70x on the H100 with the split products qkv / o / down at 45-65% of the floor
+#   against the unsplit gate-up's 80%): the FP8 product by how K is cut and whether the chunks run apart, per tile
+#   (gpu_fp8.py --sweep-chunks). A faster cut changes k_chunk (bits change with it: rerun tests/gpu/test_fp8_gemm.py).
 # CALL=30 (~6 min, #39, no GGUF needed): is the served plain step at 64 streams (7.8 ms against 4.2-5.3 offline, session 39)
 #   bound by the server or by the client? Random SmolLM2-135M weights behind the SmolLM2 tokenizer, served plain
 #   and plain with --switch-interval-ms 0.5, paired, the client over 4 processes, with step traces (the gap
@@ -249,6 +252,9 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
+  31)
+    timeout 300 python benchmarks/gpu_fp8.py --parts products --sweep-chunks --batches 1,16 \
+        --out "$OUT/gpu_fp8_chunk_sweep.json" 2>&1 | grep -E "chunk sweep|fp8_us" | cut -c1-260 ;;
   30)
     mkdir -p "$OUT/steps"
     SHAPE_OVERRIDE='{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": true}' \
