@@ -118,9 +118,11 @@ def touched_experts(model, batch: ForwardBatch, cache: KVCache) -> list[int]:
         touched.append(int(ids.unique().numel()))
 
     hooks = [moe.register_forward_pre_hook(count) for moe in sparse_layers(model)]
-    try:
+    stack, model.layer_stack = getattr(model, "layer_stack", None), None  # (the CPU's one-call layer stack runs
+    try:                                                                   # the layers without their hooks)
         model(batch, cache)
     finally:
+        model.layer_stack = stack
         for hook in hooks:
             hook.remove()
     return touched
