@@ -6,9 +6,9 @@ Prefill steps multiply (rows x width) activation rows by each weight, and rows x
 batch of prompts, so a process meets new row counts M all the time. For the SmolLM2-135M products (hidden 576,
 MLP 1536, vocabulary 49,152) and the Qwen3-8B ones, in bf16, this times ``torch.mm`` at many M never used
 before in the process: the first call and then the second at each M (host and device, synchronized), and
-reports the medians (outputs made beforehand unless ``--allocate``, so an allocator's first block of a
-new size does not fall in the timed call). A first call that costs more (the library choosing a kernel for the new shape) is a cost
-every new prompt length pays, inside a timed pass or a request.
+reports the medians. Outputs are made before the timed calls unless ``--allocate``, so that an allocator's
+first block of a new size does not fall in the first call. A first call that costs more (the library
+choosing a kernel for the new shape) is a cost every new prompt length pays, inside a timed pass or a request.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@
 #             METHODS="none ddtree" bash benchmarks/gpu_load.sh OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PART=${PART:?PART=prepare, 1 or 2}
+PART=${PART:?PART=prepare, 1, join or 2}
 HERE=benchmarks/out/real_pair
 STASH=${STASH:-/root/stash}
 SHA256=b179c9523d0e6a0f  # the first hex digits of SmolLM2-135M-Instruct.Q4_1.gguf's sha256

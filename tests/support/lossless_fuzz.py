@@ -46,7 +46,7 @@ def draw_speculation(rng: random.Random) -> dict:
     return speculation
 
 
-GRAMMAR_BACKEND_INSTALLED = importlib.util.find_spec("xgrammar") is not None
+XGRAMMAR_INSTALLED = importlib.util.find_spec("xgrammar") is not None
 
 
 def draw_requests(rng: random.Random, structured: bool = True) -> list[tuple[list[int], SamplingParams]]:
@@ -88,7 +88,7 @@ def draw_all(rng: random.Random, device: str, dtype: str, extra: dict | None = N
     settings, speculation = {**draw_settings(rng, device, dtype), **(extra or {})}, draw_speculation(rng)
     if not copying:
         speculation.pop("copying_depth", None)
-    structured = "copying_depth" not in speculation and GRAMMAR_BACKEND_INSTALLED
+    structured = "copying_depth" not in speculation and XGRAMMAR_INSTALLED
     return settings, speculation, draw_requests(rng, structured=structured)
 
 
