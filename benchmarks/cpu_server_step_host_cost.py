@@ -1,6 +1,6 @@
 """Host time of the server's engine thread per request per step, outside the engine's round: the
 committed tokens appended (stop checks, incremental text with the SmolLM2 tokenizer) and
-``AsyncEngine._step``'s work (deltas, metrics, handing the deltas to the event loop).
+``EngineDriver._step``'s work (deltas, metrics, handing the deltas to the event loop).
 
 On the H200 a served round is followed by 0.25 ms (1 row) to 1.4 ms (32 rows) of host time before the
 next one (benchmarks/journal/session-10-2026-12-02.md); this is the per-request part of it, measured on
@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtree.engine.output import TextTracker, append_tokens  # noqa: E402
 from flashtree.engine.request import Request  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
-from flashtree.server.async_engine import AsyncEngine, RequestStream, _Tracked  # noqa: E402
+from flashtree.server.async_engine import AsyncEngine, EngineThread  # noqa: E402
+from flashtree.server.engine_driver import EngineDriver, Inbox, _Tracked  # noqa: E402
 from flashtree.server.metrics import ServerMetrics  # noqa: E402
+from flashtree.server.stream import RequestStream  # noqa: E402
 
 TOKENIZER = Path(__file__).resolve().parent / "out" / "smol_tokenizer"
 
@@ -55,7 +57,8 @@ class StandInEngine:
 
 def per_request_us(rows: int, steps: int, tokenizer) -> float:
     engine = StandInEngine(rows, tokenizer)
-    server = AsyncEngine(lambda: engine, ServerMetrics())
+    metrics = ServerMetrics()
+    server = EngineDriver(lambda: engine, metrics, Inbox(), AsyncEngine(EngineThread(lambda: engine), metrics))
     server.engine = engine
     loop = asyncio.new_event_loop()
     for req in engine.rows:

@@ -59,6 +59,9 @@ def register(subparsers) -> None:
     serve.add_argument("--switch-interval-ms", type=float, default=None,
                        help="the interpreter's thread switch interval while serving, in ms: the longest the HTTP "
                             "side keeps the interpreter lock from a waiting engine thread (default: Python's 5 ms)")
+    serve.add_argument("--engine-process", action="store_true",
+                       help="run the engine in a process of its own (the HTTP side's Python then never "
+                            "delays a step; commands and tokens cross a pipe), not on a thread of the server's")
     serve.set_defaults(func=cmd_serve, prefix_caching=True, recent_trees=PLAYGROUND_TREES)
 
 
@@ -68,7 +71,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         log_level=args.log_level, freeze_gc=True, http=args.http, loop=args.loop,
                         switch_interval_ms=args.switch_interval_ms, max_request_bytes=args.max_request_bytes,
-                        responses_store_size=args.responses_store_size, data_parallel_size=args.data_parallel_size)
+                        responses_store_size=args.responses_store_size, data_parallel_size=args.data_parallel_size,
+                        engine_process=args.engine_process)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

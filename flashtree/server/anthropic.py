@@ -23,7 +23,6 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, StrictStr
 
 from flashtree.models.tokenizer import ChatTemplateOptions, encode_chat
-from flashtree.server.async_engine import EngineFailure, GenerationDelta, RequestStream
 from flashtree.server.errors import APIError
 from flashtree.server.generation import (
     GenerationInput,
@@ -34,6 +33,7 @@ from flashtree.server.generation import (
     with_tools,
 )
 from flashtree.server.protocol import PositiveInt, _Request
+from flashtree.server.stream import EngineFailure, GenerationDelta, RequestStream
 from flashtree.server.tools import ToolPlan, read_answer, tool_plan
 
 

@@ -1,33 +1,30 @@
 """The FastAPI app factory: ``create_app(ServerConfig)``.
 
-The engine loads on its own thread when the app starts (lifespan), so ``/health`` answers
-503 while loading and 200 once the warm-up generation is done. With ``data_parallel_size`` N > 1,
-N engines load side by side, each on its own thread and devices, behind a router
-(``server/replicas.py``); ``/health`` answers 200 once all are ready.
+The engine loads on its own thread (or, with ``engine_process``, in its own process) when the app
+starts (lifespan), so ``/health`` answers 503 while loading and 200 once the warm-up generation is
+done. With ``data_parallel_size`` N > 1, N engines load side by side, each on its own thread or
+process and devices, behind a router (``server/replicas.py``); ``/health`` answers 200 once all are ready.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Callable
 
 from fastapi import FastAPI
 
 from flashtree.config import EngineConfig
-from flashtree.engine.engine import LLMEngine
-from flashtree.server.async_engine import AsyncEngine
+from flashtree.server.async_engine import AsyncEngine, EngineRunner, EngineThread
 from flashtree.server.config import ServerConfig
+from flashtree.server.engine_process import EngineProcess
 from flashtree.server.errors import install_error_handlers
-from flashtree.server.generation import ServedModel
+from flashtree.server.generation import EngineInfo, ServedModel
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.middleware import BodyLimit, Gate, ResponseCounter
 from flashtree.server.replicas import ReplicaSet, replica_configs
 from flashtree.server.router import PrefixRouter
 from flashtree.server.routes import ServerContext, build_router
-from flashtree.server.startup import freeze_startup_objects, load_engine
-
-log = logging.getLogger("flashtree.server")
+from flashtree.server.startup import load_for_serving
 
 
 def create_app(config: ServerConfig, *,
@@ -37,22 +34,22 @@ def create_app(config: ServerConfig, *,
     thread) when the loaded engine is lost (a tensor-parallel worker died): it answers 503 from then on."""
     metrics = ServerMetrics()
 
-    def load(engine_config: EngineConfig) -> LLMEngine:  # on the engine thread
-        engine = load_engine(engine_config)
-        if config.freeze_gc:
-            log.info("%d startup objects exempt from garbage collection", freeze_startup_objects())
-        ctx.served = ServedModel.of(engine, config.model_name)
-        metrics.engine_info.labels(model=config.model_name, method=engine.proposer.name,
-                                   device=str(engine.device), dtype=str(engine.dtype)).set(1)
-        return engine
+    def on_ready(info: EngineInfo, compile_structured: Callable | None) -> None:  # (any thread)
+        ctx.served = ServedModel.of(info, config.model_name, compile_structured)
+        metrics.set_engine_info(config.model_name, info.method, info.device, info.dtype)
+
+    def runner(engine_config: EngineConfig, replica: int) -> EngineRunner:
+        if config.engine_process:
+            return EngineProcess(engine_config, config.freeze_gc, config.log_level, replica)
+        return EngineThread(lambda: load_for_serving(engine_config, config.freeze_gc))
 
     if config.data_parallel_size == 1:
-        async_engine = AsyncEngine(lambda: load(config.engine), metrics, on_load_failure, on_fatal)
+        async_engine = AsyncEngine(runner(config.engine, 0), metrics, on_ready, on_load_failure, on_fatal)
     else:
         engine_configs = replica_configs(config.engine, config.data_parallel_size)
 
         def make_replica(index: int, **callbacks) -> AsyncEngine:
-            return AsyncEngine(lambda: load(engine_configs[index]), metrics, replica=index, **callbacks)
+            return AsyncEngine(runner(engine_configs[index], index), metrics, on_ready, replica=index, **callbacks)
 
         router = PrefixRouter(config.data_parallel_size, config.engine.cache.page_size,
                               max_imbalance=config.engine.scheduler.max_running)

@@ -29,6 +29,7 @@ class ServerConfig:
     max_request_bytes: int = 8 * 1024 * 1024  # a larger request body is refused (413) before it is read
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id and GET (most recent first)
     data_parallel_size: int = 1  # engine replicas behind the server's router (server/replicas.py)
+    engine_process: bool = False  # each engine in a process of its own, not on a thread of the server's
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -52,5 +53,7 @@ class ServerConfig:
         if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
                 or self.data_parallel_size < 1:
             raise ConfigError(f"--data-parallel-size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if not isinstance(self.engine_process, bool):
+            raise ConfigError(f"engine_process must be true or false, got {self.engine_process!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashtree.engine.scheduler import PromptTooLongError, QueueFullError
 from flashtree.errors import RequestError
-from flashtree.server.async_engine import EngineUnavailable
 from flashtree.server.protocol import ErrorInfo, ErrorResponse
+from flashtree.server.stream import EngineUnavailable
 
 log = logging.getLogger("flashtree.server")
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from typing import Any, Callable
 
 from pydantic import BaseModel
 
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import RequestError
+from flashtree.grammar.backends import Grammars
 from flashtree.models.tokenizer import (
     ChatTemplateOptions,
     encode_chat,
@@ -36,6 +38,27 @@ from flashtree.structured import StructuredOutput
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side needs of a loaded engine, in a form that crosses a process boundary."""
+
+    max_context: int
+    vocab_size: int
+    tokenizer: Any  # a copy of the engine's (None when the checkpoint has none)
+    stop_token_ids: frozenset[int]  # the model's own stop tokens (what a grammar may end with)
+    grammar_backend: str
+    method: str  # the decoding method's name
+    device: str
+    dtype: str
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineInfo":
+        tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        return cls(engine.config.cache.max_context, engine.model.config.vocab_size, tokenizer,
+                   frozenset(engine.default_stop_ids), engine.config.scheduler.grammar_backend,
+                   engine.proposer.name, str(engine.device), str(engine.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
 class ServedModel:
     """What the HTTP side knows of the loaded model."""
 
@@ -43,15 +66,16 @@ class ServedModel:
     max_context: int
     vocab_size: int
     tokenizer: Any  # None when the checkpoint has no tokenizer (token-id prompts only)
-    # compiles a request's structured output (the engine's compiler: its cache then serves the engine
-    # thread), raising a RequestError for one that does not compile; None: no structured output
+    # compiles a request's structured output, raising a RequestError for one that does not compile
+    # (the engine's compiler when the engine shares this process: its cache then serves the engine
+    # thread; an engine process compiles the request again); None: no structured output
     compile_structured: Callable[[StructuredOutput], None] | None = None
 
     @classmethod
-    def of(cls, engine: LLMEngine, name: str) -> "ServedModel":
-        tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        return cls(name, engine.config.cache.max_context, engine.model.config.vocab_size, tokenizer,
-                   engine.compile_structured)
+    def of(cls, info: EngineInfo, name: str, compile_structured: Callable | None = None) -> "ServedModel":
+        """``compile_structured``: the engine's own compiler, or None for one of this side's own."""
+        return cls(name, info.max_context, info.vocab_size, info.tokenizer,
+                   compile_structured or _LocalGrammars(info).compile)
 
     def check_token_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -205,3 +229,20 @@ def _tokenize(encode, field: str) -> list[int]:
     except Exception as err:  # chat templates raise their own errors (e.g. on role order)
         raise APIError(400, f"{field}: cannot apply the chat template ({type(err).__name__}: {err})",
                        param=field) from None
+
+
+class _LocalGrammars:
+    """The HTTP side's own structured-output compiler (for an engine in another process), made at
+    the first request that asks (building it reads the whole vocabulary)."""
+
+    def __init__(self, info: EngineInfo):
+        self._info = info
+        self._grammars: Grammars | None = None
+        self._made = threading.Lock()
+
+    def compile(self, structured: StructuredOutput) -> None:
+        with self._made:
+            if self._grammars is None:
+                info = self._info
+                self._grammars = Grammars(info.tokenizer, info.vocab_size, info.stop_token_ids, info.grammar_backend)
+        self._grammars.matcher(structured)

@@ -20,6 +20,7 @@ holding the prompt's prefix; least_loaded). One engine is replica 0.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
@@ -36,6 +37,19 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ACCEPTANCE_BUCKETS = tuple(float(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 24, 32))
+
+
+@dataclasses.dataclass
+class StepFigures:
+    """What one engine step adds to the metrics, gathered over its requests."""
+
+    round_nodes: int | None = None  # the step's drafted nodes per row (None: no round)
+    generated: int = 0  # tokens
+    first_token_s: list[float] = dataclasses.field(default_factory=list)  # arrival -> first token, per request
+    inter_token: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (seconds per token, tokens)
+    acceptance_lengths: list[int] = dataclasses.field(default_factory=list)  # one per round
+    tree_sizes: list[int] = dataclasses.field(default_factory=list)  # one per round
+    finished: list[str] = dataclasses.field(default_factory=list)  # finish reasons of the requests that ended
 
 
 class ServerMetrics:
@@ -99,6 +113,29 @@ class ServerMetrics:
         self.engine_info = Gauge("flashtree_engine_info", "The served model and decoding method (value 1)",
                                  ["model", "method", "device", "dtype"], registry=r)
 
+    def set_engine_info(self, model: str, method: str, device: str, dtype: str) -> None:
+        self.engine_info.labels(model=model, method=method, device=device, dtype=dtype).set(1)
+
+    def count_admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def count_finished(self, finish_reason: str) -> None:
+        self.finished.labels(finish_reason=finish_reason).inc()
+
+    def observe_step(self, step: StepFigures, replica: int = 0) -> None:
+        """What one engine step added (one call per step: it runs on the engine's side)."""
+        self.observe_round_nodes(step.round_nodes)
+        if step.generated:
+            self.count_generated(step.generated, replica)
+        for seconds in step.first_token_s:
+            self.time_to_first_token.observe(seconds)
+        for seconds_per_token, tokens in step.inter_token:
+            for _ in range(tokens):
+                self.inter_token_latency.observe(seconds_per_token)
+        self.observe_rounds(step.acceptance_lengths, step.tree_sizes)
+        for finish_reason in step.finished:
+            self.count_finished(finish_reason)
+
     def observe_rounds(self, acceptance_lengths: Sequence[int], tree_sizes: Sequence[int]) -> None:
         if not acceptance_lengths:
             return
@@ -130,11 +167,10 @@ class ServerMetrics:
         self.waiting.set(totals["waiting"])
         self.kv_usage.set(totals["used_pages"] / totals["pages"])
 
-    def set_prefix_cache(self, cache, replica: int = 0) -> None:
-        """From a :class:`~flashtree.kv.prefix_cache.PrefixCache`'s counters."""
-        self.replica_prefix_hits.labels(replica=str(replica)).set(cache.hit_tokens)
-        totals = self._update(replica, queried=cache.queried_tokens, hits=cache.hit_tokens,
-                              cached_pages=cache.cached_pages)
+    def set_prefix_cache(self, *, queried_tokens: int, hit_tokens: int, cached_pages: int, replica: int = 0) -> None:
+        """A :class:`~flashtree.kv.prefix_cache.PrefixCache`'s counters."""
+        self.replica_prefix_hits.labels(replica=str(replica)).set(hit_tokens)
+        totals = self._update(replica, queried=queried_tokens, hits=hit_tokens, cached_pages=cached_pages)
         self.prefix_queried.set(totals["queried"])
         self.prefix_hits.set(totals["hits"])
         self.prefix_hit_rate.set(totals["hits"] / totals["queried"] if totals["queried"] else 0.0)

@@ -21,12 +21,6 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
 from flashtree.models.tokenizer import ChatTemplateOptions, encode_chat
-from flashtree.server.async_engine import (
-    EngineFailure,
-    GenerationDelta,
-    RequestStream,
-    RequestUsage,
-)
 from flashtree.server.errors import APIError
 from flashtree.server.generation import (
     GenerationInput,
@@ -46,6 +40,7 @@ from flashtree.server.protocol import (
     UnitInterval,
     _Request,
 )
+from flashtree.server.stream import EngineFailure, GenerationDelta, RequestStream, RequestUsage
 from flashtree.server.structured_fields import from_text_options
 from flashtree.server.tools import ToolCall, ToolPlan, read_answer, tool_plan
 

@@ -25,14 +25,10 @@ from flashtree.config import EngineConfig
 from flashtree.errors import ConfigError
 from flashtree.models.build import resolve_device
 from flashtree.sampling import SamplingParams
-from flashtree.server.async_engine import (
-    LOST_PREFIX,
-    AsyncEngine,
-    EngineState,
-    RequestStream,
-)
+from flashtree.server.async_engine import LOST_PREFIX, AsyncEngine, EngineState
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.router import PrefixRouter
+from flashtree.server.stream import RequestStream
 
 
 def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:

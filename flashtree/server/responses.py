@@ -18,12 +18,6 @@ from typing import AsyncIterator, Callable, NamedTuple
 
 from pydantic import BaseModel
 
-from flashtree.server.async_engine import (
-    EngineFailure,
-    GenerationDelta,
-    RequestStream,
-    RequestUsage,
-)
 from flashtree.server.errors import APIError
 from flashtree.server.logprobs import chat_logprobs, completion_logprobs
 from flashtree.server.protocol import (
@@ -37,6 +31,7 @@ from flashtree.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from flashtree.server.stream import EngineFailure, GenerationDelta, RequestStream, RequestUsage
 from flashtree.server.tools import AutoCallText, ToolCall, ToolPlan, read_answer
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -21,13 +21,7 @@ from flashtree.server.anthropic import (
     message_response,
     messages_input,
 )
-from flashtree.server.async_engine import (
-    AsyncEngine,
-    EngineFailure,
-    EngineState,
-    GenerationDelta,
-    RequestStream,
-)
+from flashtree.server.async_engine import AsyncEngine, EngineState
 from flashtree.server.errors import APIError, from_engine_error
 from flashtree.server.generation import (
     GenerationInput,
@@ -65,6 +59,7 @@ from flashtree.server.responses import (
     last_delta,
     new_id,
 )
+from flashtree.server.stream import EngineFailure, GenerationDelta, RequestStream
 from flashtree.version import __version__
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it

@@ -43,6 +43,15 @@ def load_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
+def load_for_serving(config: EngineConfig, freeze_gc: bool = False) -> LLMEngine:
+    """:func:`load_engine`, then, when ``freeze_gc``, :func:`freeze_startup_objects` (the server's own
+    process, or its engine process)."""
+    engine = load_engine(config)
+    if freeze_gc:
+        log.info("%d startup objects exempt from garbage collection", freeze_startup_objects())
+    return engine
+
+
 def freeze_startup_objects() -> int:
     """Move every object alive now (modules, the weights' Python wrappers, tokenizer tables:
     about 400,000 in a SmolLM2 server) out of the garbage collector's reach; returns how many.

@@ -85,7 +85,7 @@ def test_in_flight_and_new_requests_get_503_naming_the_dead_rank(target, monkeyp
                     future.result(timeout=ANSWER_WITHIN_S)
                 assert_names_the_dead_rank(caught.value)
             assert time.monotonic() - killed < ANSWER_WITHIN_S
-            assert async_engine._thread.is_alive()  # (answered while the engine thread is still blocked)
+            assert async_engine.runner._thread.is_alive()  # (answered while the engine thread is still blocked)
 
             with pytest.raises(openai.APIStatusError) as caught:  # a new request
                 chat(server.url, stream=False)
@@ -96,8 +96,8 @@ def test_in_flight_and_new_requests_get_503_naming_the_dead_rank(target, monkeyp
         finally:
             release.set()
             pool.shutdown(wait=True)
-        async_engine._thread.join(30)
-        assert not async_engine._thread.is_alive()  # released, the round fails on the dead rank and the thread ends
+        async_engine.runner._thread.join(30)
+        assert not async_engine.runner._thread.is_alive()  # released: the round fails on the dead rank, the thread ends
         assert len(causes) == 1
 
 

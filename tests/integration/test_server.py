@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-import re
+import dataclasses
 import importlib.util
+import re
 import threading
 import time
 
@@ -36,10 +37,11 @@ ENGINE_LIMITS = dict(max_running=4, max_context=256, prefill_chunk=8, max_waitin
 # Every test on the ``server`` fixture runs once per decoding method, each method on its own
 # server. DFlash and DDTree use ``tiny_pair`` (a tiny target + random drafter) from
 # tests/dflash_helpers.py, which lives with the drafters; without that file only "none" runs.
+# A method named METHOD-process runs its engine in an engine process (``--engine-process``).
 def _methods() -> list[str]:
     if importlib.util.find_spec("tests.dflash_helpers") is None:
-        return ["none"]
-    return ["none", "dflash", "ddtree"]
+        return ["none", "none-process"]
+    return ["none", "dflash", "ddtree", "ddtree-process"]
 
 
 def _model_dirs(method: str, tmp) -> tuple[str, str | None]:
@@ -54,11 +56,12 @@ def _model_dirs(method: str, tmp) -> tuple[str, str | None]:
 
 @pytest.fixture(scope="module", params=_methods())
 def server(request, tmp_path_factory):
-    target, draft = _model_dirs(request.param, tmp_path_factory.mktemp(f"server_{request.param}"))
+    method, _, where = request.param.partition("-")
+    target, draft = _model_dirs(method, tmp_path_factory.mktemp(f"server_{request.param}"))
     # fixed speculation: the adaptive policy times rounds, and on a loaded machine may keep a weak drafter
     # off for a whole short request (these tests check what each method's rounds do)
-    config = server_config(target, method=request.param, draft=draft, adaptive_spec=False, **ENGINE_LIMITS)
-    with ServerThread(config) as running:
+    config = server_config(target, method=method, draft=draft, adaptive_spec=False, **ENGINE_LIMITS)
+    with ServerThread(dataclasses.replace(config, engine_process=where == "process")) as running:
         yield running
 
 
@@ -371,13 +374,13 @@ def test_health_is_503_while_loading(tmp_path, monkeypatch):
 
     target = save_tiny_chat_model(tmp_path / "target")
     release = threading.Event()
-    real_load = app_module.load_engine
+    real_load = app_module.load_for_serving
 
-    def slow_load(config):
+    def slow_load(config, freeze_gc):
         release.wait(30)
-        return real_load(config)
+        return real_load(config, freeze_gc)
 
-    monkeypatch.setattr(app_module, "load_engine", slow_load)
+    monkeypatch.setattr(app_module, "load_for_serving", slow_load)
     with ServerThread(server_config(target), wait_ready=False) as loading:
         health = httpx.get(f"{loading.url}/health")
         assert health.status_code == 503 and "loading" in health.json()["error"]["message"]
@@ -392,16 +395,14 @@ def test_health_is_503_while_loading(tmp_path, monkeypatch):
 def test_the_serve_process_freezes_startup_objects_once_loaded(tmp_path, monkeypatch):
     """``flashtree serve`` (freeze_gc) exempts startup objects from collection after the load and
     warm-up; an app built with the default config does not touch the caller's collector."""
-    import dataclasses
-
-    import flashtree.server.app as app_module
+    import flashtree.server.startup as startup_module
     from flashtree.cli import build_parser
     from flashtree.cli.serve import config_from_args
 
     assert config_from_args(build_parser().parse_args(["serve"])).freeze_gc is True
     target = save_tiny_chat_model(tmp_path / "target")
     calls = []
-    monkeypatch.setattr(app_module, "freeze_startup_objects", lambda: calls.append("freeze") or 0)
+    monkeypatch.setattr(startup_module, "freeze_startup_objects", lambda: calls.append("freeze") or 0)
     with ServerThread(server_config(target)) as running:  # the library default: no freeze
         client(running).chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, **GREEDY)
     assert calls == []
@@ -443,8 +444,6 @@ print("ok", frozen)
 def test_h11_and_asyncio_serve_the_same_streams_as_the_default_stack(plain_server):
     """``--http h11 --loop asyncio`` (pure Python) and the default (httptools + uvloop when
     installed) are both uvicorn's: the same greedy stream either way, and the choice is the one used."""
-    import dataclasses
-
     config = dataclasses.replace(server_config(plain_server.engine.config.target.model, api_key=API_KEY, **ENGINE_LIMITS),
                                  http="h11", loop="asyncio")
     with ServerThread(config) as pure_python:

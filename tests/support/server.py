@@ -67,6 +67,7 @@ class ServerThread:
     """A uvicorn server in a daemon thread: ``with ServerThread(config) as server: server.url``."""
 
     def __init__(self, config: ServerConfig, wait_ready: bool = True, **app_options):
+        self.config = config
         self.app = create_app(config, **app_options)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                     http=config.http, loop=config.loop, timeout_graceful_shutdown=2))
@@ -76,21 +77,22 @@ class ServerThread:
 
     @property
     def method(self) -> str:
-        return self.engine.proposer.name
+        return self.config.engine.speculation.method
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model.config.vocab_size
+        return self.app.state.flashtree.served.vocab_size
 
     def tokenizer(self):
         """A fresh copy of the served tokenizer (the server's own are used by its threads)."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.app.state.flashtree.engine.engine.config.target.model)
+        return AutoTokenizer.from_pretrained(self.config.engine.target.model)
 
     @property
     def engine(self):
-        """The engine (tests poke it from this thread only while it is idle or via flags)."""
+        """The engine (tests poke it from this thread only while it is idle or via flags); None when it
+        runs in an engine process."""
         return self.app.state.flashtree.engine.engine
 
     def __enter__(self) -> "ServerThread":

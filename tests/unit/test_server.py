@@ -7,8 +7,8 @@ from __future__ import annotations
 def test_engine_refusals_map_to_openai_statuses():
     from flashtree.engine.scheduler import PromptTooLongError, QueueFullError
     from flashtree.errors import RequestError
-    from flashtree.server.async_engine import EngineUnavailable
     from flashtree.server.errors import from_engine_error
+    from flashtree.server.stream import EngineUnavailable
 
     busy = from_engine_error(QueueFullError("3 requests are waiting"), "prompt")
     assert (busy.status, busy.code, busy.headers["Retry-After"]) == (429, "queue_full", "1")

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from flashtree.server.async_engine import EngineFailure, GenerationDelta, RequestStream, RequestUsage
 from flashtree.server.protocol import ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse
 from flashtree.server.responses import SSE_DONE, TextEvents, chat_events, completion_events, sse
+from flashtree.server.stream import EngineFailure, GenerationDelta, RequestStream, RequestUsage
 
 TEXTS = ("hello", 'quote " backslash \\ newline \n tab \t', "é 漢字 😀", "\x00\x1f\x7f", "\u2028\u2029",
          "</script>", "", " ")
