@@ -83,6 +83,24 @@ def test_an_engine_process_streams_the_tokens_an_engine_thread_streams(process_s
     assert 'flashtree_engine_info{device="cpu",dtype="torch.float32",method="none",model="tiny"} 1.0' in text
 
 
+def test_choices_and_replicas_in_engine_processes(target):
+    """n > 1 (the later choices wait for the first's prefill: ``after`` crosses the pipe as a key) and two
+    data-parallel replicas, each in its own engine process: the tokens of one engine thread."""
+    sampled = dict(model="tiny", messages=[{"role": "user", "content": "the cat sat"}], max_tokens=8, n=3,
+                   temperature=0.9, seed=5, extra_body={"ignore_eos": True})
+    with ServerThread(server_config(target, **LIMITS)) as thread_server:
+        choices = [c.message.content for c in client(thread_server).chat.completions.create(**sampled).choices]
+        streams = concurrent_streams(thread_server, max_tokens=16)
+    config = dataclasses.replace(server_config(target, **LIMITS), engine_process=True, data_parallel_size=2)
+    with ServerThread(config) as replicas:
+        assert [c.message.content for c in client(replicas).chat.completions.create(**sampled).choices] == choices
+        assert concurrent_streams(replicas, max_tokens=16) == streams
+        text = metrics_text(replicas)
+    assert len(set(choices)) > 1
+    for replica in ("0", "1"):  # (6 streams at once: the least loaded replica takes the next)
+        assert metric_value(text, "flashtree_replica_generation_tokens_total", f'replica="{replica}"') > 0
+
+
 def test_a_stream_that_leaves_frees_its_slot_and_others_finish(process_server):
     before = metric_value(metrics_text(process_server), "flashtree_requests_finished_total", 'finish_reason="abort"')
     chunks = client(process_server).chat.completions.create(
