@@ -29,6 +29,8 @@ import signal
 import threading
 from typing import Any
 
+import torch
+
 from flashtree.config import EngineConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import FlashtreeError
@@ -65,7 +67,7 @@ class EngineProcess:
         self._events, events_in = context.Pipe(duplex=False)
         self._process = context.Process(target=serve_engine, name=f"flashtree-engine-{self.replica}",
                                         args=(self.config, self.freeze_gc, self.log_level, self.replica,
-                                              commands_out, events_in))
+                                              torch.get_num_threads(), commands_out, events_in))
         self._process.start()  # (not a daemon: a tensor-parallel engine starts processes of its own)
         commands_out.close()
         events_in.close()
@@ -157,10 +159,13 @@ def _exit(process) -> str:
 
 
 # ---------------------------------------------------------------------------- in the engine process
-def serve_engine(config: EngineConfig, freeze_gc: bool, log_level: str, replica: int, commands, events) -> None:
+def serve_engine(config: EngineConfig, freeze_gc: bool, log_level: str, replica: int, cpu_threads: int,
+                 commands, events) -> None:
     """The engine process's main: receive commands, run the driver, report through ``events``. Ctrl-C
-    reaches the whole process group: the server stops this process through the pipe, so it ignores SIGINT."""
+    reaches the whole process group: the server stops this process through the pipe, so it ignores SIGINT.
+    ``cpu_threads``: torch's CPU threads in the server process (``serve --threads``), kept here."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(cpu_threads)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     inbox, outbox = Inbox(), PipeOutbox(events)
     threading.Thread(target=_receive, args=(commands, inbox), name="flashtree-commands", daemon=True).start()
