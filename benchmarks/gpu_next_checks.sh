@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..32 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..31 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -108,9 +108,8 @@
 #   and plain with --switch-interval-ms 0.5, paired, the client over 4 processes, with step traces (the gap
 #   before each engine step); then the offline plain first pass at batch 64 of the same shape. Carry
 #   benchmarks/out/serve_wheels, benchmarks/out/serve_tokenizer (README "Serving inputs") and humaneval_ids.jsonl.
-#   (Session 40 added uvloop to the wheels, as `pip install flashtree` has it, and a third server on --loop asyncio.)
-# CALL=32 (~6 min, #39): the engine in its own process (serve --engine-process) against the engine thread, served
-#   plain at 16 and 64 streams, paired, the client over 4 processes, same shape and carries as CALL=30.
+#   Session 40: uvloop in the wheels (as `pip install flashtree` has it), levels 16 and 64, and a third server with the
+#   engine in its own process (--engine-process).
 # Served real pair at 64 streams (#39) with the client spread over processes: gpu_real_pair.sh's serving call with
 #   CLIENT_PROCESSES=4 LEVELS="16 64" (session 39's one client process: plain 7,293 tok/s at 64, ~7.8 ms a step).
 set -uo pipefail
@@ -262,15 +261,10 @@ case "${CALL:-1}" in
     mkdir -p "$OUT/steps"
     SHAPE_OVERRIDE='{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": true}' \
       TOKENIZER=benchmarks/out/serve_tokenizer WHEELS=benchmarks/out/serve_wheels NAME=smollm2_random MAX_RUNNING=64 \
-      LEVELS=64 METHODS="none none@si none@aio" FLAGS_si="--switch-interval-ms 0.5" FLAGS_aio="--loop asyncio" PAIRED=1 REPEATS=3 CLIENT_PROCESSES=4 \
-      STEP_TRACE_DIR="$OUT/steps" timeout 330 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -14
-    timeout 150 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \
-        --methods none --batches 64 --new-tokens 128 --passes 2 --out "$OUT/gpu_first_pass_random_smollm2_b64.json" 2>&1 | tail -2 ;;
-  32)
-    SHAPE_OVERRIDE='{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": true}' \
-      TOKENIZER=benchmarks/out/serve_tokenizer WHEELS=benchmarks/out/serve_wheels NAME=smollm2_random MAX_RUNNING=64 \
-      LEVELS="16 64" METHODS="none none@proc" FLAGS_proc="--engine-process" PAIRED=1 REPEATS=3 CLIENT_PROCESSES=4 \
-      timeout 500 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -14 ;;
+      LEVELS="16 64" METHODS="none none@si none@proc" FLAGS_si="--switch-interval-ms 0.5" FLAGS_proc="--engine-process" \
+      PAIRED=1 REPEATS=2 CLIENT_PROCESSES=4 STEP_TRACE_DIR="$OUT/steps" timeout 380 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -14
+    timeout 120 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \
+        --methods none --batches 16,64 --new-tokens 128 --passes 2 --out "$OUT/gpu_first_pass_random_smollm2_b64.json" 2>&1 | tail -3 ;;
   29)
     for alloc in "" --allocate; do
       timeout 60 python benchmarks/gpu_gemm_first_call.py $alloc --out "$OUT/gpu_gemm_first_call${alloc:+_allocate}.json" 2>&1 | tail -6

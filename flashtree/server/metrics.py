@@ -29,9 +29,10 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     generate_latest,
 )
+
+from flashtree.server.histogram import CountedHistogram
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -62,12 +63,10 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("flashtree_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("flashtree_generation_tokens", "Tokens generated", registry=r)
-        self.time_to_first_token = Histogram("flashtree_time_to_first_token_seconds",
-                                             "Arrival to first generated token", buckets=LATENCY_BUCKETS,
-                                             registry=r)
-        self.inter_token_latency = Histogram("flashtree_inter_token_latency_seconds",
-                                             "Time per generated token after the first",
-                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.time_to_first_token = CountedHistogram("flashtree_time_to_first_token_seconds",
+                                                    "Arrival to first generated token", LATENCY_BUCKETS, r)
+        self.inter_token_latency = CountedHistogram("flashtree_inter_token_latency_seconds",
+                                                    "Time per generated token after the first", LATENCY_BUCKETS, r)
         self.running = Gauge("flashtree_requests_running", "Requests holding a slot (prefilling or decoding)",
                              registry=r)
         self.waiting = Gauge("flashtree_requests_waiting", "Requests waiting for a slot", registry=r)
@@ -85,9 +84,8 @@ class ServerMetrics:
                                       registry=r)
         self.accepted_tokens = Counter("flashtree_spec_accepted_tokens", "Drafted tokens accepted",
                                        registry=r)
-        self.acceptance_length = Histogram("flashtree_spec_acceptance_length",
-                                           "Tokens committed per round, bonus included",
-                                           buckets=ACCEPTANCE_BUCKETS, registry=r)
+        self.acceptance_length = CountedHistogram("flashtree_spec_acceptance_length",
+                                                  "Tokens committed per round, bonus included", ACCEPTANCE_BUCKETS, r)
         self.round_nodes = Counter("flashtree_spec_batch_rounds",
                                    "Batched rounds (engine steps) by drafted nodes per row; 0 = plain",
                                    ["nodes"], registry=r)
@@ -130,8 +128,7 @@ class ServerMetrics:
         for seconds in step.first_token_s:
             self.time_to_first_token.observe(seconds)
         for seconds_per_token, tokens in step.inter_token:
-            for _ in range(tokens):
-                self.inter_token_latency.observe(seconds_per_token)
+            self.inter_token_latency.observe(seconds_per_token, tokens)
         self.observe_rounds(step.acceptance_lengths, step.tree_sizes)
         for finish_reason in step.finished:
             self.count_finished(finish_reason)
