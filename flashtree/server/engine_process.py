@@ -58,6 +58,7 @@ class EngineProcess:
         self._streams: dict[int, RequestStream] = {}  # key -> stream, until its last delta
         self._send_lock = threading.Lock()
         self._stopping = False
+        self._loaded = False  # its "ready" (or "load_failed") came
         self._process = None
         self._commands = self._events = None
 
@@ -86,8 +87,12 @@ class EngineProcess:
         self._put(message)
 
     def stop(self, reason: str, lost: bool) -> None:
+        """Stop after the current step; an engine process still loading is ended now (the server's
+        process must not wait at exit for a load nobody will use)."""
         self._stopping = True
         self._put(("stop", reason, lost))
+        if not self._loaded and self._process is not None and self._process.is_alive():
+            self._process.kill()
 
     def join(self, timeout: float) -> None:
         if self._process is None:
@@ -146,8 +151,10 @@ class EngineProcess:
             if stream is not None:
                 front.settle(stream, error)
         elif kind == "ready":
+            self._loaded = True
             front.ready_with(args[0], None)
         elif kind == "load_failed":
+            self._loaded = True
             front.load_failed(args[0])
         elif kind == "lost":
             front.fail(args[0])

@@ -146,6 +146,15 @@ def test_a_crashed_engine_process_answers_503_and_stops_the_server(target):
         assert refused.value.status_code == 503
 
 
+def test_a_server_stopped_while_its_engine_process_loads_ends_that_process(target):
+    config = dataclasses.replace(server_config(target, **LIMITS), engine_process=True)
+    with ServerThread(config, wait_ready=False) as loading:
+        process = loading.app.state.flashtree.engine.runner._process
+        assert httpx.get(f"{loading.url}/health", timeout=5).status_code == 503  # (still importing torch)
+    process.join(1.0)  # (a load left to finish would take seconds, then see the stop)
+    assert not process.is_alive() and process.exitcode == -signal.SIGKILL
+
+
 def test_a_load_that_fails_in_the_engine_process_stops_serve(target, tmp_path):
     from flashtree.cli.serve import serve
 
