@@ -125,7 +125,10 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             for message in messages:
-                self._dispatch(front, *message)
+                try:
+                    self._dispatch(front, *message)
+                except Exception:  # noqa: BLE001 - one bad message must not stop every stream's deliveries
+                    log.exception("the engine process's message %r could not be applied", message[0])
         if self._stopping or front.state is EngineState.FAILED:  # (stopped, lost, or it failed to load)
             return
         self._process.join(1.0)
