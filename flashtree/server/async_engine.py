@@ -35,23 +35,12 @@ from flashtree.sampling import SamplingParams
 from flashtree.server.engine_driver import Abort, EngineDriver, Inbox, Submit
 from flashtree.server.generation import EngineInfo
 from flashtree.server.metrics import ServerMetrics
-from flashtree.server.stream import (
-    EngineFailure,
-    EngineLost,
-    EngineUnavailable,
-    GenerationDelta,
-    RequestStream,
-    RequestUsage,
-)
-
-__all__ = ["AsyncEngine", "EngineFailure", "EngineLost", "EngineState", "EngineThread", "EngineUnavailable",
-           "GenerationDelta", "RequestStream", "RequestUsage", "LOST_PREFIX"]
+from flashtree.server.stream import EngineUnavailable, GenerationDelta, RequestStream
 
 log = logging.getLogger("flashtree.server")
 
 LOST_PREFIX = "the engine stopped: "  # what a lost engine's messages start with (then the cause)
 LOST_JOIN_S = 2.0  # how long stop() waits for a lost engine's driver (it may be blocked in a collective)
-_Submit, _Abort = Submit, Abort  # (the commands as tests intercept them)
 
 # ready(info, compile_structured): the engine loaded; compile_structured is the engine's own compiler
 # when it shares this process, else None (the HTTP side then compiles with its own)

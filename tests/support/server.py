@@ -164,7 +164,7 @@ def after_cancel(server: ServerThread, monkeypatch, callback) -> None:
 
 def after_submissions(server: ServerThread, monkeypatch, count: int, callback) -> None:
     """Call ``callback`` once ``count`` requests have been sent to the engine thread (from now on)."""
-    from flashtree.server.async_engine import _Submit
+    from flashtree.server.engine_driver import Submit
 
     async_engine = server.app.state.flashtree.engine
     real_send = async_engine._send
@@ -172,7 +172,7 @@ def after_submissions(server: ServerThread, monkeypatch, count: int, callback) -
 
     def send(command):
         real_send(command)
-        if isinstance(command, _Submit):
+        if isinstance(command, Submit):
             sent.append(command)
             if len(sent) == count:
                 callback()
