@@ -20,7 +20,7 @@ import sys
 
 from flashtree.cli.args import HELP_FORMAT, add_model_args, engine_config_from_args
 from flashtree.errors import AddressInUseError, FlashtreeError
-from flashtree.server.config import EVENT_LOOPS, HTTP_IMPLEMENTATIONS, LOOPBACK, ServerConfig
+from flashtree.server.config import EVENT_LOOPS, HTTP_IMPLEMENTATIONS, LOG_FORMAT, LOOPBACK, ServerConfig
 
 API_KEY_ENV = "FLASHTREE_API_KEY"
 PLAYGROUND_TREES = 4  # each request's last draft trees kept for the playground (GET /)
@@ -79,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from flashtree.server.startup import check_kv_cache_fits
 
     config = config_from_args(args)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     if args.threads is not None:
         set_cpu_threads(args.threads)
     check_kv_cache_fits(config.engine)  # refuse before loading anything

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections import Counter
 from typing import Callable, Sequence
@@ -51,7 +50,7 @@ from flashtree.engine.tp_executor import TensorParallelExecutor
 from flashtree.engine.traces import PolicyTracer, RecentTrees, StepTracer, TreeTracer
 from flashtree.engine.warm_up import warm_up_steps
 from flashtree.errors import ConfigError, RequestError
-from flashtree.grammar.backends import Grammars
+from flashtree.grammar.backends import LazyGrammars
 from flashtree.kernels import gpu as gpu_kernels
 from flashtree.kv.cache import KVCache, KVCacheSpec
 from flashtree.kv.pages import PagePool, PageTable, pages_for
@@ -97,8 +96,6 @@ class LLMEngine:
         self.proposer.attach_pages(self.pages)
         self.prefix_cache = PrefixCache(self.pages.pool, config.cache.page_size) if config.cache.prefix_caching else None
         self.token_state: SlotTokenState | None = None  # made when a request first adjusts its logits
-        self.grammars: Grammars | None = None  # made when a request first asks for structured output
-        self._grammars_made = threading.Lock()
         self.model.setup_rope(self.cache.spec.capacity + 1)
         self.timer = StageTimer(self.device, kernels.profile_stages)
         tree_tracer = TreeTracer(config.trace.trees) if config.trace.trees else None
@@ -129,6 +126,8 @@ class LLMEngine:
         self.step_tracer = StepTracer(config.trace.steps) if config.trace.steps else None
         self.tracker = TextTracker(self.tokenizer, scheduling.incremental_text)
         self.default_stop_ids = frozenset(stop_token_ids_for(self.model.config, self.tokenizer))
+        self.grammars = LazyGrammars(self.tokenizer, self.model.config.vocab_size, self.default_stop_ids,
+                                     config.scheduler.grammar_backend)  # (made for the first structured request)
         self.graph_capture_seconds = self._capture_graphs()
         self._captures_at_start = self.runner.graphs.captures if self.runner.graphs is not None else 0
         self.load_seconds = time.perf_counter() - t0
@@ -340,7 +339,7 @@ class LLMEngine:
         req = Request(prompt_ids=list(prompt_ids), params=params, stop_token_ids=frozenset(stop_ids), budget=budget,
                       after=after if self.prefix_cache is not None else None)
         if params.structured is not None:
-            req.grammar = self._grammars().matcher(params.structured)
+            req.grammar = self.grammars.matcher(params.structured)
         self.scheduler.add(req)
         if params.adjusts and self.token_state is None:
             self.token_state = SlotTokenState(self.config.scheduler.max_running + 1, vocab, self.config.cache.max_context,
@@ -348,18 +347,10 @@ class LLMEngine:
             self.runner.round_program.token_state = self.prefill.token_state = self.token_state
         return req
 
-    def _grammars(self) -> Grammars:
-        """The grammar compiler for this tokenizer (made for the first request with structured output)."""
-        with self._grammars_made:
-            if self.grammars is None:
-                self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.default_stop_ids,
-                                         self.config.scheduler.grammar_backend)
-        return self.grammars
-
     def compile_structured(self, structured: StructuredOutput) -> None:
         """Compile ``structured`` now (any thread: a server compiles off its engine thread, whose
         request then finds it compiled); a RequestError names what does not compile."""
-        self._grammars().matcher(structured)
+        self.grammars.matcher(structured)
 
     def abort(self, request_id: str) -> Request | None:
         return self.scheduler.abort(request_id)

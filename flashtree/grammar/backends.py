@@ -16,6 +16,7 @@ llguidance, compact.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -79,6 +80,24 @@ class Grammars:
         except Exception as exc:  # noqa: BLE001 (the backends raise their own types: RuntimeError, ValueError...)
             raise RequestError(f"structured output: the {spec.kind} does not compile with {self.backend}: "
                                f"{_first_line(exc)}") from None
+
+
+class LazyGrammars:
+    """:class:`Grammars` made at the first :meth:`matcher` call, by whichever thread asks first (building
+    one reads the whole vocabulary; most servers never need it). A construction that fails (no tokenizer,
+    one the backend cannot read) raises its RequestError and is tried again at the next call."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int] | set[int],
+                 backend: str = "xgrammar"):
+        self._arguments = (tokenizer, vocab_size, stop_token_ids, backend)
+        self._grammars: Grammars | None = None
+        self._made = threading.Lock()
+
+    def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
+        with self._made:
+            if self._grammars is None:
+                self._grammars = Grammars(*self._arguments)
+        return self._grammars.matcher(spec)
 
 
 def _first_line(exc: Exception) -> str:

@@ -10,6 +10,7 @@ from flashtree.errors import ConfigError
 LOOPBACK = "127.0.0.1"
 HTTP_IMPLEMENTATIONS = ("auto", "h11", "httptools")  # uvicorn's HTTP/1.1 protocols (auto: httptools if installed)
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")  # uvicorn's event loops (auto: uvloop if installed)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's log lines (and its engine process's)
 
 
 @dataclasses.dataclass(frozen=True)

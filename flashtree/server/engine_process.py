@@ -35,6 +35,7 @@ from flashtree.config import EngineConfig
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import FlashtreeError
 from flashtree.server.async_engine import AsyncEngine, EngineState
+from flashtree.server.config import LOG_FORMAT
 from flashtree.server.engine_driver import SHUTTING_DOWN, Abort, EngineDriver, Inbox, Submit
 from flashtree.server.generation import EngineInfo
 from flashtree.server.startup import load_for_serving
@@ -176,11 +177,10 @@ def serve_engine(config: EngineConfig, freeze_gc: bool, log_level: str, replica:
     ``cpu_threads``: torch's CPU threads in the server process (``serve --threads``), kept here."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(cpu_threads)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     inbox, outbox = Inbox(), PipeOutbox(events)
     threading.Thread(target=_receive, args=(commands, inbox), name="flashtree-commands", daemon=True).start()
     EngineDriver(lambda: load_for_serving(config, freeze_gc), outbox.metrics, inbox, outbox, replica).run()
-    outbox.flush()
     events.close()
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
 from typing import Any, Callable
 
 from pydantic import BaseModel
 
 from flashtree.engine.engine import LLMEngine
 from flashtree.errors import RequestError
-from flashtree.grammar.backends import Grammars
+from flashtree.grammar.backends import LazyGrammars
 from flashtree.models.tokenizer import (
     ChatTemplateOptions,
     encode_chat,
@@ -69,13 +68,15 @@ class ServedModel:
     # compiles a request's structured output, raising a RequestError for one that does not compile
     # (the engine's compiler when the engine shares this process: its cache then serves the engine
     # thread; an engine process compiles the request again); None: no structured output
-    compile_structured: Callable[[StructuredOutput], None] | None = None
+    compile_structured: Callable[[StructuredOutput], object] | None = None  # (what it returns is unused)
 
     @classmethod
     def of(cls, info: EngineInfo, name: str, compile_structured: Callable | None = None) -> "ServedModel":
         """``compile_structured``: the engine's own compiler, or None for one of this side's own."""
-        return cls(name, info.max_context, info.vocab_size, info.tokenizer,
-                   compile_structured or _LocalGrammars(info).compile)
+        if compile_structured is None:  # (the engine process's twin, made here at the first structured request)
+            compile_structured = LazyGrammars(info.tokenizer, info.vocab_size, info.stop_token_ids,
+                                              info.grammar_backend).matcher
+        return cls(name, info.max_context, info.vocab_size, info.tokenizer, compile_structured)
 
     def check_token_ids(self, ids: list[int], field: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -229,20 +230,3 @@ def _tokenize(encode, field: str) -> list[int]:
     except Exception as err:  # chat templates raise their own errors (e.g. on role order)
         raise APIError(400, f"{field}: cannot apply the chat template ({type(err).__name__}: {err})",
                        param=field) from None
-
-
-class _LocalGrammars:
-    """The HTTP side's own structured-output compiler (for an engine in another process), made at
-    the first request that asks (building it reads the whole vocabulary)."""
-
-    def __init__(self, info: EngineInfo):
-        self._info = info
-        self._grammars: Grammars | None = None
-        self._made = threading.Lock()
-
-    def compile(self, structured: StructuredOutput) -> None:
-        with self._made:
-            if self._grammars is None:
-                info = self._info
-                self._grammars = Grammars(info.tokenizer, info.vocab_size, info.stop_token_ids, info.grammar_backend)
-        self._grammars.matcher(structured)
