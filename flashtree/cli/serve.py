@@ -82,7 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     if args.threads is not None:
         set_cpu_threads(args.threads)
-    check_kv_cache_fits(config.engine)  # refuse before loading anything
+    # refuse before loading anything; an engine process measures CUDA memory itself (no CUDA context here)
+    check_kv_cache_fits(config.engine, measure_cuda=not config.engine_process)
     check_address_free(config.host, config.port)
     serve(config)
 

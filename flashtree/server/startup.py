@@ -68,14 +68,19 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-def check_kv_cache_fits(config: EngineConfig) -> None:
+def check_kv_cache_fits(config: EngineConfig, measure_cuda: bool = True) -> None:
     """Raise ConfigError when the KV cache alone exceeds the device's memory (a pool sized by
-    ``gpu_memory_utilization`` fits by construction)."""
+    ``gpu_memory_utilization`` fits by construction). ``measure_cuda=False`` reads the model's
+    config but leaves a CUDA device unmeasured: measuring makes a CUDA context (about 0.5 GB of the
+    device) in the calling process, which the server's process must not hold when its engine runs
+    in a process of its own."""
     if config.cache.gpu_memory_utilization is not None and config.cache.kv_pages is None:
         return
     device = resolve_device(config.target.device)
     dtype = resolve_dtype(config.target.dtype, device)
     spec = estimated_kv_spec(config)
+    if device.type == "cuda" and not measure_cuda:
+        return
     pages = None if config.cache.kv_pages is None else config.cache.kv_pages + 1 + pages_for(spec.scratch, spec.page_size)
     need = spec.bytes(dtype, pages)
     have, what = device_memory(device)

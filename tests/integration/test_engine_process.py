@@ -164,6 +164,17 @@ def test_a_load_that_fails_in_the_engine_process_stops_serve(target, tmp_path):
         serve(dataclasses.replace(server_config(broken), engine_process=True))
 
 
+def test_a_kv_cache_too_big_is_refused_by_the_engine_process_with_the_memory_error(target):
+    """With an engine process the server's own process never checks device memory (on CUDA that would make a
+    context there); the engine process's check refuses the cache with the same message, and serve exits."""
+    command = [sys.executable, "-m", "flashtree.cli", "serve", "--model", str(target), "--device", "cpu",
+               "--port", "0", "--engine-process", "--kv-pages", str(10**9), "--max-context", "128",
+               "--threads", "1", "--log-level", "warning"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    assert "the KV cache needs" in done.stderr and "--kv-pages" in done.stderr, done.stderr
+
+
 def test_ctrl_c_stops_serve_and_its_engine_process(target):
     """Ctrl-C reaches the whole process group: the server stops, tells the engine process to stop, and
     exits as Ctrl-C ends a command (130), with no traceback and no process left behind."""
