@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..31 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..33 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -254,6 +254,17 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
+  33)  # the engine process (the CUDA default since session 41) against a thread at one stream (CALL=30: 1.34x / 1.09x at 16 / 64)
+    SHAPE_OVERRIDE='{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": true}' \
+      TOKENIZER=benchmarks/out/serve_tokenizer WHEELS=benchmarks/out/serve_wheels NAME=smollm2_random_one_stream MAX_RUNNING=64 \
+      LEVELS="1" METHODS="none@thread none" FLAGS_thread="--no-engine-process" \
+      PAIRED=1 REPEATS=3 CLIENT_PROCESSES=1 timeout 300 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -8 ;;
+  32)  # #39: the 8B plain step against its HBM floor at batch 1 and 32 (70% / 55% on 11-29), and its kernels
+    timeout 200 python benchmarks/gpu_decode_step.py --batches 1,32 --modes graphs --steps 40 \
+        --out "$OUT/gpu_decode_step_qwen3_8b_shape.json" 2>&1 | grep -vE "Warn|warn" | tail -4 | cut -c1-300
+    timeout 240 python benchmarks/gpu_rounds.py --methods none --batches 1,32 --kernel-table 25 \
+        --out "$OUT/gpu_rounds_plain_kernels_qwen3_8b_shape.json" > /tmp/r32.txt 2>&1
+    echo "plain kernels rc=$?"; tail -3 /tmp/r32.txt | cut -c1-300 ;;
   31)
     timeout 300 python benchmarks/gpu_fp8.py --parts products --sweep-chunks --batches 1,16 \
         --out "$OUT/gpu_fp8_chunk_sweep.json" 2>&1 | grep -E "chunk sweep|fp8_us" | cut -c1-260 ;;
@@ -261,7 +272,8 @@ case "${CALL:-1}" in
     mkdir -p "$OUT/steps"
     SHAPE_OVERRIDE='{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": true}' \
       TOKENIZER=benchmarks/out/serve_tokenizer WHEELS=benchmarks/out/serve_wheels NAME=smollm2_random MAX_RUNNING=64 \
-      LEVELS="16 64" METHODS="none none@si none@proc" FLAGS_si="--switch-interval-ms 0.5" FLAGS_proc="--engine-process" \
+      LEVELS="16 64" METHODS="none@thread none@si none" FLAGS_thread="--no-engine-process" \
+      FLAGS_si="--no-engine-process --switch-interval-ms 0.5" \
       PAIRED=1 REPEATS=2 CLIENT_PROCESSES=4 STEP_TRACE_DIR="$OUT/steps" timeout 380 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -14
     timeout 120 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \
         --methods none --batches 16,64 --new-tokens 128 --passes 2 --out "$OUT/gpu_first_pass_random_smollm2_b64.json" 2>&1 | tail -3 ;;

@@ -59,9 +59,10 @@ def register(subparsers) -> None:
     serve.add_argument("--switch-interval-ms", type=float, default=None,
                        help="the interpreter's thread switch interval while serving, in ms: the longest the HTTP "
                             "side keeps the interpreter lock from a waiting engine thread (default: Python's 5 ms)")
-    serve.add_argument("--engine-process", action="store_true",
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine in a process of its own (the HTTP side's Python then never "
-                            "delays a step; commands and tokens cross a pipe), not on a thread of the server's")
+                            "delays a step; commands and tokens cross a pipe), not on a thread of the server's "
+                            "(default: a process on CUDA, a thread on CPU)")
     serve.set_defaults(func=cmd_serve, prefix_caching=True, recent_trees=PLAYGROUND_TREES)
 
 
@@ -83,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.threads is not None:
         set_cpu_threads(args.threads)
     # refuse before loading anything; an engine process measures CUDA memory itself (no CUDA context here)
-    check_kv_cache_fits(config.engine, measure_cuda=not config.engine_process)
+    check_kv_cache_fits(config.engine, measure_cuda=not config.runs_engine_process)
     check_address_free(config.host, config.port)
     serve(config)
 

@@ -1,7 +1,7 @@
 """The FastAPI app factory: ``create_app(ServerConfig)``.
 
-The engine loads on its own thread (or, with ``engine_process``, in its own process) when the app
-starts (lifespan), so ``/health`` answers 503 while loading and 200 once the warm-up generation is
+The engine loads in its own process (CUDA) or on its own thread (CPU; ``ServerConfig.runs_engine_process``)
+when the app starts (lifespan), so ``/health`` answers 503 while loading and 200 once the warm-up generation is
 done. With ``data_parallel_size`` N > 1, N engines load side by side, each on its own thread or
 process and devices, behind a router (``server/replicas.py``); ``/health`` answers 200 once all are ready.
 """
@@ -39,7 +39,7 @@ def create_app(config: ServerConfig, *,
         metrics.set_engine_info(config.model_name, info.method, info.device, info.dtype)
 
     def runner(engine_config: EngineConfig, replica: int) -> EngineRunner:
-        if config.engine_process:
+        if config.runs_engine_process:
             return EngineProcess(engine_config, config.freeze_gc, config.log_level, replica)
         return EngineThread(lambda: load_for_serving(engine_config, config.freeze_gc))
 

@@ -6,6 +6,7 @@ import dataclasses
 
 from flashtree.config import EngineConfig
 from flashtree.errors import ConfigError
+from flashtree.models.build import resolve_device
 
 LOOPBACK = "127.0.0.1"
 HTTP_IMPLEMENTATIONS = ("auto", "h11", "httptools")  # uvicorn's HTTP/1.1 protocols (auto: httptools if installed)
@@ -30,7 +31,9 @@ class ServerConfig:
     max_request_bytes: int = 8 * 1024 * 1024  # a larger request body is refused (413) before it is read
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id and GET (most recent first)
     data_parallel_size: int = 1  # engine replicas behind the server's router (server/replicas.py)
-    engine_process: bool = False  # each engine in a process of its own, not on a thread of the server's
+    # each engine in a process of its own (True) or on a thread of the server's (False); None: a process for a
+    # CUDA engine, a thread for a CPU one (see runs_engine_process)
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -54,7 +57,20 @@ class ServerConfig:
         if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
                 or self.data_parallel_size < 1:
             raise ConfigError(f"--data-parallel-size must be an integer >= 1, got {self.data_parallel_size!r}")
-        if not isinstance(self.engine_process, bool):
-            raise ConfigError(f"engine_process must be true or false, got {self.engine_process!r}")
+        if self.engine_process is not None and not isinstance(self.engine_process, bool):
+            raise ConfigError(f"engine_process must be true, false or unset (auto), got {self.engine_process!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+
+    @property
+    def runs_engine_process(self) -> bool:
+        """Whether each engine runs in a process of its own: ``engine_process``, or, unset, whether the engine
+        runs on CUDA. A CUDA step leaves the host waiting on the device, and in a process of its own the
+        HTTP side's Python (SSE events, detokenized deltas) runs beside it instead of taking turns with it
+        under one interpreter lock: 1.34x / 1.09x the tokens/s of an engine thread at 16 / 64 streams
+        (H100, benchmarks/journal/session-41-2026-12-07.md). A CPU engine needs the cores the HTTP side
+        uses, so it stays on a thread there (0.94x as a process at 64 streams on 2 cores)."""
+        if self.engine_process is not None:
+            return self.engine_process
+        return resolve_device(self.engine.target.device).type == "cuda"
+

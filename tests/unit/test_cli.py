@@ -120,6 +120,32 @@ def test_serve_switch_interval_is_validated_and_set_only_while_serving():
         assert sys.getswitchinterval() == before
 
 
+def test_serve_runs_a_cuda_engine_in_a_process_and_a_cpu_engine_on_a_thread_unless_told(monkeypatch):
+    """Unset, --engine-process follows the engine's device (a process on CUDA, a thread on CPU);
+    --engine-process / --no-engine-process override it, and a non-boolean value names the setting."""
+    import torch
+
+    from flashtree.cli import build_parser
+    from flashtree.cli.serve import config_from_args
+    from flashtree.server.config import ServerConfig
+
+    parser = build_parser()
+
+    def runs_process(*argv: str) -> bool:
+        return config_from_args(parser.parse_args(["serve", *argv])).runs_engine_process
+
+    assert config_from_args(parser.parse_args(["serve"])).engine_process is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not runs_process("--device", "cpu") and not runs_process()  # (--device auto: the CPU here)
+    assert runs_process("--device", "cpu", "--engine-process")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (nothing touches the device)
+    assert runs_process("--device", "cuda") and runs_process()
+    assert not runs_process("--device", "cuda", "--no-engine-process")
+    assert not runs_process("--device", "cpu")
+    with pytest.raises(ConfigError, match="engine_process must be true, false or unset"):
+        ServerConfig(engine=EngineConfig.of(), model_name="m", engine_process="yes")
+
+
 def test_every_option_of_every_subcommand_shows_its_default():
     import re
 
