@@ -2,7 +2,11 @@
 
     python benchmarks/gpu_decode_step.py --out benchmarks/results/gpu_decode_step.json
 
-Floor = weight bytes / measured device copy bandwidth (bytes read + written per second).
+Floor = the bytes a step reads / measured device copy bandwidth (bytes read + written per second). A step
+reads every weight but the input embedding table (B of its rows; a tied table is read whole by the LM head
+and counts once) and the K/V of every context token of every row (``read_bytes``). Results before
+2026-12-07 divided all parameter bytes instead (``weights_only_floor_ms``: the embedding table in, the K/V
+out), which made batch 1 look closer to its floor and batch 32 further from it.
 Each row: B requests with a ``--context``-token prompt, then ``--steps`` timed engine steps.
 ``--kernels fused,torch`` times the fused Triton kernels (flashtree/kernels/gpu/) and the plain
 torch ops side by side. ``--shape tiny`` runs a 2-layer toy model with the same vocabulary: its
@@ -42,6 +46,23 @@ def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
     return 2 * n_bytes * reps / (time.perf_counter() - t0)
 
 
+WARM_STEPS = 5  # untimed steps after the first token (graphs captured)
+
+
+def read_bytes(engine: LLMEngine, batch: int, context: int, steps: int) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) one timed plain step reads: the distinct weights less the input
+    embedding's unread rows, and ``batch`` rows' K/V over the mean context of the timed steps."""
+    model = engine.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # (tied tensors once)
+    table = model.model.embed_tokens.weight
+    if table is not model.lm_head.weight:
+        weights -= table.numel() * table.element_size()
+    cfg = model.config
+    mean_context = context + 1 + WARM_STEPS + (steps - 1) / 2
+    per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * table.element_size()  # K, V
+    return weights, int(batch * mean_context * per_token)
+
+
 def time_steps(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps * 20 + 50, ignore_eos=True)
@@ -49,7 +70,7 @@ def time_steps(engine: LLMEngine, batch: int, context: int, steps: int) -> float
             for _ in range(batch)]
     while any(len(r.output_ids) == 0 for r in reqs):
         engine.step()
-    for _ in range(5):
+    for _ in range(WARM_STEPS):
         engine.step()  # warm up (captures graphs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -83,12 +104,15 @@ def main() -> None:
                                  cuda_graphs=graphs, device="cuda", gpu_kernels=fused)
         engine = LLMEngine(config)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        floor_ms = weight_bytes / bandwidth * 1000
         for batch in [int(b) for b in args.batches.split(",")]:
             ms = time_steps(engine, batch, args.context, args.steps)
+            weights_read, kv_read = read_bytes(engine, batch, args.context, args.steps)
+            floor_ms = (weights_read + kv_read) / bandwidth * 1000
             rows.append({"shape": args.shape, "cuda_graphs": graphs, "fused_kernels": engine.model.fused_kernels,
                          "batch": batch, "context": args.context, "ms_per_step": ms,
+                         "weight_bytes_read": weights_read, "kv_bytes_read": kv_read,
                          "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms,
+                         "weights_only_floor_ms": weight_bytes / bandwidth * 1000,
                          "tokens_per_s": batch * 1000 / ms})
             print(json.dumps(rows[-1]), flush=True)
         del engine

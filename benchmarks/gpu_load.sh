@@ -73,18 +73,19 @@ start_server() {  # start_server METHOD PORT: a server in the background, its pi
   local method=$1 port=$2 draft_flags=() spec=${1%%@*} label_flags=()
   if [[ $method == *@* ]]; then local var="FLAGS_${method#*@}"; read -r -a label_flags <<< "${!var:-}"; fi
   [[ $spec != none ]] && draft_flags=(--draft "$DRAFT" --budget "$BUDGET")
-  [[ -n "${TRACE_DIR:-}" ]] && draft_flags+=(--trace-policy "$TRACE_DIR/policy_$method.jsonl")
-  [[ -n "${STEP_TRACE_DIR:-}" ]] && draft_flags+=(--trace-steps "$STEP_TRACE_DIR/steps_$method.jsonl")
+  local file_tag=${method//@/_at_}  # (a device call returns no file whose name holds '@')
+  [[ -n "${TRACE_DIR:-}" ]] && draft_flags+=(--trace-policy "$TRACE_DIR/policy_$file_tag.jsonl")
+  [[ -n "${STEP_TRACE_DIR:-}" ]] && draft_flags+=(--trace-steps "$STEP_TRACE_DIR/steps_$file_tag.jsonl")
   python3 -m flashtree.cli serve --model "$MODEL" "${WEIGHTS[@]}" --spec "$spec" "${draft_flags[@]}" "${label_flags[@]}" \
     --max-running "$MAX_RUNNING" --max-context 1024 --port "$port" --log-level warning $EXTRA \
-    >"${LOG_DIR:-$OUT_DIR}/serve_$method.log" 2>&1 &
+    >"${LOG_DIR:-$OUT_DIR}/serve_$file_tag.log" 2>&1 &
   server=$!
 }
 
 wait_healthy() {  # wait_healthy METHOD PORT PID
   for _ in $(seq 1 300); do
     [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$2/health")" == 200 ]] && break
-    kill -0 "$3" 2>/dev/null || { echo "server for $1 died:"; tail -20 "${LOG_DIR:-$OUT_DIR}/serve_$1.log"; exit 1; }
+    kill -0 "$3" 2>/dev/null || { echo "server for $1 died:"; tail -20 "${LOG_DIR:-$OUT_DIR}/serve_${1//@/_at_}.log"; exit 1; }
     sleep 1
   done
   echo "== $1: server up after $SECONDS s"
