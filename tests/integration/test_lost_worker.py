@@ -115,11 +115,15 @@ def spawned_workers(pid: int) -> list[int]:
     return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
-def test_serve_exits_with_the_cause_when_a_worker_dies(target):
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_serve_exits_with_the_cause_when_a_worker_dies(target, where):
+    """Rank 0 on the server's engine thread, or in an engine process (the CUDA default) whose own children
+    the workers are."""
     port = free_port()
     command = [sys.executable, "-m", "flashtree.cli", "serve", "--model", str(target), "--device", "cpu",
                "--port", str(port), "--spec", "none", "-tp", "2", "--max-running", "4", "--max-context", "128",
-               "--threads", "1", "--log-level", "warning"]
+               "--threads", "1", "--log-level", "warning", "--served-model-name", "tiny",
+               f"--{'' if where == 'process' else 'no-'}engine-process"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -132,7 +136,9 @@ def test_serve_exits_with_the_cause_when_a_worker_dies(target):
                 pass
             assert time.monotonic() < deadline, "the server never became healthy"
             time.sleep(0.2)
-        (worker,) = spawned_workers(server.pid)
+        assert chat(f"http://127.0.0.1:{port}", stream=True)  # (it serves before the kill)
+        rank0 = server.pid if where == "thread" else spawned_workers(server.pid)[0]
+        (worker,) = spawned_workers(rank0)
         os.kill(worker, signal.SIGKILL)
         killed = time.monotonic()
         _, stderr = server.communicate(timeout=30)
