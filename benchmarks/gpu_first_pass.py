@@ -17,6 +17,7 @@ tokens against the first's.
 """
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -33,6 +34,25 @@ from flashtree import LLM, SamplingParams  # noqa: E402
 
 captures = 0
 _capture_begin = torch.cuda.CUDAGraph.capture_begin
+collections: list[tuple[int, float]] = []  # (generation, seconds) of every garbage collection so far
+_collection_started = [0.0]
+
+
+def _time_collections(phase: str, info: dict) -> None:
+    if phase == "start":
+        _collection_started[0] = time.perf_counter()
+    else:
+        collections.append((info["generation"], time.perf_counter() - _collection_started[0]))
+
+
+gc.callbacks.append(_time_collections)
+
+
+def collections_since(start: int) -> dict:
+    """The garbage collections after the ``start``-th: full ones (generation 2) and their ms, ms of all."""
+    new = collections[start:]
+    full = [seconds for generation, seconds in new if generation == 2]
+    return {"full": len(full), "full_ms": round(1e3 * sum(full), 2), "all_ms": round(1e3 * sum(s for _, s in new), 2)}
 
 
 def _counting_capture_begin(self, *args, **kwargs):
@@ -129,6 +149,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams, profi
     global captures
     before, loads_before, replay_before = captures, len(kernel_loads), llm.engine.graph_replays[1]
     shapes_before = len(product_shapes.new) if product_shapes is not None else 0
+    collections_before = len(collections)
     torch.cuda.synchronize()
     allocator_before = allocator_calls()
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -146,6 +167,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams, profi
             "kernel_loads": kernel_loads[loads_before:],
             "allocator": {name: count - allocator_before[name] for name, count in allocator_calls().items()},
             "replay_share": (llm.engine.graph_replays[1] - replay_before) / seconds,
+            "gc": collections_since(collections_before),
             "tokens": [o.token_ids for o in outs], **({"profile": profile_table(profiler)} if profile else {}),
             **({"new_product_shapes": product_shapes.new[shapes_before:]} if product_shapes is not None else {})}
 
@@ -171,6 +193,9 @@ def main():
     parser.add_argument("--prime-allocator-mib", type=int, default=0,
                         help="after each engine's start-up, one block of this size allocated and freed: the caching "
                              "allocator keeps it and splits it for later activations (no cudaMalloc in the passes)")
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="after each engine's start-up, gc.freeze() (as `flashtree serve` does): the start-up's "
+                             "objects never walked by a full collection inside a pass (passN_gc counts them)")
     parser.add_argument("--profile-batch", type=int, default=0,
                         help="at this batch size, passes 1 and 2 run under torch.profiler: their top ops and kernels "
                              "by self CPU and device time in the JSON (what the first pass does that the second does not)")
@@ -226,7 +251,7 @@ def main():
     report = {"device": torch.cuda.get_device_name(), "shape": shape,
               "prompt_tokens": [len(p) for p in prompts[:max(batches)]],
               "new_tokens": args.new_tokens, "packed_verify": packed, "exact": args.exact, "warm_up": warm_up, "prime_allocator_mib": args.prime_allocator_mib,
-              "rows": []}
+              "freeze_gc": args.freeze_gc, "rows": []}
     plain_tokens = {}
     print(f"{'method':>10} {'batch':>5} {'pass1 tok/s':>12} {'pass2 tok/s':>12} {'1/2':>6} {'captures 1, 2':>14} "
           f"{'start-up s':>10} {'loads 1, 2':>10} {'mallocs 1, 2':>12} equals plain", flush=True)
@@ -237,6 +262,9 @@ def main():
         startup = time.perf_counter() - t0
         if args.prime_allocator_mib:
             torch.empty(args.prime_allocator_mib << 20, dtype=torch.uint8, device="cuda")
+        if args.freeze_gc:
+            gc.collect()
+            gc.freeze()
         startup_captures, startup_loads = captures - start_captures, len(kernel_loads) - start_loads
         for batch in batches:
             profiled = batch == args.profile_batch
@@ -251,6 +279,7 @@ def main():
                    "pass1_kernels_loaded": first["kernel_loads"], "pass2_kernels_loaded": second["kernel_loads"],
                    "pass1_replay_host_share": first["replay_share"], "pass2_replay_host_share": second["replay_share"],
                    "pass1_allocator": first["allocator"], "pass2_allocator": second["allocator"],
+                   "pass1_gc": first["gc"], "pass2_gc": second["gc"],
                    **({"pass1_profile": first["profile"], "pass2_profile": second["profile"]} if profiled else {}),
                    **({"pass1_new_product_shapes": first["new_product_shapes"],
                        "pass2_new_product_shapes": second["new_product_shapes"]} if product_shapes is not None else {}),

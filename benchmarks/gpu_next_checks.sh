@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..33 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..34 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -253,6 +253,13 @@ case "${CALL:-1}" in
     for warm in on off; do
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
+    done ;;
+  34)  # #39 first-pass gap: full garbage collections inside the passes, start-up objects frozen or not
+    for freeze in "" --freeze-gc; do
+      timeout 150 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \
+          --methods none --batches 16,64 --new-tokens 128 --passes 2 $freeze \
+          --out "$OUT/gpu_first_pass_random_smollm2_gc${freeze:+_frozen}.json" > /tmp/fp34.txt 2>&1
+      echo "first pass ${freeze:-unfrozen} rc=$?"; python -c "import json, sys; [print(r['batch'], round(r['pass1_tok_s']), round(r['pass2_tok_s']), r['pass1_gc'], r['pass2_gc']) for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/gpu_first_pass_random_smollm2_gc${freeze:+_frozen}.json"
     done ;;
   33)  # the engine process (the CUDA default since session 41) against a thread at one stream (CALL=30: 1.34x / 1.09x at 16 / 64)
     SHAPE_OVERRIDE='{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": true}' \
