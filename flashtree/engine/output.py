@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from tokenizers.decoders import DecodeStream
+
 from flashtree.engine.request import Request, Status
 from flashtree.sampling import TokenLogprob
 
@@ -24,16 +26,19 @@ class StepEvent(NamedTuple):
 
 class TextTracker:
     """Decodes a request's output incrementally (:class:`DecodeState`); holds back an incomplete
-    UTF-8 tail so deltas are clean.
+    UTF-8 tail so deltas are clean. With a Rust tokenizer that decodes as the fast decoder does, the
+    tokenizers library's ``DecodeStream`` does the windows (one call per new token, a third of the
+    Python windows' host time); otherwise the windows run here.
 
     ``incremental=False``: requests without stop strings get their text only when they finish
     (one full decode), not after every step; for batch jobs nobody streams (regeneration, bench),
     where per-step decoding of hundreds of rows is host time the device waits for."""
 
-    def __init__(self, tokenizer, incremental: bool = True):
+    def __init__(self, tokenizer, incremental: bool = True, rust_stream: bool = True):
         self.tokenizer = tokenizer
         self.incremental = incremental
         self._decode = _fast_decoder(tokenizer)
+        self._backend = _rust_decoder(tokenizer) if rust_stream else None  # (None: the windows run in Python)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -49,9 +54,13 @@ class TextTracker:
         return text[:-1] if text.endswith("\ufffd") else text
 
     def text(self, req: Request) -> str:
-        """The decoded output so far, without an incomplete UTF-8 tail (it waits for its bytes):
-        ``stable(decode(output_ids))``, at the cost of decoding a few tokens."""
+        """The decoded output so far, without an incomplete UTF-8 tail (it waits for its bytes): a
+        prefix of ``decode(output_ids)``, at the cost of decoding a few tokens. The Python windows give
+        ``stable(decode(output_ids))``; a DecodeStream may hold back more while invalid bytes end the
+        output (random models), and gives the same text once a complete character follows."""
         state, ids = req.decoded, req.output_ids
+        if self._backend is not None and not state.exact_only:
+            return self._streamed_text(req)
         if state.exact_only:
             return self.stable(self.decode(ids))
         prefix = self.decode(ids[state.prefix_offset:state.read_offset])
@@ -66,10 +75,27 @@ class TextTracker:
             state.prefix_offset, state.read_offset = state.read_offset, len(ids)
         return state.text
 
+    def _streamed_text(self, req: Request) -> str:
+        """``text`` through the request's DecodeStream; a window that does not line up (the stream
+        raises) sends the request to whole decodes, as the Python windows do."""
+        state, ids = req.decoded, req.output_ids
+        if state.stream is None:
+            state.stream = DecodeStream(skip_special_tokens=True)
+        try:
+            for token in ids[state.read_offset:]:
+                new_text = state.stream.step(self._backend, token)
+                if new_text is not None:
+                    state.text += new_text
+        except Exception:  # noqa: BLE001 - the library's InvalidPrefix (a tokenizer whose windows differ)
+            state.exact_only, state.stream = True, None
+            return self.stable(self.decode(ids))
+        state.read_offset = len(ids)
+        return state.text
+
     def final_text(self, req: Request) -> str:
         """The whole decoded output, an incomplete tail included (what a full decode gives)."""
         state, ids = req.decoded, req.output_ids
-        if state.exact_only:
+        if state.exact_only or self._backend is not None:
             return self.decode(ids)
         self.text(req)
         prefix = self.decode(ids[state.prefix_offset:state.read_offset])
@@ -112,12 +138,21 @@ def append_tokens(req: Request, tokens: list[int], tracker: TextTracker, max_con
     return StepEvent(req, added, delta, req.finished, new_logprobs)
 
 
+def _rust_decoder(tokenizer):
+    """The Rust tokenizer when :func:`_fast_decoder` decodes through it (``DecodeStream`` then gives
+    its text), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend
+    return None
+
+
 def _fast_decoder(tokenizer):
     """``tokenizer.decode(ids, skip_special_tokens=True)``, through the Rust tokenizer directly
     when that gives the same text (a fast tokenizer that does not clean up spaces): a third of
     the time per call, which adds up at a few calls per row per step."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    backend = _rust_decoder(tokenizer)
+    if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import itertools
 from collections import Counter
+from typing import Any
 
 from flashtree.grammar.backends import GrammarMatcher
 from flashtree.sampling import SamplingParams, TokenLogprob
@@ -53,12 +54,17 @@ class DecodeState:
     tokenizer does at a window's start (a dropped leading space, merged bytes) happens in both
     decodes and cancels out. Each step then costs a few tokens of decoding instead of the whole
     output. ``exact_only``: this tokenizer's windows did not line up once; decode everything.
+
+    With a Rust tokenizer that decodes as the fast decoder does, ``stream`` (the tokenizers
+    library's ``DecodeStream``, the same windows in Rust) takes ``output_ids[read_offset:]`` a token
+    at a time and returns the new text, or nothing while it ends in an incomplete character.
     """
 
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
     exact_only: bool = False
+    stream: Any = None  # tokenizers.decoders.DecodeStream (not picklable: a request never leaves its process)
 
 
 @dataclasses.dataclass
