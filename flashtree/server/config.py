@@ -66,11 +66,10 @@ class ServerConfig:
     def runs_engine_process(self) -> bool:
         """Whether each engine runs in a process of its own: ``engine_process``, or, unset, whether the engine
         runs on CUDA. A CUDA step leaves the host waiting on the device, and in a process of its own the
-        HTTP side's Python (SSE events, detokenized deltas) runs beside it instead of taking turns with it
+        HTTP side's Python (requests, SSE events) runs beside it instead of taking turns with it
         under one interpreter lock: 1.34x / 1.09x the tokens/s of an engine thread at 16 / 64 streams
         (H100, benchmarks/journal/session-41-2026-12-07.md). A CPU engine needs the cores the HTTP side
         uses, so it stays on a thread there (0.94x as a process at 64 streams on 2 cores)."""
         if self.engine_process is not None:
             return self.engine_process
         return resolve_device(self.engine.target.device).type == "cuda"
-
