@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flashtree.bench.report import write_json  # noqa: E402
 from flashtree.server.async_engine import AsyncEngine  # noqa: E402
 from flashtree.server.engine_process import EngineProcess, PipeOutbox  # noqa: E402
 from flashtree.server.metrics import ServerMetrics, StepFigures  # noqa: E402
@@ -90,8 +91,7 @@ def main() -> None:
               "runs": runs, **{f"median_{k}": statistics.median(r[k] for r in runs) for k in runs[0]}}
     print(json.dumps(result))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flashtree.bench.report import write_json  # noqa: E402
 from flashtree.engine.output import TextTracker, append_tokens  # noqa: E402
 from flashtree.engine.request import Request  # noqa: E402
 from flashtree.sampling import SamplingParams  # noqa: E402
@@ -90,8 +91,7 @@ def main() -> None:
               "python": platform.python_version()}
     print(json.dumps(result))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(result, args.out)
 
 
 if __name__ == "__main__":
