@@ -31,7 +31,6 @@ from flashtree.server.engine_driver import EngineDriver, Inbox, _Tracked  # noqa
 from flashtree.server.metrics import ServerMetrics  # noqa: E402
 from flashtree.server.stream import RequestStream  # noqa: E402
 
-TOKENIZER = Path(__file__).resolve().parent / "out" / "smol_tokenizer"
 
 
 class StandInEngine:
@@ -79,12 +78,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--tokenizer", default=str(TOKENIZER), help="a tokenizer directory (default: SmolLM2's)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the embedded SmolLM2's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    from flashtree.models.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_dir("smollm2"))
     runs = [per_request_us(args.rows, args.steps, tokenizer) for _ in range(args.repeats)]
     result = {"rows": args.rows, "steps": args.steps, "us_per_request_per_step_runs": [round(r, 2) for r in runs],
               "median_us": round(statistics.median(runs), 2), "cpu": platform.processor() or platform.machine(),
