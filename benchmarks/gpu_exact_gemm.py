@@ -13,7 +13,8 @@ share the table: kernels/gpu/gemm.py TILES). Prints the best tile per M and its 
 ``--decode``: the rows of decode steps and small verify forwards (M = 1 .. 64), timed the way a step runs them
 (CUDA graph replays over enough weight copies to defeat L2: gpu_fp8.time_calls_us): cuBLAS, the table's
 product with K cut by :func:`k_chunk` (chunks in programs of their own where the tiles are few, the default),
-the same chunks in one program, and K in one chunk (no split at all); each checked bit for bit against the
+the same ended in each tile's last program instead of the sum kernel (``fused_sum``), the same chunks in one
+program, and K in one chunk (no split at all); each checked bit for bit against the
 one-pass product of the same chunks.
 """
 
@@ -101,7 +102,8 @@ def decode_rows(name: str, n: int, k: int) -> list[dict]:
     copies = max(2, -(-L2_FLUSH_BYTES // (2 * n * k)))
     weights = [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16() for _ in range(copies)]
     bandwidth, chunk, whole = copy_bandwidth("cuda"), k_chunk(n, k), -(-k // CHUNK_ALIGN) * CHUNK_ALIGN
-    ways = {"split": {"chunk": chunk}, "one_program": {"chunk": chunk, "split": False}, "no_chunks": {"chunk": whole}}
+    ways = {"split": {"chunk": chunk, "fused_sum": False}, "fused_sum": {"chunk": chunk, "fused_sum": True},
+            "one_program": {"chunk": chunk, "split": False}, "no_chunks": {"chunk": whole}}
     rows = []
     for m in DECODE_ROWS:
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()

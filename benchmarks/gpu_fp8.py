@@ -9,12 +9,14 @@ FP8 DDTree greedy tokens (the exact mode).
 1. products: each Qwen3-8B linear (fused q/k/v, o, fused gate/up, down) at M = each batch size, FP8 product vs
    bf16 F.linear, device time per call from CUDA-graph replays over enough weight copies that L2 holds none,
    against its weight bytes / the measured copy bandwidth (``--sweep``: each candidate tile, and whether every
-   candidate gives the table tile's bits);
+   candidate gives the table tile's bits), and split products ended in their last programs (``fp8_fused_sum_us``,
+   gemm.FUSED_SUM) beside the sum kernel;
 2. steps: plain decode steps (CUDA graphs, fast mode) at each batch with a ``--context``-token prompt per row,
    random bf16 weights (the config alone) and a random block-FP8 checkpoint written to ``--workdir``
    (e4m3 weights + 128 x 128 weight_scale_inv, bf16 embeddings and LM head, ``quantization_config``); each
    against its floor: (bytes a step reads: every linear's weights and scales, the LM head, the norms, the
-   K/V of the context) / bandwidth, with the measured copy bandwidth and the nominal 4.8 TB/s;
+   K/V of the context) / bandwidth, with the measured copy bandwidth and the nominal 4.8 TB/s (``--fused-sum-ab``:
+   the FP8 steps again with gemm.FUSED_SUM flipped);
 3. lossless: FP8 plain vs FP8 DDTree-``--budget`` greedy tokens on ``--prompts`` random prompts in the exact
    mode (bf16 needs it: row-invariant attention and LM head), the target loaded once and shared, the drafter
    the z-lab Qwen3-8B-DFlash shape with random weights (it matches little: the check is that verified trees
@@ -48,6 +50,7 @@ from flashtree.kernels.gpu.fp8_gemm import (
     fp8_linear,
     tile_for,
 )
+from flashtree.kernels.gpu import gemm
 from flashtree.kernels.gpu.gemm import Tile
 from flashtree.models.build import load_target
 from flashtree.models.fp8 import quantize_fp8
@@ -144,6 +147,9 @@ def product_rows(shape: dict, batches: list[int], bandwidth: float, device: str,
             row = {"product": name, "n": n, "k": k, "m": m, "tile": list(tile_for(m)), "fp8_us": fp8_us,
                    "bf16_us": dense_us, "fp8_floor_us": floor_us, "fp8_fraction_of_floor": floor_us / fp8_us,
                    "bf16_fraction_of_floor": 2 * n * k / bandwidth * 1e6 / dense_us}
+            fused = [lambda w=w, x=x: fp8_linear(x, w.weight, w.scale, SCALE_BLOCK, fused_sum=True) for w in fp8]
+            row["fp8_fused_sum_us"] = time_calls_us(fused, device)
+            row["fused_sum_same_bits"] = torch.equal(fused[0](), first(x))
             if sweep:
                 row["sweep"] = sweep_row(fp8, x, m)
             if sweep_chunks:
@@ -342,6 +348,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time each candidate tile of the FP8 product")
     parser.add_argument("--sweep-chunks", action="store_true",
                         help="time the product by how K is cut and whether the chunks run apart (chunk_sweep_row)")
+    parser.add_argument("--fused-sum-ab", action="store_true",
+                        help="steps: also the FP8 steps with split products ended the other way (gemm.FUSED_SUM)")
     parser.add_argument("--dry-run", action="store_true", help="a tiny shape on the CPU (with TRITON_INTERPRET=1)")
     args = parser.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",")]
@@ -387,6 +395,13 @@ def main() -> None:
         engine = LLMEngine(config, target=target)
         result["steps"] += step_rows("fp8", engine, shape, args, bandwidth)
         del engine
+        if args.fused_sum_ab:  # the same FP8 steps with the other way of ending split products, a new engine's graphs
+            gemm.FUSED_SUM = not gemm.FUSED_SUM
+            engine = LLMEngine(config, target=target)
+            result["steps"] += step_rows(f"fp8_fused_sum_{'on' if gemm.FUSED_SUM else 'off'}", engine, shape, args,
+                                         bandwidth)
+            gemm.FUSED_SUM = not gemm.FUSED_SUM
+            del engine
         by = {(r["weights"], r["batch"]): r["ms_per_step"] for r in result["steps"]}
         result["fp8_over_bf16_step"] = {b: by[("fp8", b)] / by[("bf16", b)] for b in args.batch_list}
         print("fp8 / bf16 step:", json.dumps(result["fp8_over_bf16_step"]), flush=True)

@@ -33,3 +33,36 @@ def test_rows_are_identical_at_the_8b_shapes_with_every_tile(n, k):
         assert torch.equal(invariant_linear(x[:m], weight)[rows], alone[:len(rows)]), m
     for _, tile in TILES:
         assert torch.equal(invariant_linear(x, weight, tile=tile)[picked], alone), tile
+
+
+@pytest.mark.parametrize("product", ["invariant", "fp8"])
+def test_split_products_ended_in_their_last_programs_give_the_sum_kernels_bits_every_time(product):
+    """The 8B shape's o product at one and four rows, split by K chunks: ended by each tile's last program to
+    arrive (gemm.FUSED_SUM's way: an arrival count, then the ordered sum) it gives the sum kernel's bits on 200
+    eager calls and 50 graph replays in a row (a partial read before it is stored would show as a mismatch)."""
+    if product == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton's e4m3 needs compute capability >= 8.9")
+    from flashtree.kernels.gpu.fp8_gemm import SCALE_BLOCK, fp8_linear
+    from flashtree.kernels.gpu.gemm import invariant_linear
+    from flashtree.models.fp8 import quantize_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(4096, 4096, device="cuda", generator=gen) * 0.02
+    if product == "fp8":
+        values, scale = quantize_fp8(weight)
+        run = lambda x, fused: fp8_linear(x, values, scale, SCALE_BLOCK, split=True, fused_sum=fused)  # noqa: E731
+    else:
+        weight = weight.to(torch.bfloat16)
+        run = lambda x, fused: invariant_linear(x, weight, split=True, fused_sum=fused)  # noqa: E731
+    for m in (1, 4):
+        x = torch.randn(m, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        expected = run(x, False)
+        assert all(torch.equal(run(x, True), expected) for _ in range(200)), m
+        graph, out = torch.cuda.CUDAGraph(), None
+        run(x, True)  # (compiled before the capture)
+        with torch.cuda.graph(graph):
+            out = run(x, True)
+        for _ in range(50):
+            out.zero_()
+            graph.replay()
+            assert torch.equal(out, expected), m

@@ -4,7 +4,7 @@ and converts them exactly), and on CUDA in float32 and bfloat16 (tests/gpu/test_
 
 :func:`check` returns, per scale layout and dtype: whether every row of M = 1, 7 and 64 equals the same row of
 the 64-row product bit for bit (and rows 5..11 alone; on the device also with every tile of the table), and
-whether K cut into chunks of one scale block gives the same bits split and in one program
+whether K cut into chunks of one scale block gives the same bits every way of gemm_checks.SPLIT_WAYS
 (``chunks_identical``), and the largest difference from a float64 product of the dequantized weight, relative
 to the largest output magnitude. The weight is N = 200 by K = 300: a partial N tile, a partial 128-row scale block, and three K blocks
 of which the last is partial; block scales span 2^-8..2^4, so a factor applied to the wrong block shows.
@@ -18,6 +18,7 @@ import torch
 
 from flashtree.kernels.gpu import interpreting
 from flashtree.kernels.gpu.fp8_gemm import SCALE_BLOCK, TILES, Fp8Linear
+from tests.support.gemm_checks import SPLIT_WAYS
 
 N, K = 200, 300
 LAYOUTS = ("block", "row_blocks", "channel")
@@ -52,8 +53,8 @@ def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
                 same &= all(torch.equal(fp8_linear(x, layer.weight, layer.scale, layer.scale_rows, bias, tile), full)
                             for _, tile in TILES)
             chunked = fp8_linear_chunked(layer, x, bias, split=False)
-            chunks_same = all(torch.equal(fp8_linear_chunked(layer, x[:m], bias, split=split), chunked[:m])
-                              for m in (1, 7, 64) for split in (False, True))
+            chunks_same = all(torch.equal(fp8_linear_chunked(layer, x[:m], bias, split, fused), chunked[:m])
+                              for m in (1, 7, 64) for split, fused in SPLIT_WAYS)
             reference = torch.nn.functional.linear(x.double(), reference_weight, bias.double())
             results[f"{layout}/{dtype}"] = {
                 "rows_identical": bool(same and shifted), "chunks_identical": chunks_same,
@@ -64,11 +65,13 @@ def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
     return results
 
 
-def fp8_linear_chunked(layer: Fp8Linear, x: torch.Tensor, bias: torch.Tensor, split: bool) -> torch.Tensor:
+def fp8_linear_chunked(layer: Fp8Linear, x: torch.Tensor, bias: torch.Tensor, split: bool,
+                       fused_sum: bool | None = None) -> torch.Tensor:
     """``layer``'s product with K cut into chunks of one scale block (three chunks, the last partial)."""
     from flashtree.kernels.gpu.fp8_gemm import fp8_linear
 
-    return fp8_linear(x, layer.weight, layer.scale, layer.scale_rows, bias, chunk=SCALE_BLOCK, split=split)
+    return fp8_linear(x, layer.weight, layer.scale, layer.scale_rows, bias, chunk=SCALE_BLOCK, split=split,
+                      fused_sum=fused_sum)
 
 
 def main() -> None:

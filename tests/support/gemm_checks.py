@@ -34,16 +34,21 @@ def check(dtypes=(torch.float32,), device: str = "cpu") -> dict:
     return results
 
 
+# how a K-chunked product may run: (split, fused_sum): one pass; chunks apart, then the sum kernel; chunks apart,
+# the sum in each tile's last program
+SPLIT_WAYS = ((False, None), (True, False), (True, True))
+
+
 def chunks_identical(gen: torch.Generator, dtype: torch.dtype, device: str) -> bool:
-    """K = 600 in chunks of 256 (two whole and one partial): split and one-pass, M = 1, 7 and 64, and on the
-    device every tile, give the one-pass 64-row product's rows bit for bit; and it matches torch's product."""
+    """K = 600 in chunks of 256 (two whole and one partial): every way of :data:`SPLIT_WAYS`, M = 1, 7 and 64, and
+    on the device every tile, give the one-pass 64-row product's rows bit for bit; and it matches torch's product."""
     x = torch.randn(64, 600, generator=gen).to(device, dtype)
     weight = torch.randn(80, 600, generator=gen).to(device, dtype)
     bias = torch.randn(80, generator=gen).to(device, dtype)
     full = invariant_linear(x, weight, bias, chunk=256, split=False)
     tiles = [None] if interpreting() else [tile for _, tile in TILES]
-    same = all(torch.equal(invariant_linear(x[:m], weight, bias, tile=tile, chunk=256, split=split), full[:m])
-               for m in (1, 7, 64) for split in (False, True) for tile in tiles)
+    same = all(torch.equal(invariant_linear(x[:m], weight, bias, tile=tile, chunk=256, split=split, fused_sum=fused),
+                           full[:m]) for m in (1, 7, 64) for split, fused in SPLIT_WAYS for tile in tiles)
     close = torch.allclose(full.float(), torch.nn.functional.linear(x.float(), weight.float(), bias.float()),
                            rtol=0, atol=1e-3 if dtype == torch.float32 else 0.5)
     return same and close

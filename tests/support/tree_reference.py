@@ -107,7 +107,6 @@ def _ref_order_preserving_bits(weights: torch.Tensor) -> torch.Tensor:
 def _ref_select_nodes(levels: list[_ref_Level], budgets: torch.Tensor, max_budget: int) -> DraftTree:
     """Best ``budget`` prefixes over all depths, laid out as the node axis of a DraftTree."""
     depth = len(levels)
-    num_rows = budgets.shape[0]
     device = budgets.device
     all_w = torch.cat([lv.log_weights for lv in levels], dim=1)  # [R, L*B]; (depth, lex) order
     all_parent = torch.cat([lv.parent_pos for lv in levels], dim=1)  # [R, L*B]

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from flashtree.kernels.gpu import interpreting
-from flashtree.kernels.gpu.gemm import Tile, chunk_launch, k_chunk, sum_chunks
+from flashtree.kernels.gpu.gemm import Tile, arrival_counts, chunk_launch, k_chunk, sum_chunks
 
 SCALE_BLOCK = 128  # K columns per scale block, and the kernel's K step
 SCALE_ROWS = (1, SCALE_BLOCK)  # weight rows per scale row: one's own, or 128-row blocks
@@ -59,10 +59,11 @@ def _kernels():
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int,
                bias: torch.Tensor | None = None, tile: Tile | None = None, chunk: int | None = None,
-               split: bool | None = None) -> torch.Tensor:
+               split: bool | None = None, fused_sum: bool | None = None) -> torch.Tensor:
     """x ``[..., K]`` (bf16 / fp16 / fp32), weight ``[N, K]`` e4m3 (or e5m2), scale float32 (module docstring),
     bias ``[N]`` or None -> ``[..., N]`` in x's dtype. ``tile``, ``chunk`` (K columns per chunk, a multiple of
-    the scale block) and ``split`` (chunks in programs of their own) override the defaults (tests, benchmarks)."""
+    the scale block), ``split`` (chunks in programs of their own) and ``fused_sum`` (a split product's ordered
+    sum in its last programs: gemm.arrival_counts) override the defaults (tests, benchmarks)."""
     *lead, k = x.shape
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k:
@@ -78,13 +79,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
         grid, part = chunk_launch(m, n, k, tile, chunk, split, x.device)
+        counts = arrival_counts(grid, fused_sum, x.device)
         _kernels()._fp8_linear_kernel[grid](
-            rows, weight, scale, bias if bias is not None else rows, y, y if part is None else part, m, n, k, chunk,
-            rows.stride(0), weight.stride(0), y.stride(0), scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0,
-            SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None, SPLIT=part is not None, BLOCK_M=tile.block_m,
+            rows, weight, scale, bias if bias is not None else rows, y, y if part is None else part,
+            y if counts is None else counts, m, n, k, chunk, rows.stride(0), weight.stride(0), y.stride(0),
+            scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0, SCALE_ROWS=scale_rows,
+            HAS_BIAS=bias is not None, SPLIT=part is not None, FUSED_SUM=counts is not None, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, IEEE=x.dtype == torch.float32,
             num_warps=tile.warps, num_stages=tile.stages)
-        if part is not None:
+        if part is not None and counts is None:
             sum_chunks(part, bias, y)
     return y.reshape(*lead, n)
 

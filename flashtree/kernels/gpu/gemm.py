@@ -46,6 +46,7 @@ TILES: tuple[tuple[int, Tile], ...] = ((16, Tile(16, 32, 256, stages=3)), (128, 
 
 
 CHUNK_ALIGN = 256  # chunks are a multiple of every table tile's block_k
+FUSED_SUM = False  # a split product's ordered sum in its tiles' last programs (finish_split_tile), not a second kernel
 SPLIT_PROGRAMS = 512  # a product with fewer output tiles than this is split by K chunks (about 4 programs per SM)
 MIN_CHUNK = 1024  # K columns a chunk keeps at least (the ordered sum reads chunks x M x N floats)
 
@@ -73,6 +74,14 @@ def chunk_launch(m: int, n: int, k: int, tile: Tile, chunk: int, split: bool | N
     return (tiles, chunks), torch.empty(chunks, m, n, dtype=torch.float32, device=device)
 
 
+def arrival_counts(grid: tuple[int, int], fused_sum: bool | None, device: torch.device) -> torch.Tensor | None:
+    """The per-tile arrival counts ``[tiles]`` int32 (zeros) of a split launch whose tiles' last programs add the
+    chunks (``fused_sum``; None: :data:`FUSED_SUM`), else None (:func:`sum_chunks` runs after the product)."""
+    if grid[1] == 1 or not (FUSED_SUM if fused_sum is None else fused_sum):
+        return None
+    return torch.zeros(grid[0], dtype=torch.int32, device=device)
+
+
 def tile_for(rows: int) -> Tile:
     """The table's tile for ``rows``; in Triton's interpreter always the first (it evaluates a tl.dot as one
     numpy product, whose rounding depends on the tile's shape; on the device the tiles round alike)."""
@@ -89,11 +98,12 @@ def _kernels():
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     tile: Tile | None = None, chunk: int | None = None, split: bool | None = None) -> torch.Tensor:
+                     tile: Tile | None = None, chunk: int | None = None, split: bool | None = None,
+                     fused_sum: bool | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with row-invariant arithmetic (module docstring).
     x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` or None -> ``[..., N]`` in x's dtype. ``tile``, ``chunk``
-    (K columns per chunk) and ``split`` (chunks in programs of their own) override the defaults (tests,
-    benchmarks)."""
+    (K columns per chunk), ``split`` (chunks in programs of their own) and ``fused_sum`` (a split product's
+    ordered sum in its last programs: :func:`arrival_counts`) override the defaults (tests, benchmarks)."""
     *lead, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.dtype != x.dtype:
@@ -109,12 +119,14 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if chunk % tile.block_k:
             raise ValueError(f"invariant_linear: chunk {chunk} is not a multiple of the tile's block_k {tile.block_k}")
         grid, part = chunk_launch(m, n, k, tile, chunk, split, x.device)
+        counts = arrival_counts(grid, fused_sum, x.device)
         _kernels()._invariant_linear_kernel[grid](
-            rows, weight, bias if bias is not None else rows, y, y if part is None else part, m, n, k, chunk,
-            rows.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLIT=part is not None,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-            IEEE=x.dtype == torch.float32, num_warps=tile.warps, num_stages=tile.stages)
-        if part is not None:
+            rows, weight, bias if bias is not None else rows, y, y if part is None else part,
+            y if counts is None else counts, m, n, k, chunk, rows.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, SPLIT=part is not None, FUSED_SUM=counts is not None, BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, IEEE=x.dtype == torch.float32,
+            num_warps=tile.warps, num_stages=tile.stages)
+        if part is not None and counts is None:
             sum_chunks(part, bias, y)
     return y.reshape(*lead, n)
 

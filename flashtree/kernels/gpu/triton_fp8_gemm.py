@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from flashtree.kernels.gpu.triton_gemm import (
+    finish_split_tile,
     output_tile,
     store_chunk_partial,
     store_total,
@@ -37,14 +38,15 @@ def _fp8_chunk_product(x_ptr, w_ptr, scale_rows, rows, cols, M, N, k_begin, k_en
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, CHUNK_K, stride_x, stride_w,
-                       stride_y, stride_scale_n, stride_scale_k, SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, CHUNK_K, stride_x,
+                       stride_w, stride_y, stride_scale_n, stride_scale_k, SCALE_ROWS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
     """y = x @ (w * scale)^T (+ bias) over K in chunks of CHUNK_K (a multiple of the scale block), each chunk
     summed from zero (:func:`_fp8_chunk_product`), then the chunks added from zero in chunk order and rounded
     once; SPLIT: program (tile, s) stores chunk s to ``part [chunks, M, N]`` and the ordered sum
-    (triton_gemm._sum_chunks_kernel) finishes y, the same additions. Weight row n's scale for K block b is
+    (triton_gemm._sum_chunks_kernel) finishes y, the same additions (FUSED_SUM: the tile's last program does,
+    triton_gemm.finish_split_tile). Weight row n's scale for K block b is
     ``scale[n // SCALE_ROWS, b]`` (``stride_scale_k`` 0: one scale per row for all of K). An output element
     depends only on its row of x, its row of the weight, N and K, never on M or on the tile."""
     rows, cols = output_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)  # [BM], [BN]
@@ -54,7 +56,11 @@ def _fp8_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N,
         acc = _fp8_chunk_product(x_ptr, w_ptr, scale_rows, rows, cols, M, N, k_begin,
                                  tl.minimum(k_begin + CHUNK_K, K), stride_x, stride_w, stride_scale_k,
                                  BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-        store_chunk_partial(part_ptr, acc, rows, cols, M, N)
+        if FUSED_SUM:
+            finish_split_tile(part_ptr, count_ptr, bias_ptr, y_ptr, acc, rows, cols, M, N, tl.num_programs(1),
+                              stride_y, HAS_BIAS, BLOCK_M, BLOCK_N)
+        else:
+            store_chunk_partial(part_ptr, acc, rows, cols, M, N)
     else:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_begin in range(0, K, CHUNK_K):

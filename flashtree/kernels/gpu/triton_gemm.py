@@ -48,6 +48,27 @@ def store_chunk_partial(part_ptr, acc, rows, cols, M, N):
 
 
 @triton.jit
+def finish_split_tile(part_ptr, count_ptr, bias_ptr, y_ptr, acc, rows, cols, M, N, CHUNKS, stride_y,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A split product's end without a second kernel: store chunk ``program_id(1)``'s partial, count this program
+    in on its output tile (``count [tiles]`` int32, zero before the launch), and the tile's last program to arrive
+    adds the tile's chunks from zero in chunk order (+ bias) and rounds once: :func:`_sum_chunks_kernel`'s
+    additions, so the same bits whichever program arrives last. The barrier orders every thread's partial
+    before the release of the count; the last program reads the partials through L2 (``.cg``) after its acquire."""
+    store_chunk_partial(part_ptr, acc, rows, cols, M, N)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+    if arrived == CHUNKS - 1:
+        tl.debug_barrier()
+        inside = (rows[:, None] < M) & (cols[None, :] < N)
+        tile = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]  # [BM, BN] pointers into chunk 0
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for chunk in range(CHUNKS):
+            total += tl.load(tile + chunk * M.to(tl.int64) * N, mask=inside, other=0.0, cache_modifier=".cg")
+        store_total(y_ptr, bias_ptr, total, rows, cols, M, N, stride_y, HAS_BIAS)
+
+
+@triton.jit
 def store_total(y_ptr, bias_ptr, total, rows, cols, M, N, stride_y, HAS_BIAS: tl.constexpr):
     """y's tile = the float32 total (+ bias), rounded once to y's dtype."""
     if HAS_BIAS:
@@ -57,14 +78,15 @@ def store_total(y_ptr, bias_ptr, total, rows, cols, M, N, stride_y, HAS_BIAS: tl
 
 
 @triton.jit
-def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, CHUNK_K, stride_x, stride_w,
-                             stride_y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                             IEEE: tl.constexpr):
+def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, CHUNK_K, stride_x,
+                             stride_w, stride_y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                             FUSED_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
     """y = x @ w^T (+ bias) over K in chunks of CHUNK_K (a multiple of BLOCK_K), each chunk's product from zero.
 
     SPLIT: program (tile, s) computes chunk s alone and stores it to ``part [chunks, M, N]`` float32 (the
-    ordered sum, :func:`_sum_chunks_kernel`, finishes y). Otherwise one program per output tile adds the
+    ordered sum, :func:`_sum_chunks_kernel`, finishes y; with FUSED_SUM the tile's last program does, through
+    ``count``: :func:`finish_split_tile`). Otherwise one program per output tile adds the
     chunks into a float32 total from zero in chunk order, adds the bias and rounds once to y's dtype: the
     same additions in the same order, so both ways give the same bits. The order of programs changes no
     arithmetic."""
@@ -73,7 +95,11 @@ def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, C
         k_begin = tl.program_id(1) * CHUNK_K
         acc = _chunk_product(x_ptr, w_ptr, rows, cols, M, N, k_begin, tl.minimum(k_begin + CHUNK_K, K), stride_x,
                              stride_w, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-        store_chunk_partial(part_ptr, acc, rows, cols, M, N)
+        if FUSED_SUM:
+            finish_split_tile(part_ptr, count_ptr, bias_ptr, y_ptr, acc, rows, cols, M, N, tl.num_programs(1),
+                              stride_y, HAS_BIAS, BLOCK_M, BLOCK_N)
+        else:
+            store_chunk_partial(part_ptr, acc, rows, cols, M, N)
     else:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_begin in range(0, K, CHUNK_K):
