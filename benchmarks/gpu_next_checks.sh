@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 or H100: the checks this code still owes a GPU, in device calls of up to 10 minutes each, run from the
-# repository root: CALL=1..34 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
+# repository root: CALL=1..37 bash benchmarks/gpu_next_checks.sh OUT_DIR (every log goes whole to OUT_DIR).
 # What the last runs found, and why these calls: benchmarks/journal/session-29-2026-12-06.md and session-30-2026-12-06.md.
 # CALL=1 (~9 min): where the exact mode's DDTree-16 round at batch 32 loses 1.41x to the fast mode (#29): the
 #   exact attention against the fast one per tile size (gpu_exact_attention.py), the tile sweep of the chunked
@@ -110,11 +110,18 @@
 #   benchmarks/out/serve_wheels, benchmarks/out/serve_tokenizer (README "Serving inputs") and humaneval_ids.jsonl.
 #   Session 40: uvloop in the wheels (as `pip install flashtree` has it), levels 16 and 64, and a third server with the
 #   engine in its own process (--engine-process).
+# CALL=36 (~8 min, #38 FP8 step / #29 exact plain step): split products ended by each tile's last program (an arrival
+#   count, then the ordered sum: gemm.FUSED_SUM) against the sum kernel: the GPU stress test, the decode-row
+#   products (bf16 exact), the FP8 products and steps at batch 1 / 16 both ways (gpu_fp8.py --fused-sum-ab).
+# CALL=37 (~4 min, #39): CALL=35's served run at 16 / 64 streams with two servers (plain, adaptive DDTree) and step /
+#   policy traces, then engine_churn.py on the real pair (the served workload without a server).
+# CALL=35 (~9 min, #39's served ratios): the real pair offline (gpu_first_pass, batch 1 / 16 / 64, plain and the
+#   adaptive default, 128 tokens) and served (paired, process and thread); after gpu_real_pair.sh PART=1.
 # Served real pair at 64 streams (#39) with the client spread over processes: gpu_real_pair.sh's serving call with
 #   CLIENT_PROCESSES=4 LEVELS="16 64" (session 39's one client process: plain 7,293 tok/s at 64, ~7.8 ms a step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: CALL=1..5 gpu_next_checks.sh OUT_DIR}
+OUT=${1:?usage: CALL=1..37 gpu_next_checks.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -254,6 +261,41 @@ case "${CALL:-1}" in
       timeout 100 python benchmarks/gpu_pool_headroom.py --headroom 0.1 --warm-up $warm \
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
+  37)  # #39: CALL=35 served the adaptive DDTree at 0.46x / 0.61x plain (16 / 64 streams) against 1.2x offline, with four
+    # servers up; here two (plain, DDTree), with step and policy traces. After gpu_real_pair.sh PART=1; CALL=35's carry.
+    PART=join bash benchmarks/gpu_real_pair.sh || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    mkdir -p "$OUT/steps" "$OUT/policy"
+    REAL_MODEL=/root/stash/smollm2.gguf REAL_DRAFT=flashtree/assets/smollm2-dflash \
+      PROMPTS=benchmarks/out/real_pair/humaneval_messages.jsonl WHEELS=benchmarks/out/serve_wheels_nouv NAME=smollm2_real_pair2 \
+      MAX_RUNNING=64 LEVELS="16 64" METHODS="none ddtree" STEP_TRACE_DIR="$OUT/steps" TRACE_DIR="$OUT/policy" \
+      LOG_DIR=/tmp/serve_logs PAIRED=1 REPEATS=2 CLIENT_PROCESSES=4 timeout 240 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -12
+    python benchmarks/step_trace_summary.py none="$OUT/steps/steps_none.jsonl" ddtree="$OUT/steps/steps_ddtree.jsonl" 2>&1 | tail -30 | cut -c1-220
+    timeout 80 python benchmarks/engine_churn.py --model /root/stash/smollm2.gguf \
+        --draft flashtree/assets/smollm2-dflash --levels 16 --repeats 1 --requests 64 --out "$OUT/engine_churn_real_pair.json" \
+        2>&1 | grep -vE "Warn|warn" | tail -14 | cut -c1-200 ;;
+  36)  # split products ended in their tiles' last programs (gemm.FUSED_SUM) against the sum kernel: bits, then time
+    timeout 200 python -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_invariant_gemm.py -k "last_programs" \
+        > "$OUT/tests_fused_sum.txt" 2>&1
+    echo "tests rc=$?"; tail -3 "$OUT/tests_fused_sum.txt"
+    timeout 100 python benchmarks/gpu_exact_gemm.py --decode --products o,qkv,down --out "$OUT/gpu_exact_gemm_decode_fused_sum.json" \
+        2>&1 | python -c "import json, sys; [print(r['product'], r['m'], round(r['cublas_us'], 1), round(r['split_us'], 1), round(r['fused_sum_us'], 1), r['fused_sum_same_bits']) for r in map(json.loads, (l for l in sys.stdin if l.startswith('{')))]"
+    timeout 200 python benchmarks/gpu_fp8.py --parts products,steps --fused-sum-ab --batches 1,16 \
+        --out "$OUT/gpu_fp8_fused_sum.json" 2>&1 | grep -E '^fp8 /|"weights"|"product"' | cut -c1-260 ;;
+  35)  # #39 "served keeps the offline ratios within 10%": the real pair offline (first pass, then a second) and
+    # served (paired, 4 client processes), the engine in a process and in a thread, 128 tokens, HumanEval chats.
+    # Needs gpu_real_pair.sh PART=1 on this machine first; carry gguf.xz.b, the gguf wheel, humaneval_ids.jsonl,
+    # humaneval_messages.jsonl and the serve wheels without uvloop as benchmarks/out/serve_wheels_nouv.
+    PART=join bash benchmarks/gpu_real_pair.sh || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    timeout 170 python benchmarks/gpu_first_pass.py --target /root/stash/smollm2.gguf --drafter flashtree/assets/smollm2-dflash \
+        --prompts benchmarks/out/real_pair/humaneval_ids.jsonl --dtype bfloat16 --batches 1,16,64 --new-tokens 128 \
+        --methods none,adaptive --passes 2 --out "$OUT/gpu_first_pass_smollm2_real_humaneval_128.json" > /tmp/off35.txt 2>&1
+    echo "offline rc=$?"; grep -vE "Warn|warn" /tmp/off35.txt | tail -8 | cut -c1-200
+    REAL_MODEL=/root/stash/smollm2.gguf REAL_DRAFT=flashtree/assets/smollm2-dflash \
+      PROMPTS=benchmarks/out/real_pair/humaneval_messages.jsonl WHEELS=benchmarks/out/serve_wheels_nouv NAME=smollm2_real \
+      MAX_RUNNING=64 LEVELS="1 16 64" METHODS="none ddtree none@thread ddtree@thread" FLAGS_thread="--no-engine-process" \
+      LOG_DIR=/tmp/serve_logs PAIRED=1 REPEATS=3 CLIENT_PROCESSES=4 timeout 370 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -16 ;;
   34)  # #39 first-pass gap: full garbage collections inside the passes, start-up objects frozen or not
     for freeze in "" --freeze-gc; do
       timeout 150 python benchmarks/gpu_first_pass.py --random-smollm2 --prompts benchmarks/out/real_pair/humaneval_ids.jsonl \
