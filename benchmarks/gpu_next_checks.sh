@@ -113,8 +113,8 @@
 # CALL=36 (~8 min, #38 FP8 step / #29 exact plain step): split products ended by each tile's last program (an arrival
 #   count, then the ordered sum: gemm.FUSED_SUM) against the sum kernel: the GPU stress test, the decode-row
 #   products (bf16 exact), the FP8 products and steps at batch 1 / 16 both ways (gpu_fp8.py --fused-sum-ab).
-# CALL=37 (~4 min, #39): CALL=35's served run at 16 / 64 streams with two servers (plain, adaptive DDTree) and step /
-#   policy traces, then engine_churn.py on the real pair (the served workload without a server).
+# CALL=37 (~5 min, #39): CALL=35's served run at 16 / 64 streams with three servers (plain, adaptive DDTree, and that
+#   without prefix caching) and step traces, then engine_churn.py on the real pair (the workload without a server).
 # CALL=35 (~9 min, #39's served ratios): the real pair offline (gpu_first_pass, batch 1 / 16 / 64, plain and the
 #   adaptive default, 128 tokens) and served (paired, process and thread); after gpu_real_pair.sh PART=1.
 # Served real pair at 64 streams (#39) with the client spread over processes: gpu_real_pair.sh's serving call with
@@ -262,15 +262,18 @@ case "${CALL:-1}" in
           --out "$OUT/gpu_pool_headroom_warm_up_$warm.json" 2>/dev/null | tail -1 | cut -c1-400
     done ;;
   37)  # #39: CALL=35 served the adaptive DDTree at 0.46x / 0.61x plain (16 / 64 streams) against 1.2x offline, with four
-    # servers up; here two (plain, DDTree), with step and policy traces. After gpu_real_pair.sh PART=1; CALL=35's carry.
+    # servers up; here plain, DDTree and DDTree without prefix caching (offline engines have none; the passes repeat
+    # the same 64 chats), with step traces. After gpu_real_pair.sh PART=1; CALL=35's carry.
     PART=join bash benchmarks/gpu_real_pair.sh || exit 1
     export PYTHONPATH=$PYTHONPATH:/tmp/site
-    mkdir -p "$OUT/steps" "$OUT/policy"
+    mkdir -p "$OUT/steps"  # (seven files come back: a call returns at most eight)
     REAL_MODEL=/root/stash/smollm2.gguf REAL_DRAFT=flashtree/assets/smollm2-dflash \
       PROMPTS=benchmarks/out/real_pair/humaneval_messages.jsonl WHEELS=benchmarks/out/serve_wheels_nouv NAME=smollm2_real_pair2 \
-      MAX_RUNNING=64 LEVELS="16 64" METHODS="none ddtree" STEP_TRACE_DIR="$OUT/steps" TRACE_DIR="$OUT/policy" \
+      MAX_RUNNING=64 LEVELS="16 64" METHODS="none ddtree ddtree@nopc" FLAGS_nopc="--no-prefix-caching" \
+      STEP_TRACE_DIR="$OUT/steps" \
       LOG_DIR=/tmp/serve_logs PAIRED=1 REPEATS=2 CLIENT_PROCESSES=4 timeout 240 bash benchmarks/gpu_load.sh "$OUT" 2>&1 | tail -12
-    python benchmarks/step_trace_summary.py none="$OUT/steps/steps_none.jsonl" ddtree="$OUT/steps/steps_ddtree.jsonl" 2>&1 | tail -30 | cut -c1-220
+    python benchmarks/step_trace_summary.py none="$OUT/steps/steps_none.jsonl" ddtree="$OUT/steps/steps_ddtree.jsonl" \
+        nopc="$OUT/steps/steps_ddtree_at_nopc.jsonl" 2>&1 | tail -30 | cut -c1-220
     timeout 80 python benchmarks/engine_churn.py --model /root/stash/smollm2.gguf \
         --draft flashtree/assets/smollm2-dflash --levels 16 --repeats 1 --requests 64 --out "$OUT/engine_churn_real_pair.json" \
         2>&1 | grep -vE "Warn|warn" | tail -14 | cut -c1-200 ;;
