@@ -61,10 +61,11 @@ def finish_split_tile(part_ptr, count_ptr, bias_ptr, y_ptr, acc, rows, cols, M, 
     if arrived == CHUNKS - 1:
         tl.debug_barrier()
         inside = (rows[:, None] < M) & (cols[None, :] < N)
-        tile = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]  # [BM, BN] pointers into chunk 0
+        chunk = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]  # [BM, BN] pointers into chunk 0
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for chunk in range(CHUNKS):
-            total += tl.load(tile + chunk * M.to(tl.int64) * N, mask=inside, other=0.0, cache_modifier=".cg")
+        for _ in range(CHUNKS):
+            total += tl.load(chunk, mask=inside, other=0.0, cache_modifier=".cg")
+            chunk += M * N
         store_total(y_ptr, bias_ptr, total, rows, cols, M, N, stride_y, HAS_BIAS)
 
 
