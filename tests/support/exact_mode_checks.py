@@ -3,7 +3,8 @@ greedy tokens, each prompt gets the same tokens alone and in a batch (beside oth
 of itself), and plain decoding gives the same tokens pass after pass. Run on CUDA in float32 and bfloat16 by
 tests/gpu/test_exact_mode.py, and as ``python -m tests.support.exact_mode_checks WORKDIR`` under
 ``TRITON_INTERPRET=1`` on CPU tensors (float32) by tests/integration/test_exact_attention.py; returns (prints)
-counts of differing token lists, all 0 when the mode holds. ``methods_over_many_tokens``: DFlash and DDTree-16 /
+counts of differing token lists, all 0 when the mode holds (also with prefix caching: prompts whose whole pages a
+second pass finds cached get the uncached tokens and log-probabilities bit for bit). ``methods_over_many_tokens``: DFlash and DDTree-16 /
 64 / 256 against plain decoding over 4,096 new tokens at a batch size (issue #29's long check)."""
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ EXACT_FAMILIES = ("qwen3_qknorm",)  # the tiny families whose head_dim (16) the 
 PROMPTS = [[3, 14, 15, 9, 2, 6], [5, 35], [8, 9, 7, 9, 3, 2, 3, 8, 4], [3, 14, 15, 9, 2, 6]]  # the last: a copy
 
 
-def _llm(pair, spec: str, device: str, dtype: str, max_running: int, budget: int = 6, max_context: int = 64):
+def _llm(pair, spec: str, device: str, dtype: str, max_running: int, budget: int = 6, max_context: int = 64,
+         prefix_caching: bool = False):
     from flashtree import LLM
 
     return LLM(str(pair.target), spec=spec, draft=str(pair.drafter) if spec != "none" else None, budget=budget,
                device=device, dtype=dtype, exact=True, adaptive_spec=False, max_running=max_running,
-               max_context=max_context)
+               max_context=max_context, prefix_caching=prefix_caching)
 
 
 def _random_prompts(count: int, seed: int) -> list[list[int]]:
@@ -46,7 +48,8 @@ def compare_exact_engine(device: str, workdir: str, dtype: str = "float32", max_
     alone = [plain.generate([p], params)[0].token_ids for p in PROMPTS[:2]]
     diffs = {"plain/pass_to_pass": sum(a != b for a, b in zip(together, again)),
              "plain/alone_vs_batch": sum(a != b for a, b in zip(together, alone)),
-             "plain/copies_in_one_batch": float(together[0] != together[3])}
+             "plain/copies_in_one_batch": float(together[0] != together[3]),
+             "plain/prefix_cached_vs_uncached": prefix_cached_differences(pair, plain, max_tokens, device, dtype)}
     for spec in specs:
         llm = _llm(pair, spec, device, dtype, max_running=4)
         batched = [o.token_ids for o in llm.generate(PROMPTS, params)]
@@ -54,6 +57,25 @@ def compare_exact_engine(device: str, workdir: str, dtype: str = "float32", max_
         diffs[f"{spec}/vs_plain_batch_4"] = sum(a != b for a, b in zip(batched, together))
         diffs[f"{spec}/vs_plain_batch_1"] = float(single != together[2])
     return {k: float(v) for k, v in diffs.items()}
+
+
+def prefix_cached_differences(pair, uncached, max_tokens: int, device: str, dtype: str) -> float:
+    """Prompts of 20 and 37 ids (one and two whole 16-entry pages) decoded twice by an engine with prefix caching:
+    the prompts whose second pass, which finds their whole pages cached and prefills only the rest, gives other
+    tokens or other log-probability bits than ``uncached`` (the exact mode's products and attention do not depend
+    on the chunk; the fast CPU path's log-probabilities differ here)."""
+    from flashtree import SamplingParams
+
+    prompts = [(_random_prompts(1, seed)[0] * 37)[:length] for seed, length in ((5, 20), (6, 37))]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+
+    def decoded(llm):
+        return [(o.token_ids, [entry.logprob for entry in o.logprobs]) for o in llm.generate(prompts, params)]
+
+    expected = decoded(uncached)
+    cached = _llm(pair, "none", device, dtype, max_running=2, prefix_caching=True)
+    decoded(cached)
+    return float(sum(got != want for got, want in zip(decoded(cached), expected)))
 
 
 def methods_over_many_tokens(device: str, workdir: str, dtype: str, batch: int, tokens: int = 4096,
