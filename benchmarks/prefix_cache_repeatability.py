@@ -6,9 +6,10 @@ engine without it, for plain decoding and each speculative method.
         [--dataset humaneval --prompts 4 --new-tokens 48] --out benchmarks/results/prefix_cache_repeatability.json
 
 Per method and pass: the prompts whose tokens differ from the uncached plain engine's, with the first
-differing position and how many of its tokens fill whole pages (what a later pass may find cached), and the mean acceptance length (the drafter reads the
-target's features of the prefilled tokens only). Plain and speculative decoding on one engine agree with
-each other in every pass (the lossless contract); this measures whether a pass's cache state moves them.
+differing position and how many of the prompt's tokens fill whole pages (what a later pass may find cached),
+and the mean acceptance length (the drafter reads the target's features of the prefilled tokens only). Plain
+and speculative decoding on one engine agree with each other in every pass (the lossless contract); this
+measures whether a pass's cache state moves them.
 """
 
 import argparse

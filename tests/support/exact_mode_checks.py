@@ -4,8 +4,9 @@ of itself), and plain decoding gives the same tokens pass after pass. Run on CUD
 tests/gpu/test_exact_mode.py, and as ``python -m tests.support.exact_mode_checks WORKDIR`` under
 ``TRITON_INTERPRET=1`` on CPU tensors (float32) by tests/integration/test_exact_attention.py; returns (prints)
 counts of differing token lists, all 0 when the mode holds (also with prefix caching: prompts whose whole pages a
-second pass finds cached get the uncached tokens and log-probabilities bit for bit). ``methods_over_many_tokens``: DFlash and DDTree-16 /
-64 / 256 against plain decoding over 4,096 new tokens at a batch size (issue #29's long check)."""
+second pass finds cached get the uncached tokens and log-probabilities bit for bit). ``methods_over_many_tokens``:
+DFlash and DDTree-16 / 64 / 256 against plain decoding over 4,096 new tokens at a batch size (issue #29's long
+check)."""
 
 from __future__ import annotations
 
